@@ -1,0 +1,4 @@
+"""fleetmpi's communication layer: topology, transports, collective algorithms, fusion, compression."""
+from .topology import Topology
+
+__all__ = ["Topology"]

@@ -1,0 +1,62 @@
+"""Where each rank sits: the world, its node, and the ranks of the same local index on other nodes.
+
+Nodes come from ``MPI.COMM_TYPE_SHARED``. ``FLEETMPI_LOCAL_SIZE=k`` instead makes each run of k
+consecutive world ranks act as one node, so multi-node algorithms can be exercised on one machine.
+"""
+import os
+
+import numpy as np
+
+LOCAL_SIZE_ENV = "FLEETMPI_LOCAL_SIZE"
+
+
+def _local_size_override(world_size):
+    text = os.environ.get(LOCAL_SIZE_ENV)
+    if text is None or text == "":
+        return None
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"{LOCAL_SIZE_ENV}={text!r} is not an integer; it must be a "
+                         f"positive divisor of the world size {world_size}") from None
+    if k < 1 or world_size % k != 0:
+        raise ValueError(f"{LOCAL_SIZE_ENV}={k} must be a positive divisor of the world "
+                         f"size {world_size}")
+    return k
+
+
+class Topology:
+    """The world communicator split into node-local and cross-node communicators.
+
+    ``local`` holds the ranks of this node, ordered by world rank; ``cross`` holds the ranks
+    that have this rank's ``local_rank`` on every node, ordered by node. Nodes are numbered
+    in the order of their lowest world rank.
+    """
+
+    def __init__(self, world):
+        from mpi4py import MPI
+
+        self.world = world
+        self.rank = world.Get_rank()
+        self.size = world.Get_size()
+        k = _local_size_override(self.size)
+        if k is None:
+            self.local = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        else:
+            self.local = world.Split(color=self.rank // k, key=self.rank)
+        self.local_rank = self.local.Get_rank()
+        self.local_size = self.local.Get_size()
+
+        leader = np.array([self.rank if self.local_rank == 0 else self.size], dtype=np.int64)
+        self.local.Allreduce(MPI.IN_PLACE, leader, op=MPI.MIN)
+        leaders = np.empty(self.size, dtype=np.int64)
+        world.Allgather(leader, leaders)
+        node_leaders = np.unique(leaders)
+        self.node_index = int(np.searchsorted(node_leaders, leader[0]))
+        self.num_nodes = len(node_leaders)
+        self.cross = world.Split(color=self.local_rank, key=self.node_index)
+
+    def free(self):
+        """Release the derived communicators (the world stays)."""
+        for comm in (self.local, self.cross):
+            comm.Free()

@@ -1,0 +1,18 @@
+"""fleetmpi: MPI-style distributed deep-learning training with Fleet's DistributedStrategy.
+
+    import fleetmpi as fleet
+    fleet.init(is_collective=True)
+    strategy = fleet.DistributedStrategy()
+"""
+from .config_message import ConfigError
+from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
+from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
+                    node_num, worker_index, worker_num)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
+    "barrier_worker", "init", "is_first_worker", "local_rank", "local_size", "node_index",
+    "node_num", "worker_index", "worker_num",
+]

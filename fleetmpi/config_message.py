@@ -1,0 +1,285 @@
+"""Typed, range-checked access to the messages of ``distributed_strategy.proto``.
+
+The schema says everything about a field: its type and default (protobuf) and what it may hold
+(the custom options ``range``, ``choices`` and ``default_list``). This module turns that into
+Python objects that refuse a wrong value with a message naming the field and what is allowed.
+
+Messages are kept fully populated: every scalar field is explicitly set, and repeated fields
+with a ``default_list`` hold it when empty, so a saved prototxt states the whole configuration.
+"""
+import difflib
+import math
+import numbers
+from collections.abc import Mapping, MutableMapping
+
+from google.protobuf.descriptor import FieldDescriptor
+
+from .proto import distributed_strategy_pb2 as schema
+
+_INT_BOUNDS = {
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1, "int32"),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1, "int64"),
+}
+_REAL_TYPES = (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT)
+
+
+class ConfigError(ValueError):
+    """A value, key or file that the strategy schema does not allow."""
+
+
+class UnknownKeyError(ConfigError, KeyError):
+    """A key that is not a field of the message; also a KeyError for mapping lookups."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+class Interval:
+    """An interval written as in the schema, e.g. ``[1, inf)`` or ``(0, 1)``."""
+
+    def __init__(self, text):
+        self.text = text
+        body = text.strip()
+        self.low_closed = body[0] == "["
+        self.high_closed = body[-1] == "]"
+        low, high = body[1:-1].split(",")
+        self.low = float(low)
+        self.high = float(high)
+
+    def __contains__(self, x):
+        above = x >= self.low if self.low_closed else x > self.low
+        below = x <= self.high if self.high_closed else x < self.high
+        return above and below
+
+    def __str__(self):
+        return self.text
+
+
+def _option(field, extension):
+    options = field.GetOptions()
+    return options.Extensions[extension] if options.HasExtension(extension) else None
+
+
+def field_range(field):
+    """The allowed interval of a numeric field, or None if any value of its type is allowed."""
+    text = _option(field, schema.range)
+    return Interval(text) if text else None
+
+
+def field_choices(field):
+    """The allowed values of a string field, or None if any string is allowed."""
+    text = _option(field, schema.choices)
+    return text.split("|") if text else None
+
+
+def _is_message(field):
+    return field.type == FieldDescriptor.TYPE_MESSAGE
+
+
+def _is_repeated(field):
+    return field.is_repeated
+
+
+def _parse_element(field, text):
+    if field.type in _REAL_TYPES:
+        return float(text)
+    if field.type in _INT_BOUNDS:
+        return int(text)
+    return text
+
+
+def default_of(field):
+    """The default of a non-message field, as a Python value (a list for repeated fields)."""
+    if _is_repeated(field):
+        text = _option(field, schema.default_list)
+        return [_parse_element(field, t.strip()) for t in text.split(",")] if text else []
+    return field.default_value
+
+
+def describe_allowed(field):
+    """Words that say what a field may hold, for error messages."""
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        kind = "True or False"
+    elif field.type in _INT_BOUNDS:
+        kind = "an integer"
+    elif field.type in _REAL_TYPES:
+        kind = "a number"
+    else:
+        kind = "a string"
+    rng, choices = field_range(field), field_choices(field)
+    if rng is not None:
+        kind += f" in {rng}"
+    if choices is not None:
+        kind += " among " + ", ".join(repr(c) for c in choices)
+    if _is_repeated(field):
+        kind = f"a list, each element {kind}"
+    return kind
+
+
+def _coerce_scalar(field, value, where):
+    """``value`` as the Python type the field stores, or TypeError/ConfigError naming ``where``."""
+    def wrong_type():
+        return TypeError(f"{where} = {value!r} has type {type(value).__name__}; "
+                         f"allowed: {describe_allowed(field)}")
+
+    if field.type == FieldDescriptor.TYPE_BOOL:
+        if not isinstance(value, bool) and type(value).__name__ != "bool_":
+            raise wrong_type()
+        return bool(value)
+    if field.type == FieldDescriptor.TYPE_STRING:
+        if not isinstance(value, str):
+            raise wrong_type()
+        choices = field_choices(field)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{where} = {value!r} is not allowed; allowed: "
+                              f"{describe_allowed(field)}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise wrong_type()
+    if field.type in _INT_BOUNDS:
+        if not isinstance(value, numbers.Integral):
+            raise wrong_type()
+        coerced = int(value)
+        low, high, name = _INT_BOUNDS[field.type]
+        if not low <= coerced <= high:
+            raise ConfigError(f"{where} = {value!r} does not fit in {name}; allowed: "
+                              f"{describe_allowed(field)}")
+    else:
+        coerced = float(value)
+        if math.isnan(coerced):
+            raise ConfigError(f"{where} = nan is not allowed; allowed: {describe_allowed(field)}")
+    rng = field_range(field)
+    if rng is not None and coerced not in rng:
+        raise ConfigError(f"{where} = {value!r} is outside the allowed range; allowed: "
+                          f"{describe_allowed(field)}")
+    return coerced
+
+
+def coerce(field, value, where):
+    """Check ``value`` for a non-message field and return it in the form the message stores."""
+    if _is_repeated(field):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"{where} = {value!r} has type {type(value).__name__}; "
+                            f"allowed: {describe_allowed(field)}")
+        return [_coerce_scalar(field, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return _coerce_scalar(field, value, where)
+
+
+def get_value(message, field):
+    """A non-message field's value as a plain Python value (lists are copies)."""
+    value = getattr(message, field.name)
+    return list(value) if _is_repeated(field) else value
+
+
+def set_value(message, field, value):
+    """Store an already coerced value; an empty repeated field takes its default list."""
+    if _is_repeated(field):
+        container = getattr(message, field.name)
+        del container[:]
+        container.extend(value if value else default_of(field))
+    else:
+        setattr(message, field.name, value)
+
+
+def fill_defaults(message):
+    """Set every unset field of ``message`` (recursively) to its default."""
+    for field in message.DESCRIPTOR.fields:
+        if _is_message(field):
+            fill_defaults(getattr(message, field.name))
+        elif _is_repeated(field):
+            if not getattr(message, field.name):
+                set_value(message, field, [])
+        elif not message.HasField(field.name):
+            setattr(message, field.name, field.default_value)
+
+
+def validate(message, prefix=""):
+    """Check every field of a message built elsewhere (a parsed file) against the schema."""
+    for field in message.DESCRIPTOR.fields:
+        where = prefix + field.name
+        if _is_message(field):
+            validate(getattr(message, field.name), where + ".")
+        else:
+            coerce(field, get_value(message, field), where)
+
+
+def differences(message, reference, prefix=""):
+    """``(dotted name, value)`` of every field whose value differs from ``reference``."""
+    found = []
+    for field in message.DESCRIPTOR.fields:
+        where = prefix + field.name
+        if _is_message(field):
+            found += differences(getattr(message, field.name),
+                                 getattr(reference, field.name), where + ".")
+        elif get_value(message, field) != get_value(reference, field):
+            found.append((where, get_value(message, field)))
+    return found
+
+
+def new_message(message_class):
+    """A fully populated message of that class, every field at its default."""
+    message = message_class()
+    fill_defaults(message)
+    return message
+
+
+def lookup_field(message, key, owner, extra_names=()):
+    """The field ``key`` of ``message``, or UnknownKeyError naming ``owner`` and the valid keys."""
+    fields = message.DESCRIPTOR.fields_by_name
+    if isinstance(key, str) and key in fields:
+        return fields[key]
+    names = list(fields) + list(extra_names)
+    hint = ""
+    if isinstance(key, str):
+        close = difflib.get_close_matches(key, names, n=1)
+        if close:
+            hint = f" (did you mean {close[0]!r}?)"
+    raise UnknownKeyError(f"{owner} has no key {key!r}{hint}; valid keys: {', '.join(names)}")
+
+
+class ConfigView(MutableMapping):
+    """A live, dict-like view of one ``*_configs`` message of a strategy.
+
+    Reading gives the current values; assigning a key checks it first. ``update`` (and assigning
+    a whole dict to the strategy attribute) changes only the keys given, and changes nothing
+    if any of them is invalid.
+    """
+
+    def __init__(self, message, name):
+        self._message = message
+        self._name = name
+
+    def _field(self, key):
+        return lookup_field(self._message, key, self._name)
+
+    def __getitem__(self, key):
+        return get_value(self._message, self._field(key))
+
+    def __setitem__(self, key, value):
+        self.update({key: value})
+
+    def __delitem__(self, key):
+        raise TypeError(f"keys of {self._name} cannot be deleted; assign the default instead")
+
+    def __iter__(self):
+        return iter(self._message.DESCRIPTOR.fields_by_name)
+
+    def __len__(self):
+        return len(self._message.DESCRIPTOR.fields)
+
+    def update(self, values=(), **kwargs):
+        values = dict(values, **kwargs)
+        checked = [(self._field(k), v) for k, v in values.items()]
+        checked = [(f, coerce(f, v, f"{self._name}[{f.name!r}]")) for f, v in checked]
+        for field, value in checked:
+            set_value(self._message, field, value)
+
+    def __repr__(self):
+        return repr(dict(self))
+
+
+def require_mapping(value, where):
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be assigned a dict of its keys, not "
+                        f"{type(value).__name__} {value!r}")
+    return value

@@ -1,0 +1,182 @@
+"""``DistributedStrategy``, ``BuildStrategy`` and ``ExecutionStrategy``: Fleet's configuration
+surface, stored in the messages of ``distributed_strategy.proto``.
+
+Every attribute is a field of the schema; assignments are checked against it and never have side
+effects on other fields, so attributes can be set in any order with the same result.
+"""
+import os
+
+from google.protobuf import text_format
+
+from . import config_message as cm
+from .proto import distributed_strategy_pb2 as schema
+
+
+class _MessageObject:
+    """Attribute access to the fields of one schema message.
+
+    An object either owns a fresh message or is a live view of a message inside another object
+    (``strategy.build_strategy.fuse_bn_act_ops = True`` changes the strategy).
+    """
+
+    _message_class = None
+    # Message fields shown as objects of these classes; other message fields are dict-like views.
+    _sub_objects = {}
+
+    def __init__(self):
+        object.__setattr__(self, "_message", cm.new_message(self._message_class))
+
+    @classmethod
+    def _view(cls, message):
+        obj = cls.__new__(cls)
+        object.__setattr__(obj, "_message", message)
+        return obj
+
+    def _extra_names(self):
+        return ()
+
+    def _field(self, name):
+        try:
+            return cm.lookup_field(self._message, name, type(self).__name__, self._extra_names())
+        except cm.UnknownKeyError as exc:
+            raise AttributeError(str(exc).replace("has no key", "has no attribute")) from None
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        field = self._field(name)
+        if field.message_type is not None:
+            return self._present(field)
+        return cm.get_value(self._message, field)
+
+    def __setattr__(self, name, value):
+        field = self._field(name)
+        if field.message_type is not None:
+            self._assign_message(field, value)
+        else:
+            where = f"{type(self).__name__}.{name}"
+            cm.set_value(self._message, field, cm.coerce(field, value, where))
+
+    def _present(self, field):
+        sub = getattr(self._message, field.name)
+        if field.name in self._sub_objects:
+            return self._sub_objects[field.name]._view(sub)
+        return cm.ConfigView(sub, field.name)
+
+    def _assign_message(self, field, value):
+        sub_class = self._sub_objects.get(field.name)
+        if sub_class is not None and isinstance(value, sub_class):
+            getattr(self._message, field.name).CopyFrom(value._message)
+            return
+        if sub_class is not None and isinstance(value, _MessageObject):
+            raise TypeError(f"{field.name} must be assigned a {sub_class.__name__} or a dict "
+                            f"of its fields, not a {type(value).__name__}")
+        mapping = cm.require_mapping(value, field.name)
+        cm.ConfigView(getattr(self._message, field.name), field.name).update(mapping)
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._message.DESCRIPTOR.fields_by_name))
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other._message == self._message
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = None
+
+    def __deepcopy__(self, memo):
+        copy = type(self).__new__(type(self))
+        message = self._message_class()
+        message.CopyFrom(self._message)
+        object.__setattr__(copy, "_message", message)
+        return copy
+
+    def __str__(self):
+        changed = cm.differences(self._message, cm.new_message(self._message_class))
+        name = type(self).__name__
+        if not changed:
+            return f"{name}: all defaults"
+        width = max(len(path) for path, _ in changed)
+        lines = [f"  {path:<{width}} = {value!r}" for path, value in changed]
+        return f"{name}: defaults, except\n" + "\n".join(lines)
+
+    __repr__ = __str__
+
+
+class BuildStrategy(_MessageObject):
+    """Graph-building switches (op fusion, in-place reuse); the fields of Fleet's BuildStrategy."""
+
+    _message_class = schema.BuildStrategy
+
+
+class ExecutionStrategy(_MessageObject):
+    """Executor settings (threads, scope dropping); the fields of Fleet's ExecutionStrategy."""
+
+    _message_class = schema.ExecutionStrategy
+
+
+# The seeds' collective-training guide also sets these on the strategy itself; they are
+# names for fields of build_strategy and execution_strategy, not fields of their own.
+_SHORTCUTS = dict(
+    {name: ("build_strategy", name) for name in schema.BuildStrategy.DESCRIPTOR.fields_by_name},
+    thread_num=("execution_strategy", "num_threads"),
+)
+
+
+class DistributedStrategy(_MessageObject):
+    """What a distributed training job should do: Fleet's strategy fields, configs and defaults.
+
+    ``strategy.amp = True``; ``strategy.amp_configs = {"init_loss_scaling": 128}`` changes only
+    the keys given (``strategy.amp_configs["incr_ratio"] = 3.0`` works too);
+    ``strategy.build_strategy`` and ``strategy.execution_strategy`` are live objects, and
+    can be assigned a ``BuildStrategy``/``ExecutionStrategy`` or a dict of their fields.
+    """
+
+    _message_class = schema.DistributedStrategy
+    _sub_objects = {"build_strategy": BuildStrategy, "execution_strategy": ExecutionStrategy}
+
+    def _extra_names(self):
+        return tuple(_SHORTCUTS)
+
+    def __getattr__(self, name):
+        if name in _SHORTCUTS:
+            owner, field = _SHORTCUTS[name]
+            return getattr(getattr(self, owner), field)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name, value):
+        if name in _SHORTCUTS:
+            owner, field = _SHORTCUTS[name]
+            setattr(getattr(self, owner), field, value)
+        else:
+            super().__setattr__(name, value)
+
+    def save_to_prototxt(self, output):
+        """Write the whole strategy, every field, to ``output`` in protobuf text format."""
+        text = text_format.MessageToString(self._message)
+        with open(output, "w", encoding="utf-8") as f:
+            f.write("# fleetmpi DistributedStrategy\n")
+            f.write(text)
+
+    def load_from_prototxt(self, pb_file):
+        """Replace this strategy by the one in ``pb_file`` (fields it omits take their
+        defaults) and return it. A malformed file changes nothing and raises a ConfigError
+        naming the file and line."""
+        with open(pb_file, encoding="utf-8") as f:
+            text = f.read()
+        message = self._message_class()
+        try:
+            text_format.Parse(text, message)
+        except text_format.ParseError as exc:
+            line, column = exc.GetLine(), exc.GetColumn()
+            where = f"{pb_file}:{line}:{column}" if line else str(pb_file)
+            reason = str(exc).split(" : ", 1)[-1]
+            raise cm.ConfigError(f"{where}: {reason}") from None
+        cm.fill_defaults(message)
+        try:
+            cm.validate(message)
+        except (cm.ConfigError, TypeError) as exc:
+            raise cm.ConfigError(f"{os.fspath(pb_file)}: {exc}") from None
+        self._message.CopyFrom(message)
+        return self

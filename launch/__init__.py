@@ -1,0 +1,1 @@
+"""Starting jobs: the ``fleetmpirun`` launcher, Slurm support and environment detection."""

@@ -1,0 +1,1 @@
+"""The training strategies of DistributedStrategy: one class per strategy, and their composition."""

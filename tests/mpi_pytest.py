@@ -1,0 +1,79 @@
+"""Run the pytest-mpi tests under ``mpiexec -n N`` and report every rank.
+
+Each rank's pytest output goes to its own log file; afterwards rank 0's log is printed whole,
+and any other rank's log is printed whole too if that rank failed or never finished, so a
+failure on one rank is never hidden. A hung test is ended by pytest-timeout, which takes the
+job down with it; the whole run is bounded by ``--job-timeout`` seconds as a last resort.
+
+    python tests/mpi_pytest.py -n 4 [-- pytest args]
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def rank_main(log_dir, pytest_args):
+    """Inside mpiexec: run pytest on this rank with its output in its own log file."""
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    log_path = os.path.join(log_dir, f"rank-{rank}.log")
+    log = open(log_path, "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    import pytest
+
+    code = pytest.main(["--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider",
+                        "--timeout=300", "--timeout-method=thread", HERE] + pytest_args)
+    with open(os.path.join(log_dir, f"rank-{rank}.rc"), "w") as f:
+        f.write(str(int(code)))
+    return int(code)
+
+
+def launcher_main(n, job_timeout, pytest_args):
+    log_dir = tempfile.mkdtemp(prefix=f"fleetmpi-tests-{n}-")
+    cmd = ["mpiexec", "-n", str(n), sys.executable, os.path.abspath(__file__),
+           "--rank-log-dir", log_dir, "--"] + pytest_args
+    try:
+        launched = subprocess.run(cmd, timeout=job_timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"mpiexec -n {n} did not finish within {job_timeout} s")
+        launched = 124
+    failed = launched != 0
+    for rank in range(n):
+        rc_path = os.path.join(log_dir, f"rank-{rank}.rc")
+        rc = open(rc_path).read() if os.path.exists(rc_path) else "never finished"
+        log_path = os.path.join(log_dir, f"rank-{rank}.log")
+        text = open(log_path).read() if os.path.exists(log_path) else "(no output)\n"
+        if rank == 0 or rc != "0":
+            print(f"--- rank {rank} of {n} (pytest exit: {rc}) ---")
+            print(text, end="")
+        else:
+            lines = text.strip().splitlines()
+            print(f"--- rank {rank} of {n}: {lines[-1] if lines else 'no output'}")
+        failed |= rc != "0"
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, help="number of ranks to launch")
+    parser.add_argument("--job-timeout", type=int, default=1200)
+    parser.add_argument("--rank-log-dir", help=argparse.SUPPRESS)
+    parser.add_argument("pytest_args", nargs="*")
+    args = parser.parse_args()
+    if args.rank_log_dir:
+        return rank_main(args.rank_log_dir, args.pytest_args)
+    return launcher_main(args.n, args.job_timeout, args.pytest_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
