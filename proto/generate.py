@@ -34,7 +34,7 @@ def _protoc(args):
 
 
 def compile_descriptor():
-    """The serialized FileDescriptorProto protoc makes of the .proto today."""
+    """The FileDescriptorProto protoc makes of the .proto today."""
     from google.protobuf import descriptor_pb2
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -42,7 +42,7 @@ def compile_descriptor():
         _protoc([f"--descriptor_set_out={out}"])
         with open(out, "rb") as f:
             fds = descriptor_pb2.FileDescriptorSet.FromString(f.read())
-    return fds.file[0].SerializeToString()
+    return fds.file[0]
 
 
 def generate_source():
