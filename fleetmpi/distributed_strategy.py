@@ -118,7 +118,7 @@ class ExecutionStrategy(_MessageObject):
 
 # The seeds' collective-training guide also sets these on the strategy itself; they are
 # names for fields of build_strategy and execution_strategy, not fields of their own.
-_SHORTCUTS = dict(
+SHORTCUTS = dict(
     {name: ("build_strategy", name) for name in schema.BuildStrategy.DESCRIPTOR.fields_by_name},
     thread_num=("execution_strategy", "num_threads"),
 )
@@ -137,17 +137,17 @@ class DistributedStrategy(_MessageObject):
     _sub_objects = {"build_strategy": BuildStrategy, "execution_strategy": ExecutionStrategy}
 
     def _extra_names(self):
-        return tuple(_SHORTCUTS)
+        return tuple(SHORTCUTS)
 
     def __getattr__(self, name):
-        if name in _SHORTCUTS:
-            owner, field = _SHORTCUTS[name]
+        if name in SHORTCUTS:
+            owner, field = SHORTCUTS[name]
             return getattr(getattr(self, owner), field)
         return super().__getattr__(name)
 
     def __setattr__(self, name, value):
-        if name in _SHORTCUTS:
-            owner, field = _SHORTCUTS[name]
+        if name in SHORTCUTS:
+            owner, field = SHORTCUTS[name]
             setattr(getattr(self, owner), field, value)
         else:
             super().__setattr__(name, value)

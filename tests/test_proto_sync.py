@@ -33,3 +33,13 @@ def test_generated_module_is_what_protoc_writes_today():
 def test_check_mode_reports_up_to_date(capsys):
     assert generate.main(["--check"]) == 0
     assert "up to date" in capsys.readouterr().out
+
+
+def test_field_reference_doc_is_current():
+    from pathlib import Path
+
+    from fleetmpi import strategy_reference
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "strategy_fields.md"
+    assert doc.read_text() == strategy_reference.render(), \
+        "run: python -m fleetmpi.strategy_reference > docs/strategy_fields.md"
