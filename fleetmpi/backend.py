@@ -1,0 +1,146 @@
+"""The array backend: CuPy on a usable CUDA device, NumPy otherwise, and the random generators.
+
+``FLEETMPI_DEVICE=cpu|gpu`` forces one; unset, a GPU is used when CuPy imports and sees a device.
+One rank drives one device, ``local_rank % device_count``.
+
+Randomness comes in two kinds. Initial weights must be the same on every rank, so they are drawn
+on the host from ``shared_rng`` (seeded by the seed alone; the same on CPU and GPU). Dropout masks
+must differ between ranks, so they come from ``rank_rng`` (seeded by the seed and the rank). Data
+order is split between ranks by the sampler from one shared permutation per epoch.
+"""
+import os
+
+import numpy as np
+
+DEVICE_ENV = "FLEETMPI_DEVICE"
+DEVICES = ("cpu", "gpu")
+
+_xp = None
+_seed = 0
+_shared_rng = None
+_rank_rng = None
+
+
+def requested_device():
+    """The device asked for by ``FLEETMPI_DEVICE``: ``"cpu"``, ``"gpu"`` or None (automatic)."""
+    text = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if text == "":
+        return None
+    if text not in DEVICES:
+        raise ValueError(f"{DEVICE_ENV}={text!r} is not a device; use one of {DEVICES} "
+                         "or leave it unset to pick a GPU when one is usable")
+    return text
+
+
+def _local_rank():
+    from . import world
+
+    try:
+        return world.local_rank()
+    except RuntimeError:
+        return 0
+
+
+def _import_cupy(required):
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CuPy missing, or no driver/device: both mean "no GPU here"
+        if required:
+            raise RuntimeError(f"{DEVICE_ENV}=gpu but no CUDA device is usable through CuPy "
+                               f"({type(exc).__name__}: {exc})") from None
+        return None
+    if count == 0:
+        if required:
+            raise RuntimeError(f"{DEVICE_ENV}=gpu but CuPy sees no CUDA device")
+        return None
+    cupy.cuda.Device(_local_rank() % count).use()
+    return cupy
+
+
+def array_module():
+    """The array module every layer computes with (``cupy`` or ``numpy``), chosen once."""
+    global _xp
+    if _xp is None:
+        device = requested_device()
+        cupy = None if device == "cpu" else _import_cupy(required=device == "gpu")
+        _xp = cupy if cupy is not None else np
+    return _xp
+
+
+def on_gpu():
+    """True when the array module is CuPy."""
+    return array_module() is not np
+
+
+def to_numpy(array):
+    """A host NumPy copy (or the array itself when it already lives on the host)."""
+    if isinstance(array, np.ndarray) or np.isscalar(array):
+        return np.asarray(array)
+    return array.get()
+
+
+def asarray(array, dtype=None):
+    """``array`` on the backend's device."""
+    return array_module().asarray(array, dtype=dtype)
+
+
+def manual_seed(seed):
+    """Seed every generator of fleetmpi; call it with the same value on every rank."""
+    global _seed, _shared_rng, _rank_rng
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, not {seed!r}")
+    _seed = int(seed)
+    _shared_rng = None
+    _rank_rng = None
+
+
+def get_seed():
+    return _seed
+
+
+def shared_rng():
+    """A host NumPy generator that draws the same numbers on every rank (initial weights)."""
+    global _shared_rng
+    if _shared_rng is None:
+        _shared_rng = np.random.default_rng(np.random.SeedSequence([_seed, 0]))
+    return _shared_rng
+
+
+def _rank():
+    from . import world
+
+    try:
+        return world.worker_index()
+    except RuntimeError:
+        return 0
+
+
+def rank_rng():
+    """A generator on the backend's device that differs between ranks (dropout masks)."""
+    global _rank_rng
+    if _rank_rng is None:
+        sequence = np.random.SeedSequence([_seed, 1, _rank()])
+        if on_gpu():
+            _rank_rng = array_module().random.default_rng(int(sequence.generate_state(1)[0]))
+        else:
+            _rank_rng = np.random.default_rng(sequence)
+    return _rank_rng
+
+
+def rng_state():
+    """The state of the rank generator as JSON-able data (None on a GPU, or before first use)."""
+    if _rank_rng is None or on_gpu():
+        return None
+    return _rank_rng.bit_generator.state
+
+
+def set_rng_state(state):
+    """Restore what ``rng_state`` returned."""
+    global _rank_rng
+    if state is None:
+        _rank_rng = None
+        return
+    generator = np.random.default_rng()
+    generator.bit_generator.state = state
+    _rank_rng = generator

@@ -1,0 +1,121 @@
+"""Fused kernels: CuPy ``RawKernel``s compiled from the ``.cu`` files beside this module on a GPU,
+their NumPy references (``reference.py``) on CPU and for dtypes the kernels do not cover.
+
+Each function here takes backend arrays and returns backend arrays; what it computes is defined
+by the reference function of the same name.
+"""
+import math
+
+import numpy as np
+
+from .. import backend
+from . import reference
+from .loader import KERNEL_DTYPES, launch
+
+ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
+
+
+def _use_kernel(*arrays):
+    return backend.on_gpu() and all(a.dtype.name in KERNEL_DTYPES for a in arrays)
+
+
+def _layout(x):
+    channels = x.shape[1]
+    inner = x.size // (x.shape[0] * channels) if x.shape[0] * channels else 1
+    return np.int64(x.size), np.int64(channels), np.int64(inner)
+
+
+def bias_act_forward(z, bias, act):
+    reference.check_activation(act)
+    xp = backend.array_module()
+    if not _use_kernel(z, bias):
+        return reference.bias_act_forward(z, bias, act, xp)
+    z = xp.ascontiguousarray(z)
+    y = xp.empty_like(z)
+    pre = xp.empty_like(z) if act == "gelu" else y
+    n, channels, inner = _layout(z)
+    launch("bias_act.cu", "bias_act_forward", z.dtype, n,
+           (z, bias, y, pre, n, channels, inner, np.int32(ACT_CODES[act])))
+    return y, (pre if act == "gelu" else None)
+
+
+def bias_act_backward(dy, y, pre, act):
+    xp = backend.array_module()
+    if not _use_kernel(dy, y):
+        return reference.bias_act_backward(dy, y, pre, act, xp)
+    dy = xp.ascontiguousarray(dy)
+    dz = xp.empty_like(dy)
+    launch("bias_act.cu", "bias_act_backward", dy.dtype, dy.size,
+           (dy, y, pre if pre is not None else y, dz, np.int64(dy.size),
+            np.int32(ACT_CODES[act])))
+    return dz
+
+
+def bn_act_forward(x, mean, invstd, gamma, beta):
+    xp = backend.array_module()
+    if not _use_kernel(x, gamma):
+        return reference.bn_act_forward(x, mean, invstd, gamma, beta, xp)
+    x = xp.ascontiguousarray(x)
+    y = xp.empty_like(x)
+    n, channels, inner = _layout(x)
+    launch("bn_act.cu", "bn_act_forward", x.dtype, n,
+           (x, mean, invstd, gamma, beta, y, n, channels, inner))
+    return y
+
+
+def bn_act_backward_mask(dy, y):
+    xp = backend.array_module()
+    if not _use_kernel(dy, y):
+        return reference.bn_act_backward_mask(dy, y)
+    dy = xp.ascontiguousarray(dy)
+    dz = xp.empty_like(dy)
+    launch("bn_act.cu", "bn_act_backward_mask", dy.dtype, dy.size,
+           (dy, y, dz, np.int64(dy.size)))
+    return dz
+
+
+def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
+    xp = backend.array_module()
+    if not _use_kernel(dz, xhat):
+        return reference.bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count)
+    dz = xp.ascontiguousarray(dz)
+    dx = xp.empty_like(dz)
+    n, channels, inner = _layout(dz)
+    launch("bn_act.cu", "bn_input_grad", dz.dtype, n,
+           (dz, xp.ascontiguousarray(xhat), invstd, gamma, sum_dz, sum_dz_xhat, dx, n,
+            channels, inner, dz.dtype.type(count)))
+    return dx
+
+
+def sgd_update(param, grad, lr, weight_decay):
+    if not _use_kernel(param):
+        return reference.sgd_update(param, grad, lr, weight_decay)
+    t = param.dtype.type
+    launch("optimizer.cu", "sgd_update", param.dtype, param.size,
+           (param, grad, np.int64(param.size), t(lr), t(weight_decay)))
+
+
+def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov):
+    if not _use_kernel(param):
+        return reference.momentum_update(param, grad, velocity, lr, momentum, weight_decay,
+                                         nesterov)
+    t = param.dtype.type
+    launch("optimizer.cu", "momentum_update", param.dtype, param.size,
+           (param, grad, velocity, np.int64(param.size), t(lr), t(momentum), t(weight_decay),
+            np.int32(bool(nesterov))))
+
+
+def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
+                weight_decay, decoupled):
+    if not _use_kernel(param):
+        return reference.adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon,
+                                     step_count, weight_decay, decoupled,
+                                     backend.array_module())
+    t = param.dtype.type
+    correction2 = math.sqrt(1 - beta2 ** step_count)
+    lr_t = lr * correction2 / (1 - beta1 ** step_count)
+    l2 = 0.0 if decoupled else weight_decay
+    scale = 1 - lr * weight_decay if decoupled else 1.0
+    launch("optimizer.cu", "adam_update", param.dtype, param.size,
+           (param, grad, moment1, moment2, np.int64(param.size), t(lr_t), t(beta1), t(beta2),
+            t(epsilon * correction2), t(l2), t(scale)))

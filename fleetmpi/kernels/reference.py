@@ -1,0 +1,121 @@
+"""NumPy references of the fused kernels: they define the math of the ``.cu`` files beside them
+and are what runs on CPU. The unfused layers and optimizers are built from the same functions, so
+fused and unfused paths compute the same operations in the same order.
+
+Arrays are laid out ``(N, C, inner...)``: ``channels`` sits on axis 1 (axis 1 of a Linear output
+is its features), and per-channel vectors broadcast over the other axes.
+"""
+import math
+
+ACTIVATIONS = ("relu", "tanh", "gelu")
+GELU_K = math.sqrt(2.0 / math.pi)
+GELU_C = 0.044715
+
+
+def check_activation(act):
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not supported; use one of {ACTIVATIONS}")
+
+
+def per_channel(vector, ndim):
+    """``vector`` of length C shaped to broadcast along axis 1 of an ``ndim``-d array."""
+    return vector.reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def activation_forward(z, act, xp):
+    """``act(z)``; GELU is the tanh approximation."""
+    if act == "relu":
+        return xp.maximum(z, 0)
+    if act == "tanh":
+        return xp.tanh(z)
+    t = xp.tanh(GELU_K * (z + GELU_C * z * z * z))
+    return 0.5 * z * (1 + t)
+
+
+def activation_backward(dy, y, z, act, xp):
+    """``dy * act'(z)``; ReLU and Tanh need only the output ``y``, GELU the input ``z``."""
+    if act == "relu":
+        return dy * (y > 0)
+    if act == "tanh":
+        return dy * (1 - y * y)
+    t = xp.tanh(GELU_K * (z + GELU_C * z * z * z))
+    return dy * (0.5 * (1 + t) + 0.5 * z * (1 - t * t) * GELU_K * (1 + 3 * GELU_C * z * z))
+
+
+def bias_act_forward(z, bias, act, xp):
+    """``fuse_elewise_add_act_ops`` forward: ``pre = z + bias``, ``y = act(pre)``. Returns
+    ``(y, pre)``; ``pre`` is kept only for GELU, whose derivative needs it."""
+    pre = z + per_channel(bias, z.ndim)
+    y = activation_forward(pre, act, xp)
+    return y, (pre if act == "gelu" else None)
+
+
+def bias_act_backward(dy, y, pre, act, xp):
+    """``fuse_elewise_add_act_ops`` backward: the gradient of the pre-activation. The bias
+    gradient is its sum over every axis but 1, a reduction left to the caller."""
+    return activation_backward(dy, y, pre, act, xp)
+
+
+def bn_xhat(x, mean, invstd):
+    """The normalized input ``(x - mean) * invstd``."""
+    return (x - per_channel(mean, x.ndim)) * per_channel(invstd, x.ndim)
+
+
+def bn_normalize(x, mean, invstd, gamma, beta):
+    """Batch-norm affine transform given per-channel statistics: ``(xhat, y)``."""
+    xhat = bn_xhat(x, mean, invstd)
+    return xhat, per_channel(gamma, x.ndim) * xhat + per_channel(beta, x.ndim)
+
+
+def bn_act_forward(x, mean, invstd, gamma, beta, xp):
+    """``fuse_bn_act_ops`` forward: ``relu(gamma * (x - mean) * invstd + beta)``."""
+    _, y = bn_normalize(x, mean, invstd, gamma, beta)
+    return xp.maximum(y, 0)
+
+
+def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
+    """Batch-norm input gradient from the gradient ``dz`` of its output, given the per-channel
+    sums of ``dz`` and ``dz * xhat`` over the ``count`` values of each channel."""
+    nd = dz.ndim
+    scale = per_channel(gamma * invstd / count, nd)
+    return scale * (count * dz - per_channel(sum_dz, nd) - xhat * per_channel(sum_dz_xhat, nd))
+
+
+def bn_act_backward_mask(dy, y):
+    """``fuse_bn_act_ops`` backward, first half: the ReLU mask applied to ``dy``."""
+    return dy * (y > 0)
+
+
+def sgd_update(param, grad, lr, weight_decay):
+    """``p -= lr * (g + wd * p)``, in place."""
+    step = grad + weight_decay * param if weight_decay else grad
+    param -= lr * step
+
+
+def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov):
+    """``v = mu * v + g'``; ``p -= lr * v`` (Nesterov: ``p -= lr * (g' + mu * v)``), in place,
+    where ``g' = g + wd * p``."""
+    step = grad + weight_decay * param if weight_decay else grad
+    velocity *= momentum
+    velocity += step
+    if nesterov:
+        param -= lr * (step + momentum * velocity)
+    else:
+        param -= lr * velocity
+
+
+def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
+                weight_decay, decoupled, xp):
+    """Adam (Paddle's bias correction folded into the step size) in place. With ``decoupled``
+    (AdamW) the weight decay shrinks the parameter, ``p *= 1 - lr * wd``; otherwise it is added
+    to the gradient as L2 regularisation."""
+    if decoupled and weight_decay:
+        param *= 1 - lr * weight_decay
+    g = grad + weight_decay * param if (weight_decay and not decoupled) else grad
+    moment1 *= beta1
+    moment1 += (1 - beta1) * g
+    moment2 *= beta2
+    moment2 += (1 - beta2) * (g * g)
+    correction2 = math.sqrt(1 - beta2 ** step_count)
+    lr_t = lr * correction2 / (1 - beta1 ** step_count)
+    param -= lr_t * (moment1 / (xp.sqrt(moment2) + epsilon * correction2))

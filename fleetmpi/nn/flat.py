@@ -1,0 +1,64 @@
+"""Flat buffers: the parameters (and gradients) of a model as views into one contiguous array
+per dtype.
+
+A fusion bucket of the comm layer is then a slice of the gradient buffer (no packing copy), and a
+fused optimizer updates every parameter with one kernel over the whole buffer. Parameters are laid
+out in the order their gradients complete during backward (last layer first), so the buckets of
+the gradient buffer fill from its start while backward is still running.
+"""
+import numpy as np
+
+from .. import backend
+
+
+class FlatBuffer:
+    """The parameters of one dtype packed back to back: ``data`` and ``grad`` are 1-d arrays,
+    each parameter's ``data``/``grad`` a view of a slice of them."""
+
+    def __init__(self, parameters):
+        dtypes = {np.dtype(p.dtype) for p in parameters}
+        if len(dtypes) != 1:
+            raise ValueError(f"a flat buffer holds one dtype, got {sorted(map(str, dtypes))}")
+        self.dtype = dtypes.pop()
+        self.parameters = list(parameters)
+        self.offsets = []
+        offset = 0
+        for p in self.parameters:
+            self.offsets.append(offset)
+            offset += p.size
+        xp = backend.array_module()
+        self.data = xp.empty(offset, dtype=self.dtype)
+        self.grad = xp.zeros(offset, dtype=self.dtype)
+        for p, start in zip(self.parameters, self.offsets):
+            old_data, old_grad = p.data, p.grad
+            p._bind(self, start)
+            p.data[...] = old_data
+            if old_grad is not None:
+                p.grad[...] = old_grad
+
+    @property
+    def size(self):
+        return self.data.size
+
+    def span(self, parameter):
+        """``(start, stop)`` of ``parameter`` in the buffer."""
+        start = self.offsets[self.parameters.index(parameter)]
+        return start, start + parameter.size
+
+
+def flatten(parameters):
+    """Pack ``parameters`` (in the given order) into one new flat buffer per dtype, unless they
+    already fill exactly one buffer per dtype; returns the buffers."""
+    by_dtype = {}
+    for p in parameters:
+        by_dtype.setdefault(np.dtype(p.dtype), []).append(p)
+    buffers = []
+    for group in by_dtype.values():
+        owners = {id(p.buffer) for p in group}
+        current = group[0].buffer
+        if (len(owners) == 1 and current is not None
+                and [id(p) for p in current.parameters] == [id(p) for p in group]):
+            buffers.append(current)
+        else:
+            buffers.append(FlatBuffer(group))
+    return buffers
