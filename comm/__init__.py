@@ -1,4 +1,32 @@
-"""fleetmpi's communication layer: topology, transports, collective algorithms, fusion, compression."""
-from .topology import Topology
+"""fleetmpi's communication layer: topology, transports, collective algorithms, fusion, compression.
 
-__all__ = ["Topology"]
+    import fleetmpi as fleet
+    from fleetmpi.comm import get_communicator
+    fleet.init()
+    comm = get_communicator()
+    total = comm.allreduce(x)                      # ring / hierarchical / native / shm
+    comm.allreduce_many(grads, compression="fp16")  # fused, in place
+"""
+from .agreement import CollectiveMismatchError
+from .communicator import Communicator
+from .topology import Topology
+from .transport_nccl import NCCLUnavailableError
+
+_world = None
+
+
+def get_communicator():
+    """The world ``Communicator``, built on first use from ``fleet.init()``'s topology.
+
+    Its knobs come from the environment (``FLEETMPI_TRANSPORT``, ``FLEETMPI_CHECK_COLLECTIVES``)
+    and the defaults; layers that need other settings build their own ``Communicator``.
+    """
+    global _world
+    if _world is None:
+        from fleetmpi import world
+        _world = Communicator(world.topology())
+    return _world
+
+
+__all__ = ["CollectiveMismatchError", "Communicator", "NCCLUnavailableError", "Topology",
+           "get_communicator"]

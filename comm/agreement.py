@@ -1,0 +1,96 @@
+"""Agreement on a collective's arguments before any data moves.
+
+Every collective first allgathers a short vector of integers describing the call (which
+collective, op, algorithm, compression, root, dtype, element count, number of arrays, a
+checksum of all shapes and dtypes, and whether the arguments passed this rank's own checks).
+If the vectors differ, or some rank rejected its arguments, every rank raises
+``CollectiveMismatchError`` instead of entering a transfer whose sizes do not match, which
+would hang or return garbage. The cost is one small allgather per call (per
+``allreduce_many``/``broadcast_many`` call, not per array).
+"""
+import zlib
+
+import numpy as np
+
+FIELDS = ("collective", "op", "algorithm", "compression", "root", "dtype", "count", "arrays",
+          "shapes", "rejected")
+
+
+class CollectiveMismatchError(ValueError):
+    """Raised on every rank when the ranks called a collective with different arguments."""
+
+
+def _dtype_names():
+    names = {}
+    for t in set(np.sctypeDict.values()):
+        d = np.dtype(t)
+        names.setdefault(d.num, str(d))
+    return names
+
+
+_DTYPE_NAMES = _dtype_names()
+
+
+def dtype_name(num):
+    """The name of the NumPy dtype whose ``dtype.num`` is ``num``."""
+    return _DTYPE_NAMES.get(num, f"dtype #{num}")
+
+
+def describe_arrays(arrays):
+    """(dtype code, total element count, number of arrays, checksum of shapes and dtypes)."""
+    text = ";".join(f"{a.dtype.str}{tuple(a.shape)}" for a in arrays)
+    dtype = arrays[0].dtype.num if arrays and all(a.dtype == arrays[0].dtype for a in arrays) else -1
+    return dtype, sum(int(a.size) for a in arrays), len(arrays), zlib.crc32(text.encode())
+
+
+def _code(value, table):
+    return table.index(value) if value in table else -1
+
+
+def _decode(field, value, tables):
+    if field == "dtype":
+        return "mixed" if value == -1 else dtype_name(value)
+    if field in tables:
+        table = tables[field]
+        return repr(table[value]) if 0 <= value < len(table) else "invalid"
+    if field == "shapes":
+        return f"checksum {value:#010x}"
+    return str(value)
+
+
+def agree(comm, collective, tables, problem=None, **fields):
+    """Allgather this call's description over the MPI ``comm``; raise on every rank if ranks differ.
+
+    ``tables`` maps field names (``collective``, ``op``, ...) to the tuple of allowed values;
+    values are sent as their index. ``fields`` holds the raw values for this rank. ``problem``
+    is the exception this rank's own argument checks produced, if any: it is raised here, after
+    the other ranks have learnt that this rank rejected the call.
+    """
+    row = np.zeros(len(FIELDS), dtype=np.int64)
+    for i, name in enumerate(FIELDS):
+        if name == "collective":
+            row[i] = _code(collective, tables["collective"])
+        elif name == "rejected":
+            row[i] = int(problem is not None)
+        elif name in tables:
+            row[i] = _code(fields.get(name), tables[name])
+        else:
+            row[i] = int(fields.get(name, 0))
+    rows = np.empty((comm.Get_size(), len(FIELDS)), dtype=np.int64)
+    comm.Allgather(row, rows)
+    rejecters = np.flatnonzero(rows[:, FIELDS.index("rejected")])
+    if len(rejecters):
+        if problem is not None:
+            raise problem
+        raise CollectiveMismatchError(
+            f"{collective} aborted: rank(s) {', '.join(map(str, rejecters))} rejected their "
+            f"arguments (their error says why)")
+    differing = [i for i in range(len(FIELDS)) if np.any(rows[:, i] != rows[0, i])]
+    if differing:
+        parts = []
+        for i in differing:
+            seen = ", ".join(f"rank {r}: {_decode(FIELDS[i], int(rows[r, i]), tables)}"
+                             for r in range(len(rows)))
+            parts.append(f"{FIELDS[i]} differs ({seen})")
+        raise CollectiveMismatchError(
+            f"{collective} called with different arguments across ranks: " + "; ".join(parts))

@@ -1,0 +1,478 @@
+"""The one communicator the layers above see: collectives by name over a chosen transport.
+
+Single-array collectives (``allreduce``, ``broadcast``, ``allgather``, ``reduce_scatter``)
+return a new array and leave their input alone; ``allreduce_many`` and ``broadcast_many`` work
+in place on many arrays, fused into buckets. Every collective first checks that all ranks
+called it with the same arguments (``agreement``), so a mismatch raises on every rank instead
+of hanging.
+
+Knobs, each an argument and (where it makes sense per job) an environment variable:
+``transport`` / ``FLEETMPI_TRANSPORT`` (``"mpi"`` or ``"nccl"``), ``check`` /
+``FLEETMPI_CHECK_COLLECTIVES`` (``0`` skips the agreement step), ``nccl_comm_num``,
+``fuse_grad_size_in_MB``, ``fuse_broadcast_MB``, ``use_hierarchical_allreduce``,
+``hierarchical_allreduce_inter_nranks``, ``chunk_bytes``.
+"""
+import numbers
+import os
+
+import numpy as np
+
+from .agreement import agree, describe_arrays, dtype_name
+from .barrier import barrier as dissemination_barrier
+from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
+from .compression import COMPRESSIONS, accumulate_dtypes, check_compression
+from .fusion import buckets_for
+from .hierarchical import allreduce_hierarchical
+from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
+from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, reduce_scatter_ring,
+                   split_offsets)
+
+TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
+CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
+TRANSPORTS = ("mpi", "nccl")
+ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
+BROADCAST_ALGORITHMS = ("tree", "chain", "native")
+GATHER_ALGORITHMS = ("ring", "native")
+COLLECTIVES = ("allreduce", "allreduce_many", "broadcast", "broadcast_many", "allgather",
+               "reduce_scatter", "barrier")
+_TABLES = {
+    "collective": COLLECTIVES,
+    "op": (None,) + OPS,
+    "algorithm": (None,) + ALLREDUCE_ALGORITHMS + BROADCAST_ALGORITHMS[:2],
+    "compression": COMPRESSIONS,
+}
+# With algorithm=None: the library's own allreduce below this size (latency-bound), ours above.
+NATIVE_BELOW_BYTES = 32 << 10
+HEADER_DIMS = 32
+P2P_TAG = 7
+
+
+def _env_flag(name, default):
+    text = os.environ.get(name, "")
+    if text == "":
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r} must be 0 or 1")
+    return text == "1"
+
+
+def _positive(name, value, kind=numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive "
+                         f"{'integer' if kind is numbers.Integral else 'number'}")
+    return value
+
+
+def _capture(check):
+    """Run ``check``; return the exception it raised, or None."""
+    try:
+        check()
+    except (TypeError, ValueError) as exc:
+        return exc
+    return None
+
+
+class Communicator:
+    """Collectives over the world of a ``Topology``; see the module docstring for the knobs."""
+
+    def __init__(self, topology, transport=None, nccl_comm_num=1, fuse_grad_size_in_MB=32,
+                 fuse_broadcast_MB=32, use_hierarchical_allreduce=False,
+                 hierarchical_allreduce_inter_nranks=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
+                 check=None):
+        transport = transport or os.environ.get(TRANSPORT_ENV) or "mpi"
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r} is not known; allowed: "
+                             f"{', '.join(TRANSPORTS)}")
+        _positive("nccl_comm_num", nccl_comm_num, numbers.Integral)
+        _positive("fuse_grad_size_in_MB", fuse_grad_size_in_MB)
+        _positive("fuse_broadcast_MB", fuse_broadcast_MB)
+        _positive("chunk_bytes", chunk_bytes, numbers.Integral)
+        inter = hierarchical_allreduce_inter_nranks
+        if inter is not None:
+            _positive("hierarchical_allreduce_inter_nranks", inter, numbers.Integral)
+            if topology.size % inter:
+                raise ValueError(f"hierarchical_allreduce_inter_nranks={inter} must divide the "
+                                 f"world size {topology.size}")
+        self.topology = topology
+        self.rank = topology.rank
+        self.size = topology.size
+        self.transport_name = transport
+        self.nccl_comm_num = int(nccl_comm_num)
+        self.fuse_grad_size_in_MB = fuse_grad_size_in_MB
+        self.fuse_broadcast_MB = fuse_broadcast_MB
+        self.use_hierarchical_allreduce = bool(use_hierarchical_allreduce)
+        self.hierarchical_allreduce_inter_nranks = inter
+        self.chunk_bytes = int(chunk_bytes)
+        self.check = _env_flag(CHECK_ENV, True) if check is None else bool(check)
+        world = topology.world
+        self._control = world.Dup()
+        self.transports = [self._make_transport(world.Dup()) for _ in range(self.nccl_comm_num)]
+        self._levels = {}
+        self._shm = None
+        self._token = None
+
+    # construction helpers
+
+    def _make_transport(self, comm, stream=None):
+        if self.transport_name == "nccl":
+            from .transport_nccl import NCCLTransport
+            return NCCLTransport(comm, stream)
+        from .transport_mpi import MPITransport
+        return MPITransport(comm)
+
+    def _level_transports(self, index):
+        """The (intra-group, inter-group) transports of the hierarchical algorithm for one comm."""
+        if index not in self._levels:
+            k = self.hierarchical_allreduce_inter_nranks
+            if k is None:
+                local, cross = self.topology.local.Dup(), self.topology.cross.Dup()
+            else:
+                world = self.topology.world
+                local = world.Split(self.rank // k, self.rank)
+                cross = world.Split(self.rank % k, self.rank)
+            stream = getattr(self.transports[index], "stream", None)
+            self._levels[index] = (self._make_transport(local, stream),
+                                   self._make_transport(cross, stream))
+        return self._levels[index]
+
+    def _single_node(self):
+        return self.transport_name == "mpi" and self.topology.local_size == self.size
+
+    def _shared_memory(self):
+        if self._shm is None:
+            from .shm import SharedMemoryAllreduce
+            self._shm = SharedMemoryAllreduce(self.topology.world.Dup())
+        return self._shm
+
+    # argument checks (run before the agreement step, which spreads their verdict)
+
+    def _check_array(self, x, name="x", writable=False):
+        if not (isinstance(x, np.ndarray) or is_device_array(x)):
+            raise TypeError(f"{name} must be a NumPy or CuPy array, not {type(x).__name__}")
+        if x.dtype.kind not in "biufc":
+            raise TypeError(f"{name} has dtype {x.dtype}; collectives move numeric arrays only")
+        if self.transport_name == "nccl" and not is_device_array(x):
+            raise TypeError(f"{name} is a NumPy array, but transport 'nccl' moves CuPy arrays; "
+                            f"use transport='mpi' for host arrays")
+        if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
+            raise ValueError(f"{name} is read-only; this collective writes into it")
+
+    def _check_arrays(self, arrays, name="arrays"):
+        if not isinstance(arrays, (list, tuple)):
+            raise TypeError(f"{name} must be a list or tuple of arrays, not {type(arrays).__name__}")
+        for i, a in enumerate(arrays):
+            self._check_array(a, f"{name}[{i}]", writable=True)
+        if len({is_device_array(a) for a in arrays}) > 1:
+            raise TypeError(f"{name} mixes NumPy and CuPy arrays; pass one kind per call")
+
+    def _check_root(self, root):
+        if isinstance(root, bool) or not isinstance(root, numbers.Integral) \
+                or not 0 <= root < self.size:
+            raise ValueError(f"root={root!r} must be a rank in 0..{self.size - 1}")
+
+    def _check_peer(self, peer, name):
+        if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) \
+                or not 0 <= peer < self.size or peer == self.rank:
+            raise ValueError(f"{name}={peer!r} must be another rank: one of 0..{self.size - 1} "
+                             f"other than this rank {self.rank}")
+
+    def _check_allreduce(self, dtypes, op, algorithm, compression):
+        check_op(op)
+        if algorithm is not None and algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r} is not an allreduce algorithm; allowed: "
+                             f"None, {', '.join(map(repr, ALLREDUCE_ALGORITHMS))}")
+        for dtype in dtypes:
+            check_dtype(dtype)
+            check_compression(compression, dtype)
+        if compression is not None and algorithm in ("native", "shm"):
+            raise ValueError(f"compression={compression!r} needs algorithm 'ring' or "
+                             f"'hierarchical'; {algorithm!r} reduces in the array's own dtype")
+        if algorithm == "shm" and not self._single_node():
+            raise ValueError("algorithm='shm' needs the MPI transport and all ranks on one node "
+                             f"(this job: transport {self.transport_name!r}, "
+                             f"{self.topology.num_nodes} node(s))")
+
+    def _agree(self, collective, arrays, problem, **fields):
+        if not self.check:
+            if problem is not None:
+                raise problem
+            return
+        if problem is None:
+            dtype, count, n, shapes = describe_arrays(arrays)
+            fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
+        agree(self._control, collective, _TABLES, problem, **fields)
+
+    # running an algorithm on a transport
+
+    def _run(self, index, fn, *bufs):
+        """Call ``fn(*bufs)`` on transport ``index``; device arrays go through host memory
+        when the transport is MPI."""
+        transport = self.transports[index]
+        if bufs and is_device_array(bufs[0]) and not transport.device:
+            host = [b.get() for b in bufs]
+            fn(*host)
+            for b, h in zip(bufs, host):
+                b.set(h)
+            return
+        with transport.activate():
+            fn(*bufs)
+
+    def _pick_allreduce(self, nbytes, compression):
+        if compression is not None or self.use_hierarchical_allreduce:
+            return "hierarchical" if self.use_hierarchical_allreduce else "ring"
+        if self._single_node() and self.size > 1:
+            return "shm"
+        return "native" if nbytes < NATIVE_BELOW_BYTES else "ring"
+
+    def _allreduce_flat(self, buf, op, algorithm, compression, index):
+        algorithm = algorithm or self._pick_allreduce(buf.nbytes, compression)
+        transport = self.transports[index]
+        if algorithm == "ring":
+            def fn(b):
+                allreduce_ring(transport, b, op, compression, self.chunk_bytes)
+        elif algorithm == "hierarchical":
+            local, cross = self._level_transports(index)
+
+            def fn(b):
+                allreduce_hierarchical(local, cross, b, op, compression, self.chunk_bytes)
+        elif algorithm == "shm":
+            shm = self._shared_memory()
+
+            def fn(b):
+                shm.allreduce(b, op)
+        else:
+            def fn(b):
+                transport.native_allreduce(b, op)
+                finish_mean(b, op, self.size)
+        self._run(index, fn, buf)
+
+    def _broadcast_flat(self, buf, root, algorithm, index):
+        transport = self.transports[index]
+        if algorithm == "native":
+            def fn(b):
+                transport.native_bcast(b, root)
+        else:
+            if algorithm is None:
+                algorithm = "tree" if buf.nbytes <= TREE_MAX_BYTES else "chain"
+            algo = broadcast_tree if algorithm == "tree" else broadcast_chain
+
+            def fn(b):
+                if self.size > 1 and b.size:
+                    algo(transport, b, root)
+        self._run(index, fn, buf)
+
+    # collectives
+
+    def allreduce(self, x, op="sum", algorithm=None, compression=None):
+        """The elementwise reduction of ``x`` over all ranks, as a new array.
+
+        ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (integer means round down).
+        ``algorithm``: ``"ring"``, ``"hierarchical"``, ``"native"`` (the MPI/NCCL library's
+        own), ``"shm"`` (shared memory, one node only) or None to pick by size and topology.
+        ``compression="fp16"``: float16 on the wire, see ``fleetmpi.comm.compression``.
+        """
+        problem = _capture(lambda: (self._check_array(x),
+                                    self._check_allreduce([x.dtype], op, algorithm, compression)))
+        self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
+                    compression=compression)
+        xp = array_module(x)
+        buf = xp.array(x, order="C", copy=True).reshape(-1)
+        self._allreduce_flat(buf, op, algorithm, compression, 0)
+        return buf.reshape(x.shape)
+
+    def allreduce_many(self, arrays, op="sum", algorithm=None, compression=None,
+                       fuse_grad_size_in_MB=None):
+        """Allreduce every array of ``arrays`` in place, fused into buckets.
+
+        Buckets hold at most ``fuse_grad_size_in_MB`` (default: the communicator's) of
+        consecutive same-dtype arrays and are spread round-robin over the ``nccl_comm_num``
+        communicators. Arrays that are adjacent views of one flat buffer are reduced without
+        a packing copy.
+        """
+        mb = self.fuse_grad_size_in_MB if fuse_grad_size_in_MB is None else fuse_grad_size_in_MB
+
+        def check():
+            self._check_arrays(arrays)
+            _positive("fuse_grad_size_in_MB", mb)
+            self._check_allreduce({a.dtype for a in arrays}, op, algorithm, compression)
+        problem = _capture(check)
+        self._agree("allreduce_many", arrays, problem, op=op, algorithm=algorithm,
+                    compression=compression)
+        for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
+            flat = bucket.load()
+            self._allreduce_flat(flat, op, algorithm, compression, i % self.nccl_comm_num)
+            bucket.store()
+
+    def broadcast(self, x, root=0, algorithm=None):
+        """``root``'s ``x``, as a new array on every rank (``x`` gives shape and dtype elsewhere).
+
+        ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined), ``"native"``, or None
+        (tree up to 64 KiB, chain above).
+        """
+        def check():
+            self._check_array(x)
+            self._check_root(root)
+            if algorithm is not None and algorithm not in BROADCAST_ALGORITHMS:
+                raise ValueError(f"algorithm={algorithm!r} is not a broadcast algorithm; "
+                                 f"allowed: None, {', '.join(map(repr, BROADCAST_ALGORITHMS))}")
+        problem = _capture(check)
+        self._agree("broadcast", [x], problem, root=root, algorithm=algorithm)
+        xp = array_module(x)
+        buf = xp.array(x, order="C", copy=True).reshape(-1)
+        self._broadcast_flat(buf, root, algorithm, 0)
+        return buf.reshape(x.shape)
+
+    def broadcast_many(self, arrays, root=0, algorithm=None, fuse_broadcast_MB=None):
+        """Overwrite every array of ``arrays`` with ``root``'s, in place, fused into buckets
+        of at most ``fuse_broadcast_MB``."""
+        mb = self.fuse_broadcast_MB if fuse_broadcast_MB is None else fuse_broadcast_MB
+
+        def check():
+            self._check_arrays(arrays)
+            self._check_root(root)
+            _positive("fuse_broadcast_MB", mb)
+            if algorithm is not None and algorithm not in BROADCAST_ALGORITHMS:
+                raise ValueError(f"algorithm={algorithm!r} is not a broadcast algorithm; "
+                                 f"allowed: None, {', '.join(map(repr, BROADCAST_ALGORITHMS))}")
+        problem = _capture(check)
+        self._agree("broadcast_many", arrays, problem, root=root, algorithm=algorithm)
+        for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
+            flat = bucket.load()
+            self._broadcast_flat(flat, root, algorithm, i % self.nccl_comm_num)
+            bucket.store()
+
+    def allgather(self, x, algorithm=None):
+        """Every rank's ``x`` stacked in rank order: shape ``(size,) + x.shape``.
+
+        ``algorithm``: ``"ring"`` (default) or ``"native"``.
+        """
+        def check():
+            self._check_array(x)
+            if algorithm is not None and algorithm not in GATHER_ALGORITHMS:
+                raise ValueError(f"algorithm={algorithm!r} is not an allgather algorithm; "
+                                 f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
+        problem = _capture(check)
+        self._agree("allgather", [x], problem, algorithm=algorithm)
+        xp = array_module(x)
+        n = x.size
+        out = xp.empty(self.size * n, x.dtype)
+        out[self.rank * n:(self.rank + 1) * n] = x.reshape(-1)
+        transport = self.transports[0]
+        if algorithm == "native":
+            self._run(0, transport.native_allgather, out)
+        else:
+            offsets = [r * n for r in range(self.size + 1)]
+            self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
+        return out.reshape((self.size,) + x.shape)
+
+    def reduce_scatter(self, x, op="sum", algorithm=None, compression=None):
+        """This rank's block of the reduction of ``x``: blocks split ``x`` along its first axis
+        as ``numpy.array_split(reduced, size)`` does, so any length works.
+
+        ``algorithm``: ``"ring"`` (default) or ``"native"``; ``compression`` as for allreduce.
+        """
+        def check():
+            self._check_array(x)
+            if x.ndim == 0:
+                raise ValueError("reduce_scatter needs an array with at least one dimension")
+            if algorithm is not None and algorithm not in GATHER_ALGORITHMS:
+                raise ValueError(f"algorithm={algorithm!r} is not a reduce_scatter algorithm; "
+                                 f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
+            self._check_allreduce([x.dtype], op, "native" if algorithm == "native" else None,
+                                  compression)
+        problem = _capture(check)
+        self._agree("reduce_scatter", [x], problem, op=op, algorithm=algorithm,
+                    compression=compression)
+        xp = array_module(x)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        rows = split_offsets(x.shape[0], self.size)
+        offsets = [r * row for r in rows]
+        lo, hi = offsets[self.rank], offsets[self.rank + 1]
+        shape = (rows[self.rank + 1] - rows[self.rank],) + x.shape[1:]
+        transport = self.transports[0]
+        if algorithm == "native":
+            send = xp.array(x, order="C", copy=True).reshape(-1)
+            out = xp.empty(hi - lo, x.dtype)
+            counts = [offsets[r + 1] - offsets[r] for r in range(self.size)]
+
+            def native(s, o):
+                transport.native_reduce_scatter(s, o, counts, op)
+                finish_mean(o, op, self.size)
+            self._run(0, native, send, out)
+            return out.reshape(shape)
+        acc_dtype, wire_dtype = accumulate_dtypes(x.dtype, compression)
+        acc = xp.array(x, dtype=acc_dtype, order="C", copy=True).reshape(-1)
+
+        def ring(a):
+            reduce_scatter_ring(transport, a, op, offsets, wire_dtype, self.chunk_bytes)
+            finish_mean(a[lo:hi], op, self.size)
+        self._run(0, ring, acc)
+        out = acc[lo:hi].astype(wire_dtype).astype(x.dtype)
+        return out.reshape(shape)
+
+    def send(self, x, dest):
+        """Send ``x`` to rank ``dest``; the matching ``recv`` checks dtype and shape."""
+        self._check_array(x)
+        self._check_peer(dest, "dest")
+        if x.ndim > HEADER_DIMS:
+            raise ValueError(f"send supports arrays of up to {HEADER_DIMS} dimensions, "
+                             f"not {x.ndim}")
+        header = np.zeros(4 + HEADER_DIMS, dtype=np.int64)
+        header[:4] = (x.dtype.num, x.size, x.nbytes, x.ndim)
+        header[4:4 + x.ndim] = x.shape
+        self._control.Send(header, dest=dest, tag=P2P_TAG)
+        buf = array_module(x).ascontiguousarray(x)
+        self._run(0, lambda b: (self.transports[0].send(b, dest),
+                                self.transports[0].synchronize()), buf)
+
+    def recv(self, x, source):
+        """Receive rank ``source``'s ``send`` into ``x`` in place and return ``x``.
+
+        If the sender's dtype or shape differ from ``x``'s, the message is drained and a
+        ``ValueError`` names both.
+        """
+        self._check_array(x, writable=True)
+        self._check_peer(source, "source")
+        header = np.empty(4 + HEADER_DIMS, dtype=np.int64)
+        self._control.Recv(header, source=source, tag=P2P_TAG)
+        num, _, nbytes, ndim = (int(v) for v in header[:4])
+        shape = tuple(int(v) for v in header[4:4 + ndim])
+        xp = array_module(x)
+        transport = self.transports[0]
+        if num != x.dtype.num or shape != x.shape:
+            self._run(0, lambda b: (transport.recv(b, source), transport.synchronize()),
+                      xp.empty(nbytes, np.uint8))
+            raise ValueError(f"recv from rank {source}: expected a {x.dtype} array of shape "
+                             f"{x.shape}, but rank {source} sent {dtype_name(num)} "
+                             f"of shape {shape}")
+        buf = x if x.flags.c_contiguous else xp.empty(x.shape, x.dtype)
+        self._run(0, lambda b: (transport.recv(b, source), transport.synchronize()), buf)
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def barrier(self):
+        """Return once every rank has called ``barrier``."""
+        self._agree("barrier", [], None)
+        if self._token is None:
+            self._token = array_module_for(self.transport_name).zeros(2, np.uint8)
+        self._run(0, lambda t: dissemination_barrier(self.transports[0], t), self._token)
+
+    def free(self):
+        """Release this communicator's MPI communicators, windows and NCCL communicators."""
+        if self._shm is not None:
+            self._shm.free()
+            self._shm.comm.Free()
+        for local, cross in self._levels.values():
+            local.free()
+            cross.free()
+        for transport in self.transports:
+            transport.free()
+        self._control.Free()
+
+
+def array_module_for(transport_name):
+    if transport_name == "nccl":
+        import cupy
+        return cupy
+    return np

@@ -1,0 +1,93 @@
+"""Gradient fusion: many arrays reduced (or broadcast) as a few flat buckets.
+
+Consecutive arrays of one dtype go into a bucket until it would exceed the bucket size; an
+array larger than that is a bucket of its own. When a bucket's arrays already lie back to back
+in one allocation (the trainer keeps parameters and gradients as views of one flat buffer), the
+bucket is a view of that memory and needs no copy; otherwise it is packed into a scratch buffer
+(on GPU by one batched kernel, ``pack.cu``) and unpacked afterwards.
+"""
+import numpy as np
+
+from .ops import array_module, is_device_array
+from .pack import pack_device, pack_reference, unpack_device, unpack_reference
+
+
+def plan_buckets(arrays, bucket_bytes):
+    """Index lists of the buckets for ``arrays``, in order."""
+    buckets, current, current_bytes = [], [], 0
+    for i, a in enumerate(arrays):
+        if current and (a.dtype != arrays[current[0]].dtype
+                        or current_bytes + a.nbytes > bucket_bytes):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += a.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _host_owner(a):
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a if a.base is None else a.base
+
+
+def _address(a):
+    return a.data.ptr if is_device_array(a) else a.__array_interface__["data"][0]
+
+
+def flat_view(arrays):
+    """A 1-D view spanning ``arrays`` if they are contiguous and adjacent in one allocation, else None."""
+    first = arrays[0]
+    device = is_device_array(first)
+    owner = (lambda a: a.data.mem) if device else _host_owner
+    expected = _address(first)
+    for a in arrays:
+        if (a.dtype != first.dtype or not a.flags.c_contiguous or _address(a) != expected
+                or owner(a) is not owner(first)):
+            return None
+        expected += a.nbytes
+    total = sum(a.size for a in arrays)
+    if device:
+        import cupy
+        return cupy.ndarray((total,), first.dtype, memptr=first.data)
+    return np.lib.stride_tricks.as_strided(first.reshape(-1), shape=(total,),
+                                           strides=(first.itemsize,))
+
+
+class Bucket:
+    """One bucket's arrays and the flat buffer the collective works on."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+        self.flat = flat_view(arrays)
+        self.packed = self.flat is None
+
+    def _kernel_path(self):
+        return is_device_array(self.arrays[0]) and all(a.flags.c_contiguous for a in self.arrays)
+
+    def load(self):
+        """Fill the flat buffer from the arrays (nothing to do for a view)."""
+        if not self.packed:
+            return self.flat
+        xp = array_module(self.arrays[0])
+        self.flat = xp.empty(sum(a.size for a in self.arrays), self.arrays[0].dtype)
+        if self._kernel_path():
+            pack_device(self.arrays, self.flat)
+        else:
+            pack_reference(self.arrays, self.flat)
+        return self.flat
+
+    def store(self):
+        """Write the flat buffer back into the arrays (nothing to do for a view)."""
+        if not self.packed:
+            return
+        if self._kernel_path():
+            unpack_device(self.flat, self.arrays)
+        else:
+            unpack_reference(self.flat, self.arrays)
+
+
+def buckets_for(arrays, bucket_bytes):
+    return [Bucket([arrays[i] for i in idx]) for idx in plan_buckets(arrays, bucket_bytes)]

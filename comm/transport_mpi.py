@@ -1,0 +1,80 @@
+"""Point-to-point and native collectives over an MPI communicator, on host arrays.
+
+Every transfer goes through mpi4py's buffer interface (the uppercase methods), so arrays move
+as raw memory, never pickled. Buffers handed in must be C-contiguous NumPy arrays.
+"""
+import contextlib
+
+from mpi4py import MPI
+
+_MPI_OPS = {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def mpi_op(op):
+    return _MPI_OPS[op]
+
+
+def _peer(rank):
+    return MPI.PROC_NULL if rank is None else rank
+
+
+class MPITransport:
+    """Moves host arrays between the ranks of one MPI communicator.
+
+    ``comm`` is used as given (not duplicated); ``dup()`` gives a transport on a duplicate, whose
+    messages can never match this one's.
+    """
+
+    name = "mpi"
+    device = False
+
+    def __init__(self, comm, stream=None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    def activate(self):
+        """Host transfers need no stream; kept so algorithms treat every transport alike."""
+        return contextlib.nullcontext()
+
+    def send(self, buf, dest, tag=0):
+        self.comm.Send([buf, MPI.BYTE], dest=dest, tag=tag)
+
+    def recv(self, buf, source, tag=0):
+        self.comm.Recv([buf, MPI.BYTE], source=source, tag=tag)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        """Send to ``dest`` and receive from ``source`` at once; ``None`` skips either side."""
+        if sendbuf is None:
+            sendbuf, dest = recvbuf[:0], None
+        if recvbuf is None:
+            recvbuf, source = sendbuf[:0], None
+        self.comm.Sendrecv([sendbuf, MPI.BYTE], _peer(dest), tag,
+                           [recvbuf, MPI.BYTE], _peer(source), tag)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def synchronize(self):
+        """Host transfers are complete when the call returns; nothing to wait for."""
+
+    # Native collectives of the library underneath, kept as baselines.
+
+    def native_allreduce(self, buf, op):
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op(op))
+
+    def native_bcast(self, buf, root):
+        self.comm.Bcast(buf, root=root)
+
+    def native_allgather(self, recvbuf):
+        """Allgather in place: this rank's block of ``recvbuf`` is already filled."""
+        self.comm.Allgather(MPI.IN_PLACE, recvbuf)
+
+    def native_reduce_scatter(self, sendbuf, recvbuf, counts, op):
+        self.comm.Reduce_scatter(sendbuf, recvbuf, recvcounts=list(counts), op=mpi_op(op))
+
+    def dup(self):
+        return MPITransport(self.comm.Dup())
+
+    def free(self):
+        self.comm.Free()

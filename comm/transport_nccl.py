@@ -1,0 +1,151 @@
+"""Point-to-point and native collectives between GPUs through NCCL (``cupy.cuda.nccl``).
+
+The NCCL unique id is made on rank 0 and broadcast over MPI. Each transport owns one NCCL
+communicator and one CUDA stream of the current device (the two levels of the hierarchical
+algorithm share their parent's stream); ``activate()`` makes that stream
+current and orders it after the caller's stream (and the caller's after it on exit), so the
+algorithms' local arithmetic and NCCL's transfers stay in stream order while several
+transports (``nccl_comm_num``) run buckets concurrently. Send and receive of one exchange are
+issued inside one NCCL group so neither side waits for the other.
+"""
+import contextlib
+
+import numpy as np
+
+from .ops import check_dtype
+
+UNIQUE_ID_BYTES = 128
+
+
+class NCCLUnavailableError(RuntimeError):
+    """The NCCL transport was selected where CuPy, NCCL or a CUDA device is missing."""
+
+
+def _probe():
+    """None if NCCL can run here, else the reason it cannot."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        return (f"CuPy with NCCL is not importable ({exc}); install cupy-cuda12x "
+                f"(pip install 'fleetmpi[gpu]') or use transport='mpi'")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"no usable CUDA device ({exc}); use transport='mpi'"
+    if count == 0:
+        return "no CUDA device is visible; use transport='mpi'"
+    if not nccl.available:
+        return "this CuPy build has no NCCL support; use transport='mpi'"
+    return None
+
+
+def _nccl_dtypes(nccl):
+    return {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
+            np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.int32): nccl.NCCL_INT32,
+            np.dtype(np.int64): nccl.NCCL_INT64}
+
+
+class NCCLTransport:
+    """Moves CuPy arrays between the ranks of ``comm`` (an MPI communicator) through NCCL."""
+
+    name = "nccl"
+    device = True
+
+    def __init__(self, comm, stream=None):
+        from mpi4py import MPI
+
+        reason = _probe()
+        reasons = comm.allgather(reason)
+        failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
+        if failed:
+            raise NCCLUnavailableError("the NCCL transport cannot start: " + "; ".join(failed))
+        import cupy
+        from cupy.cuda import nccl
+
+        self._cupy = cupy
+        self._nccl = nccl
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)
+        if self.rank == 0:
+            uid[:] = nccl.get_unique_id()
+        comm.Bcast([uid, MPI.INT64_T], root=0)
+        self.nccl = nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid), self.rank)
+        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        self._dtypes = _nccl_dtypes(nccl)
+        self._ops = {"sum": nccl.NCCL_SUM, "mean": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
+                     "min": nccl.NCCL_MIN}
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Run the enclosed device work on this transport's stream, in order with the caller's."""
+        cupy = self._cupy
+        outer = cupy.cuda.get_current_stream()
+        self.stream.wait_event(outer.record())
+        with self.stream:
+            yield
+        outer.wait_event(self.stream.record())
+
+    def _bytes(self, buf):
+        return buf.data.ptr, buf.nbytes, self._nccl.NCCL_UINT8
+
+    def send(self, buf, dest, tag=0):
+        ptr, count, dtype = self._bytes(buf)
+        self.nccl.send(ptr, count, dtype, dest, self.stream.ptr)
+
+    def recv(self, buf, source, tag=0):
+        ptr, count, dtype = self._bytes(buf)
+        self.nccl.recv(ptr, count, dtype, source, self.stream.ptr)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
+        self._nccl.groupStart()
+        if sendbuf is not None and dest is not None:
+            self.send(sendbuf, dest)
+        if recvbuf is not None and source is not None:
+            self.recv(recvbuf, source)
+        self._nccl.groupEnd()
+
+    def barrier(self):
+        token = self._cupy.zeros(1, np.float32)
+        self.native_allreduce(token, "sum")
+        self.synchronize()
+
+    def synchronize(self):
+        self.stream.synchronize()
+
+    def native_allreduce(self, buf, op):
+        dtype = self._dtypes[check_dtype(buf.dtype)]
+        self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, dtype, self._ops[op],
+                            self.stream.ptr)
+
+    def native_bcast(self, buf, root):
+        ptr, count, dtype = self._bytes(buf)
+        self.nccl.broadcast(ptr, ptr, count, dtype, root, self.stream.ptr)
+
+    def native_allgather(self, recvbuf):
+        """Allgather in place: this rank's block of ``recvbuf`` is already filled."""
+        count = recvbuf.nbytes // self.size
+        self.nccl.allGather(recvbuf.data.ptr + self.rank * count, recvbuf.data.ptr, count,
+                            self._nccl.NCCL_UINT8, self.stream.ptr)
+
+    def native_reduce_scatter(self, sendbuf, recvbuf, counts, op):
+        """NCCL's reduce-scatter needs equal counts; unequal ones reduce everything and slice."""
+        dtype = self._dtypes[check_dtype(sendbuf.dtype)]
+        if len(set(counts)) == 1:
+            self.nccl.reduceScatter(sendbuf.data.ptr, recvbuf.data.ptr, counts[0], dtype,
+                                    self._ops[op], self.stream.ptr)
+            return
+        whole = sendbuf.copy()
+        self.nccl.allReduce(whole.data.ptr, whole.data.ptr, whole.size, dtype, self._ops[op],
+                            self.stream.ptr)
+        start = sum(counts[:self.rank])
+        recvbuf[...] = whole[start:start + counts[self.rank]]
+
+    def dup(self):
+        return NCCLTransport(self.comm.Dup())
+
+    def free(self):
+        self.nccl.destroy()
+        self.comm.Free()
