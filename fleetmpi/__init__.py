@@ -16,3 +16,6 @@ __all__ = [
     "barrier_worker", "init", "is_first_worker", "local_rank", "local_size", "node_index",
     "node_num", "worker_index", "worker_num",
 ]
+from . import nn, optimizer
+from .parallel import distributed_model, distributed_optimizer
+__all__ += ["distributed_model", "distributed_optimizer", "nn", "optimizer"]
