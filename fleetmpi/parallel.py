@@ -15,7 +15,7 @@ UNSUPPORTED_STRATEGIES = ("amp", "recompute", "pipeline", "gradient_merge", "lar
                           "auto")
 
 
-def _communicator(communicator):
+def _world_communicator(communicator):
     if communicator is not None:
         return communicator
     world.topology()
@@ -24,10 +24,23 @@ def _communicator(communicator):
     return get_communicator()
 
 
+def strategy_communicator(strategy):
+    """A ``Communicator`` configured by the strategy's allreduce fields (``nccl_comm_num``,
+    ``fuse_grad_size_in_MB``, ``use_hierarchical_allreduce``,
+    ``hierarchical_allreduce_inter_nranks``; 1, the default, means ranks per node)."""
+    from .comm import Communicator
+
+    inter = strategy.hierarchical_allreduce_inter_nranks
+    return Communicator(world.topology(), nccl_comm_num=strategy.nccl_comm_num,
+                        fuse_grad_size_in_MB=strategy.fuse_grad_size_in_MB,
+                        use_hierarchical_allreduce=strategy.use_hierarchical_allreduce,
+                        hierarchical_allreduce_inter_nranks=inter if inter > 1 else None)
+
+
 def distributed_model(model, communicator=None):
     """Make ``model``'s parameters and buffers identical on every rank (rank 0's values, one
     broadcast per flat buffer and one for the buffers) and return it."""
-    comm = _communicator(communicator)
+    comm = _world_communicator(communicator)
     flats = [buffer.data for buffer in model.flat_buffers()]
     if flats:
         comm.broadcast_many(flats, root=0)
@@ -69,23 +82,23 @@ def plan_gradient_buckets(runs, bucket_bytes):
 
 
 class GradientAllreduce(StepHook):
-    """Averages gradients over the ranks: each bucket is allreduced (``op="mean"``) as soon as
-    backward has reported all its parameters; buckets never reported (parameters that got no
+    """Averages gradients over the ranks: each bucket, a slice of a flat gradient buffer, is
+    allreduced in place (``op="mean"``; the communicator picks the algorithm, hierarchical when
+    the strategy asks for it) as soon as backward has reported all its parameters; buckets never reported (parameters that got no
     gradient this step) are reduced in the reduce stage, in buffer order."""
 
     def __init__(self, communicator, optimizer, strategy):
         self.communicator = communicator
         bucket_bytes = (int(strategy.fuse_grad_size_in_MB * 2 ** 20)
                         if strategy.fuse_all_reduce_ops else None)
-        self.algorithm = "hierarchical" if strategy.use_hierarchical_allreduce else None
         self.buckets = plan_gradient_buckets(optimizer._runs, bucket_bytes)
         self._bucket_of = {id(p): bucket for bucket in self.buckets
                            for p in bucket.buffer.parameters
                            if bucket.start <= p.offset < bucket.stop}
 
     def _reduce(self, bucket):
-        self.communicator.allreduce(bucket.buffer.grad[bucket.start:bucket.stop], op="mean",
-                                    algorithm=self.algorithm)
+        self.communicator.allreduce_many([bucket.buffer.grad[bucket.start:bucket.stop]],
+                                         op="mean")
         bucket.pending = -1
 
     def on_gradient(self, ctx, parameters):
@@ -124,13 +137,16 @@ class DistributedOptimizer:
                 "runs plain data parallel only; set it to False")
         self.inner = optimizer
         self.strategy = strategy
-        self.communicator = _communicator(communicator)
+        if world.worker_num() > 1 or communicator is not None:
+            self.communicator = communicator or strategy_communicator(strategy)
+        else:
+            self.communicator = None
         build = strategy.build_strategy
         optimizer.fuse_all_optimizer_ops = bool(build.fuse_all_optimizer_ops)
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
         self._configured = set()
         self.hooks = []
-        if world.worker_num() > 1:
+        if self.communicator is not None:
             self.hooks.append(GradientAllreduce(self.communicator, optimizer, strategy))
 
     def add_hook(self, hook, first=False):

@@ -1,0 +1,144 @@
+"""Data parallel: N ranks on a global batch match one process on the same samples."""
+import numpy as np
+import pytest
+
+import fleetmpi as fleet
+from fleetmpi import backend, nn, optimizer
+from fleetmpi.parallel import plan_gradient_buckets
+
+GLOBAL_BATCH = 24
+STEPS = 4
+
+
+def make_model():
+    nn.set_default_dtype("float64")
+    try:
+        return nn.Sequential(("fc0", nn.Linear(6, 16)), ("act0", nn.Tanh()),
+                             ("fc1", nn.Linear(16, 12)), ("act1", nn.ReLU()),
+                             ("fc2", nn.Linear(12, 4)))
+    finally:
+        nn.set_default_dtype("float32")
+
+
+def global_batch(step):
+    rng = np.random.default_rng(100 + step)
+    return rng.standard_normal((GLOBAL_BATCH, 6)), rng.integers(0, 4, GLOBAL_BATCH)
+
+
+OPTIMIZERS = {
+    "momentum": lambda ps: optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=ps,
+                                              use_nesterov=True, weight_decay=0.01),
+    "adamw": lambda ps: optimizer.AdamW(learning_rate=0.01, parameters=ps),
+}
+
+
+def reference_parameters(opt_name, build):
+    """One process, the whole global batch, no communication."""
+    backend.manual_seed(0)
+    model = make_model()
+    model.configure_fusion(build.get("fuse_elewise_add_act_ops", False))
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    loss_fn = nn.SoftmaxCrossEntropy()
+    for step in range(STEPS):
+        opt.minimize(model, loss_fn, *global_batch(step))
+    return model.state_dict()
+
+
+def world_gather(array):
+    from mpi4py import MPI
+
+    gathered = np.empty((MPI.COMM_WORLD.Get_size(),) + array.shape, dtype=array.dtype)
+    MPI.COMM_WORLD.Allgather(np.ascontiguousarray(array), gathered)
+    return gathered
+
+
+STRATEGIES = {
+    "default": {},
+    "unfused_allreduce": {"fuse_all_reduce_ops": False},
+    "hierarchical": {"use_hierarchical_allreduce": True},
+    "fused_kernels": {"build": {"fuse_elewise_add_act_ops": True,
+                                "fuse_all_optimizer_ops": True}},
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))
+def test_n_ranks_match_one_process(opt_name, strategy_name):
+    fleet.init(is_collective=True)
+    size, rank = fleet.worker_num(), fleet.worker_index()
+    settings = dict(STRATEGIES[strategy_name])
+    build = settings.pop("build", {})
+    strategy = fleet.DistributedStrategy()
+    for key, value in settings.items():
+        setattr(strategy, key, value)
+    strategy.build_strategy = build
+
+    backend.manual_seed(1 + rank)  # different initial weights per rank: the broadcast fixes them
+    model = make_model()
+    model = fleet.distributed_model(model)
+    backend.manual_seed(0)
+    wanted_start = make_model().state_dict()
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, world_gather(value)[0])
+    # rank 0 started from seed 1; the reference starts from seed 0: load seed 0's weights.
+    model.set_state_dict(wanted_start)
+
+    opt = fleet.distributed_optimizer(OPTIMIZERS[opt_name](model.parameters()), strategy)
+    loss_fn = nn.SoftmaxCrossEntropy()
+    share = GLOBAL_BATCH // size
+    assert share * size == GLOBAL_BATCH
+    for step in range(STEPS):
+        x, y = global_batch(step)
+        loss = opt.minimize(model, loss_fn, x[rank * share:(rank + 1) * share],
+                            y[rank * share:(rank + 1) * share])
+        assert loss.shape == ()
+
+    expected = reference_parameters(opt_name, build)
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-10, atol=1e-12,
+                                   err_msg=f"{name} on rank {rank} of {size}")
+        everywhere = world_gather(value)
+        assert all(np.array_equal(everywhere[0], other) for other in everywhere[1:]), name
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unsupported_strategy_is_refused():
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = make_model()
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    with pytest.raises(NotImplementedError, match="amp is enabled"):
+        fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()), strategy)
+
+
+def test_single_process_runs_without_communication():
+    fleet.init(is_collective=True)
+    assert fleet.worker_num() == 1
+    backend.manual_seed(0)
+    model = fleet.distributed_model(make_model())
+    opt = fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1,
+                                                    parameters=model.parameters()))
+    assert opt.hooks == []
+    x, y = global_batch(0)
+    first = float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y))
+    for _ in range(20):
+        last = float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y))
+    assert last < first
+
+
+def test_gradient_buckets_are_contiguous_slices():
+    backend.manual_seed(0)
+    model = make_model()
+    opt = optimizer.SGD(parameters=model.parameters())
+    per_param = plan_gradient_buckets(opt._runs, None)
+    assert len(per_param) == len(model.parameters())
+    small = plan_gradient_buckets(opt._runs, 16 * 12 * 8 + 12 * 8)
+    total = model.flat_buffers()[0].size
+    assert small[0].start == 0 and small[-1].stop == total
+    assert all(a.stop == b.start for a, b in zip(small, small[1:]))
+    assert all((b.stop - b.start) * 8 <= 16 * 12 * 8 + 12 * 8 or b.size == 1 for b in small)
+    assert 1 < len(small) < len(per_param)
+    (whole,) = plan_gradient_buckets(opt._runs, 1 << 20)
+    assert (whole.start, whole.stop) == (0, total)
