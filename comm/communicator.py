@@ -20,7 +20,7 @@ import numpy as np
 from .agreement import agree, describe_arrays, dtype_name
 from .barrier import barrier as dissemination_barrier
 from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
-from .compression import COMPRESSIONS, accumulate_dtypes, check_compression
+from .compression import COMPRESSIONS, accumulate_dtypes, check_compression, to_wire
 from .fusion import buckets_for
 from .hierarchical import allreduce_hierarchical
 from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
@@ -407,8 +407,9 @@ class Communicator:
             reduce_scatter_ring(transport, a, op, offsets, wire_dtype, self.chunk_bytes)
             finish_mean(a[lo:hi], op, self.size)
         self._run(0, ring, acc)
-        out = acc[lo:hi].astype(wire_dtype).astype(x.dtype)
-        return out.reshape(shape)
+        wire = xp.empty(hi - lo, wire_dtype)
+        to_wire(wire, acc[lo:hi])
+        return wire.astype(x.dtype).reshape(shape)
 
     def send(self, x, dest):
         """Send ``x`` to rank ``dest``; the matching ``recv`` checks dtype and shape."""

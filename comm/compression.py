@@ -45,3 +45,11 @@ def error_bound(abs_sum, nranks):
     rounds = nranks + 1
     return rounds * UNIT_ROUNDOFF * np.asarray(abs_sum) * (1 + UNIT_ROUNDOFF) ** rounds \
         + rounds * SUBNORMAL_STEP
+
+
+def to_wire(dst, src):
+    """Round ``src`` into the narrower ``dst``; values beyond float16's range become inf, as
+    documented, without NumPy's overflow warning."""
+    from .ops import array_module
+    with np.errstate(over="ignore"):
+        array_module(dst).copyto(dst, src, casting="unsafe")

@@ -38,22 +38,30 @@ def _address(a):
 
 
 def flat_view(arrays):
-    """A 1-D view spanning ``arrays`` if they are contiguous and adjacent in one allocation, else None."""
+    """A 1-D view spanning ``arrays`` if they are contiguous and adjacent in one allocation, else None.
+
+    Empty arrays take no memory (NumPy may give them any address), so they never break adjacency.
+    """
     first = arrays[0]
-    device = is_device_array(first)
+    if any(a.dtype != first.dtype for a in arrays):
+        return None
+    filled = [a for a in arrays if a.size]
+    if not filled:
+        return array_module(first).empty(0, first.dtype)
+    start = filled[0]
+    device = is_device_array(start)
     owner = (lambda a: a.data.mem) if device else _host_owner
-    expected = _address(first)
-    for a in arrays:
-        if (a.dtype != first.dtype or not a.flags.c_contiguous or _address(a) != expected
-                or owner(a) is not owner(first)):
+    expected = _address(start)
+    for a in filled:
+        if not a.flags.c_contiguous or _address(a) != expected or owner(a) is not owner(start):
             return None
         expected += a.nbytes
-    total = sum(a.size for a in arrays)
+    total = sum(a.size for a in filled)
     if device:
         import cupy
-        return cupy.ndarray((total,), first.dtype, memptr=first.data)
-    return np.lib.stride_tricks.as_strided(first.reshape(-1), shape=(total,),
-                                           strides=(first.itemsize,))
+        return cupy.ndarray((total,), start.dtype, memptr=start.data)
+    return np.lib.stride_tricks.as_strided(start.reshape(-1), shape=(total,),
+                                           strides=(start.itemsize,))
 
 
 class Bucket:

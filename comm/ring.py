@@ -13,7 +13,7 @@ same bits.
 """
 import numpy as np
 
-from .compression import accumulate_dtypes
+from .compression import accumulate_dtypes, to_wire
 from .ops import array_module, finish_mean, reduce_into
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -61,7 +61,7 @@ def reduce_scatter_ring(transport, acc, op, offsets, wire_dtype=None,
                 a, b = send_parts[k]
                 if cast:
                     sendbuf = send_tmp[:b - a]
-                    xp.copyto(sendbuf, acc[a:b], casting="unsafe")
+                    to_wire(sendbuf, acc[a:b])
                 else:
                     sendbuf = acc[a:b]
             if k < len(recv_parts):
@@ -99,7 +99,7 @@ def finish_through_wire(transport, buf, acc, offsets, wire_dtype):
             xp.copyto(buf, acc, casting="unsafe")
         return
     wire = xp.empty(buf.size, wire_dtype)
-    xp.copyto(wire[lo:hi], acc[lo:hi], casting="unsafe")
+    to_wire(wire[lo:hi], acc[lo:hi])
     allgather_ring(transport, wire, offsets)
     xp.copyto(buf, wire, casting="unsafe")
 

@@ -1,0 +1,156 @@
+"""Every collective algorithm against the native MPI result and single-process math, at any world size."""
+import numpy as np
+import pytest
+
+from comm_support import all_data, rank_data, single_process, small_chunks, tolerance, world
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+OPS = ["sum", "mean", "max", "min"]
+
+
+def sizes(p):
+    """Element counts around the world size (not multiples of it, smaller than it) and larger."""
+    return sorted({0, 1, p - 1, p + 1, 3 * p + 2, 257})
+
+
+def algorithms(comm):
+    names = ["ring", "hierarchical"]
+    if comm.topology.local_size == comm.size:
+        names.append("shm")
+    return names
+
+
+def check_close(got, want, dtype, size):
+    assert got.dtype == np.dtype(dtype)
+    if np.dtype(dtype).kind == "f":
+        rtol, atol = tolerance(dtype, size)
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
+                                   atol=atol)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_matches_native_and_single_process(dtype):
+    comm = small_chunks()
+    for case, n in enumerate(sizes(comm.size)):
+        stack = all_data(comm.size, n, dtype, case)
+        x = stack[comm.rank]
+        for op in OPS:
+            native = comm.allreduce(x, op=op, algorithm="native")
+            expected = single_process(stack, op)
+            check_close(native, expected, dtype, comm.size)
+            for algorithm in algorithms(comm):
+                got = comm.allreduce(x, op=op, algorithm=algorithm)
+                assert got.shape == x.shape
+                check_close(got, expected, dtype, comm.size)
+                if op in ("max", "min") or np.dtype(dtype).kind == "i":
+                    np.testing.assert_array_equal(got, native)
+        np.testing.assert_array_equal(x, stack[comm.rank])
+
+
+@pytest.mark.mpi
+def test_allreduce_results_are_identical_on_every_rank():
+    comm = small_chunks()
+    for algorithm in algorithms(comm) + [None]:
+        x = rank_data(comm.rank, 1001, np.float32, case=7)
+        got = comm.allreduce(x, algorithm=algorithm)
+        everyone = comm.allgather(got, algorithm="native")
+        for r in range(comm.size):
+            np.testing.assert_array_equal(everyone[r], got)
+
+
+@pytest.mark.mpi
+def test_allreduce_default_algorithm_on_large_and_small_arrays():
+    comm = world()
+    for n in (5, 300_000):
+        stack = all_data(comm.size, n, np.float64, case=n)
+        got = comm.allreduce(stack[comm.rank])
+        np.testing.assert_allclose(got, stack.sum(axis=0), rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.mpi
+def test_allreduce_keeps_shape_of_multidimensional_input():
+    comm = world()
+    x = rank_data(comm.rank, 24, np.float64).reshape(2, 3, 4)
+    got = comm.allreduce(x, algorithm="ring", op="max")
+    want = np.max([rank_data(r, 24, np.float64).reshape(2, 3, 4) for r in range(comm.size)],
+                  axis=0)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", [None, "tree", "chain", "native"])
+def test_broadcast_from_every_root(algorithm):
+    comm = small_chunks()
+    for root in range(comm.size):
+        for n in (0, 1, 3 * comm.size + 1, 2000):
+            x = rank_data(comm.rank, n, np.float32, case=root)
+            got = comm.broadcast(x, root=root, algorithm=algorithm)
+            np.testing.assert_array_equal(got, rank_data(root, n, np.float32, case=root))
+            np.testing.assert_array_equal(x, rank_data(comm.rank, n, np.float32, case=root))
+
+
+@pytest.mark.mpi
+def test_broadcast_chain_of_a_large_buffer():
+    comm = world()
+    n = 200_000
+    x = rank_data(comm.rank, n, np.float64, case=3)
+    got = comm.broadcast(x, root=comm.size - 1, algorithm="chain")
+    np.testing.assert_array_equal(got, rank_data(comm.size - 1, n, np.float64, case=3))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float16, np.int64, np.int32])
+@pytest.mark.parametrize("algorithm", [None, "ring", "native"])
+def test_allgather_stacks_every_rank(algorithm, dtype):
+    comm = small_chunks()
+    for n in (0, 1, 37):
+        x = rank_data(comm.rank, n, dtype).reshape(1, n)
+        got = comm.allgather(x, algorithm=algorithm)
+        assert got.shape == (comm.size, 1, n)
+        for r in range(comm.size):
+            np.testing.assert_array_equal(got[r], rank_data(r, n, dtype).reshape(1, n))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("algorithm", [None, "native"])
+def test_reduce_scatter_gives_this_ranks_block(algorithm, dtype):
+    comm = small_chunks()
+    for rows in (0, 1, comm.size + 1, 10):
+        stack = all_data(comm.size, rows * 3, dtype, case=rows)
+        x = stack[comm.rank].reshape(rows, 3)
+        for op in OPS:
+            got = comm.reduce_scatter(x, op=op, algorithm=algorithm)
+            want = np.array_split(single_process(stack, op).reshape(rows, 3), comm.size)[comm.rank]
+            assert got.shape == want.shape
+            check_close(got, want, dtype, comm.size)
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_then_allgather_equals_allreduce():
+    comm = small_chunks()
+    x = rank_data(comm.rank, 4 * comm.size, np.float32, case=11)
+    blocks = comm.allgather(comm.reduce_scatter(x))
+    np.testing.assert_array_equal(blocks.reshape(-1), comm.allreduce(x, algorithm="ring"))
+
+
+@pytest.mark.mpi
+def test_barrier_and_send_recv_around_the_ring():
+    comm = world()
+    comm.barrier()
+    if comm.size == 1:
+        return
+    x = rank_data(comm.rank, 50, np.int64)
+    out = np.empty_like(x)
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if comm.rank % 2 == 0:
+        comm.send(x, right)
+        comm.recv(out, left)
+    else:
+        comm.recv(out, left)
+        comm.send(x, right)
+    np.testing.assert_array_equal(out, rank_data(left, 50, np.int64))
+    comm.barrier()
