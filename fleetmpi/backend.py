@@ -1,7 +1,10 @@
 """The array backend: CuPy on a usable CUDA device, NumPy otherwise, and the random generators.
 
 ``FLEETMPI_DEVICE=cpu|gpu`` forces one; unset, a GPU is used when CuPy imports and sees a device.
-One rank drives one device, ``local_rank % device_count``.
+One rank drives one device, ``local_rank % device_count``. On CPU the ranks of a node share its
+cores: each limits its BLAS to ``cores // ranks on the node`` threads (``FLEETMPI_NUM_THREADS``
+overrides; ``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS``/``MKL_NUM_THREADS`` set by the user are
+left alone), since oversubscribed BLAS threads make every rank many times slower.
 
 Randomness comes in two kinds. Initial weights must be the same on every rank, so they are drawn
 on the host from ``shared_rng`` (seeded by the seed alone; the same on CPU and GPU). Dropout masks
@@ -14,8 +17,13 @@ import numpy as np
 
 DEVICE_ENV = "FLEETMPI_DEVICE"
 DEVICES = ("cpu", "gpu")
+THREADS_ENV = "FLEETMPI_NUM_THREADS"
+_USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Launchers' names for the number of ranks on this node, for use before fleet.init().
+_LOCAL_SIZE_ENVS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 _xp = None
+_thread_limit = None
 _seed = 0
 _shared_rng = None
 _rank_rng = None
@@ -58,6 +66,50 @@ def _import_cupy(required):
     return cupy
 
 
+def _ranks_on_node():
+    from . import world
+
+    try:
+        return world.local_size()
+    except RuntimeError:
+        pass
+    for name in _LOCAL_SIZE_ENVS:
+        text = os.environ.get(name, "")
+        if text.isdigit() and int(text) > 0:
+            return int(text)
+    return 1
+
+
+def cpu_threads():
+    """The BLAS thread count this rank should use, or None to leave the user's setting."""
+    text = os.environ.get(THREADS_ENV, "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{THREADS_ENV}={text!r} must be a positive integer")
+        return int(text)
+    if any(os.environ.get(name) for name in _USER_THREAD_ENVS):
+        return None
+    return max(1, (os.cpu_count() or 1) // _ranks_on_node())
+
+
+def limit_cpu_threads():
+    """Apply ``cpu_threads()`` to the BLAS NumPy uses (through threadpoolctl, when installed)."""
+    global _thread_limit
+    threads = cpu_threads()
+    if threads is None:
+        return None
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        from .log import logger
+
+        logger.warning("threadpoolctl is not installed, so BLAS threads are not limited to %d "
+                       "per rank; set OMP_NUM_THREADS or pip install threadpoolctl", threads)
+        return None
+    _thread_limit = threadpool_limits(limits=threads, user_api="blas")
+    return threads
+
+
 def array_module():
     """The array module every layer computes with (``cupy`` or ``numpy``), chosen once."""
     global _xp
@@ -65,6 +117,8 @@ def array_module():
         device = requested_device()
         cupy = None if device == "cpu" else _import_cupy(required=device == "gpu")
         _xp = cupy if cupy is not None else np
+        if _xp is np:
+            limit_cpu_threads()
     return _xp
 
 

@@ -142,3 +142,19 @@ def test_gradient_buckets_are_contiguous_slices():
     assert 1 < len(small) < len(per_param)
     (whole,) = plan_gradient_buckets(opt._runs, 1 << 20)
     assert (whole.start, whole.stop) == (0, total)
+
+
+def test_digits_example_reaches_97_percent_at_two_ranks():
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+    result = subprocess.run([mpiexec, "-n", "2", sys.executable,
+                             os.path.join(root, "examples", "train_digits.py"),
+                             "--min-accuracy", "0.97"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "test accuracy" in result.stdout and "samples/s" in result.stdout
