@@ -89,7 +89,7 @@ def test_fusion_switches_off_again():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 @pytest.mark.parametrize("filename", ["bias_act.cu", "bn_act.cu", "optimizer.cu"])
 def test_kernel_sources_compile(filename, tmp_path):
-    result = subprocess.run(["nvcc", "--std=c++14", "-ptx", "-o", str(tmp_path / "k.ptx"),
+    result = subprocess.run(["nvcc", "--std=c++17", "-ptx", "-o", str(tmp_path / "k.ptx"),
                              loader.source_path(filename)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     ptx = (tmp_path / "k.ptx").read_text()
