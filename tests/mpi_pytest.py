@@ -2,8 +2,9 @@
 
 Each rank's pytest output goes to its own log file; afterwards rank 0's log is printed whole,
 and any other rank's log is printed whole too if that rank failed or never finished, so a
-failure on one rank is never hidden. A hung test is ended by pytest-timeout, which takes the
-job down with it; the whole run is bounded by ``--job-timeout`` seconds as a last resort.
+failure on one rank is never hidden. Failures are written as they happen (pytest-instafail), so
+they survive a hung test, which pytest-timeout ends by taking the job down with it; the whole run
+is bounded by ``--job-timeout`` seconds as a last resort.
 
     python tests/mpi_pytest.py -n 4 [-- pytest args]
 """
@@ -31,7 +32,8 @@ def rank_main(log_dir, pytest_args):
     import pytest
 
     code = pytest.main(["--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider",
-                        "--timeout=300", "--timeout-method=thread", HERE] + pytest_args)
+                        "--instafail", "--timeout=300", "--timeout-method=thread", HERE]
+                       + pytest_args)
     with open(os.path.join(log_dir, f"rank-{rank}.rc"), "w") as f:
         f.write(str(int(code)))
     return int(code)
