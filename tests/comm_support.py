@@ -3,7 +3,10 @@
 Every rank builds its inputs from a seed that names the rank, so each rank can also build every
 other rank's inputs and compute the single-process result itself.
 """
+import contextlib
+
 import numpy as np
+import pytest
 
 import fleetmpi as fleet
 from fleetmpi.comm import Communicator, get_communicator
@@ -57,3 +60,51 @@ def tolerance(dtype, size):
     eps = {np.float16: 2.0 ** -11, np.float32: 2.0 ** -24, np.float64: 2.0 ** -53}
     u = eps.get(np.dtype(dtype).type, 0.0)
     return 4 * size * u, 40 * size * u
+
+
+# Checks that fail on every rank at once. A check that failed on one rank only would send that
+# rank to the next test while the others go on calling collectives, and the job would hang;
+# these helpers share every verdict over MPI.COMM_WORLD so all ranks fail at the same line.
+
+def _verdict(error):
+    from mpi4py import MPI
+
+    flags = np.empty(MPI.COMM_WORLD.Get_size(), dtype=np.int32)
+    MPI.COMM_WORLD.Allgather(np.array([error is not None], dtype=np.int32), flags)
+    if error is not None:
+        raise error
+    failed = np.flatnonzero(flags)
+    if failed.size:
+        raise AssertionError(f"rank(s) {', '.join(map(str, failed))} failed this check")
+
+
+def _shared(check):
+    def run(*args, **kwargs):
+        error = None
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:
+            error = exc
+        _verdict(error)
+    return run
+
+
+equal = _shared(np.testing.assert_array_equal)
+close = _shared(np.testing.assert_allclose)
+
+
+@_shared
+def ok(condition, message=""):
+    assert condition, message
+
+
+@contextlib.contextmanager
+def raises(exception, match=None):
+    """``pytest.raises`` whose outcome every rank learns."""
+    error = None
+    try:
+        with pytest.raises(exception, match=match):
+            yield
+    except BaseException as exc:  # pytest's "DID NOT RAISE" is not an Exception
+        error = exc
+    _verdict(error)

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from comm_support import all_data, rank_data, single_process, small_chunks, tolerance, world
+from comm_support import (all_data, close, equal, ok, rank_data,
+                          single_process, small_chunks, tolerance, world)
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 OPS = ["sum", "mean", "max", "min"]
@@ -21,13 +22,13 @@ def algorithms(comm):
 
 
 def check_close(got, want, dtype, size):
-    assert got.dtype == np.dtype(dtype)
+    ok(got.dtype == np.dtype(dtype))
     if np.dtype(dtype).kind == "f":
         rtol, atol = tolerance(dtype, size)
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
+        close(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
                                    atol=atol)
     else:
-        np.testing.assert_array_equal(got, want)
+        equal(got, want)
 
 
 @pytest.mark.mpi
@@ -43,11 +44,11 @@ def test_allreduce_matches_native_and_single_process(dtype):
             check_close(native, expected, dtype, comm.size)
             for algorithm in algorithms(comm):
                 got = comm.allreduce(x, op=op, algorithm=algorithm)
-                assert got.shape == x.shape
+                ok(got.shape == x.shape)
                 check_close(got, expected, dtype, comm.size)
                 if op in ("max", "min") or np.dtype(dtype).kind == "i":
-                    np.testing.assert_array_equal(got, native)
-        np.testing.assert_array_equal(x, stack[comm.rank])
+                    equal(got, native)
+        equal(x, stack[comm.rank])
 
 
 @pytest.mark.mpi
@@ -58,7 +59,7 @@ def test_allreduce_results_are_identical_on_every_rank():
         got = comm.allreduce(x, algorithm=algorithm)
         everyone = comm.allgather(got, algorithm="native")
         for r in range(comm.size):
-            np.testing.assert_array_equal(everyone[r], got)
+            equal(everyone[r], got)
 
 
 @pytest.mark.mpi
@@ -67,7 +68,7 @@ def test_allreduce_default_algorithm_on_large_and_small_arrays():
     for n in (5, 300_000):
         stack = all_data(comm.size, n, np.float64, case=n)
         got = comm.allreduce(stack[comm.rank])
-        np.testing.assert_allclose(got, stack.sum(axis=0), rtol=1e-12, atol=1e-9)
+        close(got, stack.sum(axis=0), rtol=1e-12, atol=1e-9)
 
 
 @pytest.mark.mpi
@@ -77,7 +78,7 @@ def test_allreduce_keeps_shape_of_multidimensional_input():
     got = comm.allreduce(x, algorithm="ring", op="max")
     want = np.max([rank_data(r, 24, np.float64).reshape(2, 3, 4) for r in range(comm.size)],
                   axis=0)
-    np.testing.assert_array_equal(got, want)
+    equal(got, want)
 
 
 @pytest.mark.mpi
@@ -88,8 +89,8 @@ def test_broadcast_from_every_root(algorithm):
         for n in (0, 1, 3 * comm.size + 1, 2000):
             x = rank_data(comm.rank, n, np.float32, case=root)
             got = comm.broadcast(x, root=root, algorithm=algorithm)
-            np.testing.assert_array_equal(got, rank_data(root, n, np.float32, case=root))
-            np.testing.assert_array_equal(x, rank_data(comm.rank, n, np.float32, case=root))
+            equal(got, rank_data(root, n, np.float32, case=root))
+            equal(x, rank_data(comm.rank, n, np.float32, case=root))
 
 
 @pytest.mark.mpi
@@ -98,7 +99,7 @@ def test_broadcast_chain_of_a_large_buffer():
     n = 200_000
     x = rank_data(comm.rank, n, np.float64, case=3)
     got = comm.broadcast(x, root=comm.size - 1, algorithm="chain")
-    np.testing.assert_array_equal(got, rank_data(comm.size - 1, n, np.float64, case=3))
+    equal(got, rank_data(comm.size - 1, n, np.float64, case=3))
 
 
 @pytest.mark.mpi
@@ -109,9 +110,9 @@ def test_allgather_stacks_every_rank(algorithm, dtype):
     for n in (0, 1, 37):
         x = rank_data(comm.rank, n, dtype).reshape(1, n)
         got = comm.allgather(x, algorithm=algorithm)
-        assert got.shape == (comm.size, 1, n)
+        ok(got.shape == (comm.size, 1, n))
         for r in range(comm.size):
-            np.testing.assert_array_equal(got[r], rank_data(r, n, dtype).reshape(1, n))
+            equal(got[r], rank_data(r, n, dtype).reshape(1, n))
 
 
 @pytest.mark.mpi
@@ -125,7 +126,7 @@ def test_reduce_scatter_gives_this_ranks_block(algorithm, dtype):
         for op in OPS:
             got = comm.reduce_scatter(x, op=op, algorithm=algorithm)
             want = np.array_split(single_process(stack, op).reshape(rows, 3), comm.size)[comm.rank]
-            assert got.shape == want.shape
+            ok(got.shape == want.shape)
             check_close(got, want, dtype, comm.size)
 
 
@@ -134,7 +135,7 @@ def test_reduce_scatter_then_allgather_equals_allreduce():
     comm = small_chunks()
     x = rank_data(comm.rank, 4 * comm.size, np.float32, case=11)
     blocks = comm.allgather(comm.reduce_scatter(x))
-    np.testing.assert_array_equal(blocks.reshape(-1), comm.allreduce(x, algorithm="ring"))
+    equal(blocks.reshape(-1), comm.allreduce(x, algorithm="ring"))
 
 
 @pytest.mark.mpi
@@ -152,5 +153,5 @@ def test_barrier_and_send_recv_around_the_ring():
     else:
         comm.recv(out, left)
         comm.send(x, right)
-    np.testing.assert_array_equal(out, rank_data(left, 50, np.int64))
+    equal(out, rank_data(left, 50, np.int64))
     comm.barrier()

@@ -4,7 +4,7 @@ import pytest
 
 from fleetmpi.comm.compression import error_bound
 
-from comm_support import all_data, small_chunks, world
+from comm_support import all_data, equal, ok, raises, small_chunks, world
 
 
 def algorithms(comm):
@@ -21,12 +21,12 @@ def test_fp16_error_stays_within_the_documented_bound(dtype):
         bound = error_bound(np.abs(stack.astype(np.float64)).sum(axis=0), comm.size)
         for algorithm in algorithms(comm):
             got = comm.allreduce(stack[comm.rank], algorithm=algorithm, compression="fp16")
-            assert got.dtype == np.dtype(dtype)
+            ok(got.dtype == np.dtype(dtype))
             error = np.abs(got.astype(np.float64) - exact)
-            assert np.all(error <= bound), (algorithm, scale, float(np.max(error / bound)))
+            ok(np.all(error <= bound), (algorithm, scale, float(np.max(error / bound))))
             if comm.size > 1:
                 # Really rounded through float16: the results are float16 values.
-                np.testing.assert_array_equal(got, got.astype(np.float16).astype(dtype))
+                equal(got, got.astype(np.float16).astype(dtype))
 
 
 @pytest.mark.mpi
@@ -37,11 +37,11 @@ def test_fp16_mean_and_float16_inputs():
     bound = error_bound(np.abs(stack.astype(np.float64)).sum(axis=0), comm.size)
     for compression in (None, "fp16"):
         got = comm.allreduce(stack[comm.rank], compression=compression, algorithm="ring")
-        assert got.dtype == np.float16
-        assert np.all(np.abs(got.astype(np.float64) - exact) <= bound)
+        ok(got.dtype == np.float16)
+        ok(np.all(np.abs(got.astype(np.float64) - exact) <= bound))
         mean = comm.allreduce(stack[comm.rank], op="mean", compression=compression)
-        assert np.all(np.abs(mean.astype(np.float64) - exact / comm.size)
-                      <= bound / comm.size + 2.0 ** -24)
+        ok(np.all(np.abs(mean.astype(np.float64) - exact / comm.size)
+                      <= bound / comm.size + 2.0 ** -24))
 
 
 @pytest.mark.mpi
@@ -52,7 +52,7 @@ def test_fp16_results_are_bit_identical_on_every_rank():
         got = comm.allreduce(stack[comm.rank], algorithm=algorithm, compression="fp16")
         everyone = comm.allgather(got, algorithm="native")
         for r in range(comm.size):
-            np.testing.assert_array_equal(everyone[r].view(np.uint32), got.view(np.uint32))
+            equal(everyone[r].view(np.uint32), got.view(np.uint32))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -63,19 +63,19 @@ def test_fp16_overflow_is_inf_on_every_rank():
     x[2] = 1.0
     for algorithm in ("ring", "hierarchical"):
         got = comm.allreduce(x, algorithm=algorithm, compression="fp16")
-        assert np.isposinf(got[0]) and np.isneginf(got[1])
-        assert got[2] == comm.size
+        ok(np.isposinf(got[0]) and np.isneginf(got[1]))
+        ok(got[2] == comm.size)
         everyone = comm.allgather(got, algorithm="native")
         for r in range(comm.size):
-            np.testing.assert_array_equal(everyone[r].view(np.uint32), got.view(np.uint32))
+            equal(everyone[r].view(np.uint32), got.view(np.uint32))
 
 
 @pytest.mark.mpi
 def test_fp16_with_integers_or_native_is_refused_on_every_rank():
     comm = world()
-    with pytest.raises(TypeError, match="floating-point arrays, not int32"):
+    with raises(TypeError, match="floating-point arrays, not int32"):
         comm.allreduce(np.ones(3, np.int32), compression="fp16")
-    with pytest.raises(ValueError, match="needs algorithm 'ring' or 'hierarchical'"):
+    with raises(ValueError, match="needs algorithm 'ring' or 'hierarchical'"):
         comm.allreduce(np.ones(3, np.float32), compression="fp16", algorithm="native")
-    with pytest.raises(ValueError, match="compression='bf16' is not known"):
+    with raises(ValueError, match="compression='bf16' is not known"):
         comm.allreduce(np.ones(3, np.float32), compression="bf16")

@@ -5,7 +5,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi.comm import Communicator, Topology
 
-from comm_support import all_data, single_process, tolerance
+from comm_support import all_data, close, equal, ok, raises, single_process, tolerance
 
 
 def emulated_nodes(monkeypatch, local_size):
@@ -26,8 +26,8 @@ def test_two_emulated_nodes_at_four_ranks(monkeypatch):
         pytest.fail("this test needs an even number of ranks")
     comm, topology = emulated_nodes(monkeypatch, 2)
     try:
-        assert topology.num_nodes == comm.size // 2
-        assert topology.local_size == 2
+        ok(topology.num_nodes == comm.size // 2)
+        ok(topology.local_size == 2)
         for case, n in enumerate((1, 3, 5, 1000)):
             for dtype in (np.float32, np.float64, np.int64, np.float16):
                 stack = all_data(comm.size, n, dtype, case)
@@ -37,15 +37,15 @@ def test_two_emulated_nodes_at_four_ranks(monkeypatch):
                     want = single_process(stack, op)
                     if np.dtype(dtype).kind == "f":
                         rtol, atol = tolerance(dtype, comm.size)
-                        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol,
+                        close(got.astype(np.float64), want, rtol=rtol,
                                                    atol=atol)
-                        np.testing.assert_allclose(got.astype(np.float64),
+                        close(got.astype(np.float64),
                                                    native.astype(np.float64), rtol=rtol,
                                                    atol=atol)
                     else:
-                        np.testing.assert_array_equal(got, want)
-                        np.testing.assert_array_equal(got, native)
-        with pytest.raises(ValueError, match="one node"):
+                        equal(got, want)
+                        equal(got, native)
+        with raises(ValueError, match="one node"):
             comm.allreduce(np.ones(3), algorithm="shm")
     finally:
         comm.free()
@@ -62,9 +62,9 @@ def test_every_inter_nranks_group_size():
         try:
             stack = all_data(comm.size, 41, np.float64, case=k)
             got = comm.allreduce(stack[comm.rank], op="mean")
-            np.testing.assert_allclose(got, stack.mean(axis=0), rtol=1e-13, atol=1e-13)
+            close(got, stack.mean(axis=0), rtol=1e-13, atol=1e-13)
             ints = all_data(comm.size, 41, np.int32, case=k)
-            np.testing.assert_array_equal(comm.allreduce(ints[comm.rank]), ints.sum(axis=0))
+            equal(comm.allreduce(ints[comm.rank]), ints.sum(axis=0))
         finally:
             comm.free()
 
@@ -73,5 +73,5 @@ def test_every_inter_nranks_group_size():
 def test_inter_nranks_must_divide_world_size():
     fleet.init()
     topology = fleet.world.topology()
-    with pytest.raises(ValueError, match=f"must divide the world size {topology.size}"):
+    with raises(ValueError, match=f"must divide the world size {topology.size}"):
         Communicator(topology, hierarchical_allreduce_inter_nranks=topology.size + 1)
