@@ -239,7 +239,7 @@ class Communicator:
             shm = self._shared_memory()
 
             def fn(b):
-                shm.allreduce(b, op)
+                shm.allreduce(b, b, op)
         else:
             def fn(b):
                 transport.native_allreduce(b, op)
@@ -263,22 +263,39 @@ class Communicator:
 
     # collectives
 
-    def allreduce(self, x, op="sum", algorithm=None, compression=None):
-        """The elementwise reduction of ``x`` over all ranks, as a new array.
+    def allreduce(self, x, op="sum", algorithm=None, compression=None, out=None):
+        """The elementwise reduction of ``x`` over all ranks, as a new array (or in ``out``).
 
         ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (integer means round down).
         ``algorithm``: ``"ring"``, ``"hierarchical"``, ``"native"`` (the MPI/NCCL library's
         own), ``"shm"`` (shared memory, one node only) or None to pick by size and topology.
         ``compression="fp16"``: float16 on the wire, see ``fleetmpi.comm.compression``.
+        ``out``: a C-contiguous array of ``x``'s shape and dtype to write the result into
+        (``x`` itself for an in-place reduction); saves allocating the result on every call.
         """
-        problem = _capture(lambda: (self._check_array(x),
-                                    self._check_allreduce([x.dtype], op, algorithm, compression)))
+        def check():
+            self._check_array(x)
+            self._check_allreduce([x.dtype], op, algorithm, compression)
+            if out is not None:
+                self._check_array(out, "out", writable=True)
+                if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
+                    raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape "
+                                     f"{x.shape}, not {out.dtype} {out.shape}"
+                                     f"{'' if out.flags.c_contiguous else ' (strided)'}")
+        problem = _capture(check)
         self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
                     compression=compression)
         xp = array_module(x)
-        buf = xp.array(x, order="C", copy=True).reshape(-1)
-        self._allreduce_flat(buf, op, algorithm, compression, 0)
-        return buf.reshape(x.shape)
+        result = xp.empty(x.shape, x.dtype) if out is None else out
+        flat = result.reshape(-1)
+        algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
+        if algorithm == "shm" and not is_device_array(x) and x.flags.c_contiguous:
+            self._shared_memory().allreduce(x.reshape(-1), flat, op)
+            return result
+        if result is not x:
+            xp.copyto(result, x)
+        self._allreduce_flat(flat, op, algorithm, compression, 0)
+        return result
 
     def allreduce_many(self, arrays, op="sum", algorithm=None, compression=None,
                        fuse_grad_size_in_MB=None):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from comm_support import (all_data, close, equal, ok, rank_data,
+from comm_support import (all_data, close, equal, ok, raises, rank_data,
                           single_process, small_chunks, tolerance, world)
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
@@ -155,3 +155,44 @@ def test_barrier_and_send_recv_around_the_ring():
         comm.send(x, right)
     equal(out, rank_data(left, 50, np.int64))
     comm.barrier()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int32])
+def test_shared_memory_allreduce_over_many_small_chunks(dtype):
+    from mpi4py import MPI
+
+    from fleetmpi.comm.shm import SharedMemoryAllreduce
+
+    shm = SharedMemoryAllreduce(MPI.COMM_WORLD.Dup(), chunk_bytes=64)
+    try:
+        size, rank = shm.size, shm.rank
+        for n in (1, size + 1, 333):
+            stack = all_data(size, n, dtype, case=n)
+            for op in ("sum", "mean", "max"):
+                out = np.empty(n, dtype)
+                shm.allreduce(stack[rank], out, op)
+                check_close(out, single_process(stack, op), dtype, size)
+                everyone = np.empty((size, n), dtype)
+                MPI.COMM_WORLD.Allgather(out, everyone)
+                equal(everyone, np.broadcast_to(out, (size, n)))
+    finally:
+        shm.free()
+        shm.comm.Free()
+
+
+@pytest.mark.mpi
+def test_allreduce_into_out_and_in_place():
+    comm = world()
+    stack = all_data(comm.size, 1000, np.float64, case=21)
+    for algorithm in algorithms(comm) + ["native"]:
+        out = np.empty(1000)
+        got = comm.allreduce(stack[comm.rank], algorithm=algorithm, out=out)
+        ok(got is out)
+        close(out, stack.sum(axis=0), rtol=1e-12)
+        x = stack[comm.rank].copy()
+        comm.allreduce(x, op="max", algorithm=algorithm, out=x)
+        equal(x, stack.max(axis=0))
+    with raises(ValueError, match=r"out must be a C-contiguous float64 array of shape \(1000,\), "
+                                  r"not float32 \(1000,\)"):
+        comm.allreduce(stack[comm.rank], out=np.empty(1000, np.float32))
