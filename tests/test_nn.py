@@ -8,12 +8,7 @@ from fleetmpi.nn.gradcheck import check_gradients
 TOLERANCE = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def float64_layers():
-    nn.set_default_dtype("float64")
-    backend.manual_seed(0)
-    yield
-    nn.set_default_dtype("float32")
+pytestmark = pytest.mark.usefixtures("float64_layers")
 
 
 def rand(*shape, seed=0):

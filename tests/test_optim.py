@@ -8,12 +8,7 @@ from fleetmpi import backend, nn, optimizer
 from fleetmpi.optimizer import lr
 
 
-@pytest.fixture(autouse=True)
-def float64_layers():
-    nn.set_default_dtype("float64")
-    backend.manual_seed(0)
-    yield
-    nn.set_default_dtype("float32")
+pytestmark = pytest.mark.usefixtures("float64_layers")
 
 
 def model_with_grads(seed=1):
