@@ -12,7 +12,7 @@ from .optimizer import Optimizer, StepContext, StepHook, run_step
 # Strategies whose hooks are not part of this trainer yet; enabling one must not be ignored.
 UNSUPPORTED_STRATEGIES = ("amp", "recompute", "pipeline", "gradient_merge", "lars", "lamb",
                           "localsgd", "adaptive_localsgd", "dgc", "fp16_allreduce", "sharding",
-                          "auto")
+                          "sync_batch_norm", "auto")
 
 
 def _world_communicator(communicator):
@@ -84,8 +84,9 @@ def plan_gradient_buckets(runs, bucket_bytes):
 class GradientAllreduce(StepHook):
     """Averages gradients over the ranks: each bucket, a slice of a flat gradient buffer, is
     allreduced in place (``op="mean"``; the communicator picks the algorithm, hierarchical when
-    the strategy asks for it) as soon as backward has reported all its parameters; buckets never reported (parameters that got no
-    gradient this step) are reduced in the reduce stage, in buffer order."""
+    the strategy asks for it) as soon as backward has reported all its parameters. Buckets
+    never reported (parameters that got no gradient this step) are reduced in the reduce
+    stage, in buffer order."""
 
     def __init__(self, communicator, optimizer, strategy):
         self.communicator = communicator

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi import backend, nn, optimizer, parallel
 from fleetmpi.parallel import plan_gradient_buckets
 
 GLOBAL_BATCH = 24
@@ -103,13 +103,14 @@ def test_n_ranks_match_one_process(opt_name, strategy_name):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_unsupported_strategy_is_refused():
+@pytest.mark.parametrize("name", parallel.UNSUPPORTED_STRATEGIES)
+def test_unsupported_strategy_is_refused(name):
     fleet.init(is_collective=True)
     backend.manual_seed(0)
     model = make_model()
     strategy = fleet.DistributedStrategy()
-    strategy.amp = True
-    with pytest.raises(NotImplementedError, match="amp is enabled"):
+    setattr(strategy, name, True)
+    with pytest.raises(NotImplementedError, match=f"{name} is enabled"):
         fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()), strategy)
 
 
