@@ -3,6 +3,13 @@
 // Layout (N, C, inner): element i belongs to channel (i / inner) % C.
 // act: 0 = relu, 1 = tanh, 2 = gelu (tanh approximation).
 
+// nvcc and NVRTC provide tanh overloaded for float and double; a host build of this file (the
+// kernel checks in tests/cuda_host.py) takes the same overloads from <cmath>.
+#if !defined(__CUDACC__) && !defined(__CUDACC_RTC__)
+#include <cmath>
+using std::tanh;
+#endif
+
 #define GELU_K 0.7978845608028654
 #define GELU_C 0.044715
 

@@ -3,6 +3,13 @@
 // Scalars arrive in the buffer's dtype; Adam's bias corrections are folded into lr_t and eps_t
 // on the host (lr_t = lr * sqrt(1 - beta2^t) / (1 - beta1^t), eps_t = eps * sqrt(1 - beta2^t)).
 
+// nvcc and NVRTC provide sqrt overloaded for float and double; a host build of this file (the
+// kernel checks in tests/cuda_host.py) takes the same overloads from <cmath>.
+#if !defined(__CUDACC__) && !defined(__CUDACC_RTC__)
+#include <cmath>
+using std::sqrt;
+#endif
+
 #define DEFINE_OPTIMIZER(T, SUFFIX)                                                       \
 extern "C" __global__ void sgd_update_##SUFFIX(                                           \
         T* param, const T* grad, long long n, T lr, T weight_decay) {                     \
