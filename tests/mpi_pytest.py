@@ -32,7 +32,8 @@ def rank_main(log_dir, pytest_args):
     import pytest
 
     code = pytest.main(["--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider",
-                        "--instafail", "--timeout=300", "--timeout-method=thread", HERE]
+                        "--instafail", "--timeout=300", "--timeout-method=thread",
+                        f"--basetemp={os.path.join(log_dir, f'rank-{rank}-tmp')}", HERE]
                        + pytest_args)
     with open(os.path.join(log_dir, f"rank-{rank}.rc"), "w") as f:
         f.write(str(int(code)))
