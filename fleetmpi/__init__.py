@@ -4,8 +4,10 @@
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
 """
+from . import nn, optimizer
 from .config_message import ConfigError
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
+from .parallel import distributed_model, distributed_optimizer
 from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
                     node_num, worker_index, worker_num)
 
@@ -13,9 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
-    "barrier_worker", "init", "is_first_worker", "local_rank", "local_size", "node_index",
-    "node_num", "worker_index", "worker_num",
+    "barrier_worker", "distributed_model", "distributed_optimizer", "init", "is_first_worker",
+    "local_rank", "local_size", "nn", "node_index", "node_num", "optimizer", "worker_index",
+    "worker_num",
 ]
-from . import nn, optimizer
-from .parallel import distributed_model, distributed_optimizer
-__all__ += ["distributed_model", "distributed_optimizer", "nn", "optimizer"]
