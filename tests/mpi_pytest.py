@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 
+from fleetmpi.launch.mpi_command import local_command
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -40,25 +42,9 @@ def rank_main(log_dir, pytest_args):
     return int(code)
 
 
-def mpiexec_command(n):
-    """``mpiexec -n N`` of the MPI beside this Python (the registry wheel in a venv), with
-    the flags Open MPI needs to put more ranks than cores on a small machine, as root."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    mpiexec = beside if os.path.exists(beside) else shutil.which("mpiexec")
-    if mpiexec is None:
-        raise SystemExit("no mpiexec found: pip install -e '.[test]' brings MPICH")
-    version = subprocess.run([mpiexec, "--version"], capture_output=True, text=True).stdout
-    cmd = [mpiexec, "-n", str(n)]
-    if "Open MPI" in version or "OpenRTE" in version:
-        cmd.append("--oversubscribe")
-        if os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-    return cmd
-
-
 def launcher_main(n, job_timeout, pytest_args):
     log_dir = tempfile.mkdtemp(prefix=f"fleetmpi-tests-{n}-")
-    cmd = mpiexec_command(n) + [sys.executable, os.path.abspath(__file__),
+    cmd = local_command(n) + [sys.executable, os.path.abspath(__file__),
                                 "--rank-log-dir", log_dir, "--"] + pytest_args
     try:
         launched = subprocess.run(cmd, timeout=job_timeout).returncode

@@ -1,0 +1,107 @@
+"""The ``mpiexec`` command line of the installed MPI, for Open MPI and MPICH (hydra).
+
+The two launchers spell the same request differently; this module is the one place that
+knows both spellings:
+
+| request                     | MPICH (hydra)        | Open MPI                          |
+| --------------------------- | -------------------- | --------------------------------- |
+| hosts                       | ``-hosts h1,h2``     | ``--host h1:k,h2:k``              |
+| host file                   | ``-f FILE``          | ``--hostfile FILE``               |
+| k ranks per host            | ``-ppn k``           | ``--map-by ppr:k:node``           |
+| environment to every rank   | ``-genvall``         | ``-x NAME`` for each variable     |
+| more ranks than cores       | allowed              | ``--oversubscribe``               |
+| started by root             | allowed              | ``--allow-run-as-root``           |
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+OPEN_MPI = "openmpi"
+MPICH = "mpich"
+FLAVOURS = (OPEN_MPI, MPICH)
+
+# Variables Open MPI forwards to the ranks on other hosts with ``-x`` (hydra forwards all).
+EXPORTED_PREFIXES = ("FLEETMPI_", "PADDLE_", "FLAGS_", "CUDA_", "NCCL_", "OMP_")
+EXPORTED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def find_mpiexec():
+    """The ``mpiexec`` beside this Python (the registry wheel in a venv), else the first
+    ``mpiexec`` or ``mpirun`` on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(beside):
+        return beside
+    for name in ("mpiexec", "mpirun"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise FileNotFoundError(
+        "no mpiexec or mpirun found beside this Python or on PATH: install an MPI "
+        "(pip install mpich, or Open MPI from the system's packages)")
+
+
+def detect_flavour(mpiexec):
+    """``"openmpi"`` or ``"mpich"``, from what ``mpiexec --version`` says."""
+    result = subprocess.run([mpiexec, "--version"], capture_output=True, text=True)
+    text = result.stdout + result.stderr
+    if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text:
+        return OPEN_MPI
+    if "HYDRA" in text or "MPICH" in text or "Intel(R) MPI" in text:
+        return MPICH
+    raise RuntimeError(f"{mpiexec} --version names neither Open MPI nor MPICH (hydra); "
+                       f"fleetmpirun supports those two. It said: {text.strip()[:200]!r}")
+
+
+def exported_names(environ):
+    """The variables of ``environ`` that Open MPI is asked to forward with ``-x``."""
+    return sorted(name for name in environ
+                  if name in EXPORTED_NAMES or name.startswith(EXPORTED_PREFIXES))
+
+
+def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
+                  ranks_per_host=None, extra_args=(), environ=None, as_root=None):
+    """The whole ``mpiexec`` argument list that starts ``np`` copies of ``program``.
+
+    ``hosts`` (a list of host names) and ``hostfile`` are exclusive; ``ranks_per_host`` places
+    that many consecutive ranks on each host; ``extra_args`` go to the MPI launcher as given,
+    before the program. ``environ`` (default ``os.environ``) chooses Open MPI's ``-x`` names;
+    ``as_root`` (default: the effective user is root) adds ``--allow-run-as-root``.
+    """
+    if flavour not in FLAVOURS:
+        raise ValueError(f"MPI flavour {flavour!r} is not supported; allowed: {FLAVOURS}")
+    if hosts and hostfile:
+        raise ValueError("give hosts or a hostfile, not both")
+    if np < 1:
+        raise ValueError(f"number of ranks must be at least 1, got {np}")
+    environ = os.environ if environ is None else environ
+    as_root = os.geteuid() == 0 if as_root is None else as_root
+    cmd = [mpiexec, "-n", str(np)]
+    if flavour == MPICH:
+        if hosts:
+            cmd += ["-hosts", ",".join(hosts)]
+        if hostfile:
+            cmd += ["-f", hostfile]
+        if ranks_per_host:
+            cmd += ["-ppn", str(ranks_per_host)]
+        cmd.append("-genvall")
+    else:
+        cmd.append("--oversubscribe")
+        if as_root:
+            cmd.append("--allow-run-as-root")
+        if hosts:
+            slots = f":{ranks_per_host}" if ranks_per_host else ""
+            cmd += ["--host", ",".join(host + slots for host in hosts)]
+        if hostfile:
+            cmd += ["--hostfile", hostfile]
+        if ranks_per_host:
+            cmd += ["--map-by", f"ppr:{ranks_per_host}:node"]
+        for name in exported_names(environ):
+            cmd += ["-x", name]
+    return cmd + list(extra_args) + list(program)
+
+
+def local_command(np, program=()):
+    """``mpiexec -n np program`` on this machine with the installed MPI, whichever it is."""
+    mpiexec = find_mpiexec()
+    return build_command(detect_flavour(mpiexec), mpiexec, np, program)
