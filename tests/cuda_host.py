@@ -32,6 +32,7 @@ A test then runs the kernel over NumPy buffers and compares with the NumPy refer
 defines its math. Use a grid and block whose product is smaller than the element count, so the
 grid-stride loop is exercised.
 """
+import atexit
 import ctypes
 import hashlib
 import os
@@ -46,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHIM = os.path.join(HERE, "cuda_host_shim.h")
 DEVICE_ARCH = os.environ.get("FLEETMPI_TEST_CUDA_ARCH", "sm_80")
 _BUILD = tempfile.mkdtemp(prefix="fleetmpi-cuda-host-")
+atexit.register(shutil.rmtree, _BUILD, ignore_errors=True)
 
 _SCALARS = {
     np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
