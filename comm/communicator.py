@@ -6,17 +6,23 @@ in place on many arrays, fused into buckets. Every collective first checks that 
 called it with the same arguments (``agreement``), so a mismatch raises on every rank instead
 of hanging.
 
+Each collective is one event of the timeline (``fleetmpi.timeline``, lane ``comm``) with the
+algorithm it ran and its bytes (this rank's payload as it travels, as ``payload_bytes`` counts
+it; an array's bytes for ``send``/``recv``).
+
 Knobs, each an argument and (where it makes sense per job) an environment variable:
 ``transport`` / ``FLEETMPI_TRANSPORT`` (``"mpi"`` or ``"nccl"``), ``check`` /
 ``FLEETMPI_CHECK_COLLECTIVES`` (``0`` skips the agreement step), ``nccl_comm_num``,
 ``fuse_grad_size_in_MB``, ``fuse_broadcast_MB``, ``use_hierarchical_allreduce``,
 ``hierarchical_allreduce_inter_nranks``, ``chunk_bytes``.
 """
+import functools
 import numbers
 import os
 
 import numpy as np
 
+from .. import timeline
 from .agreement import agree, describe_arrays, dtype_name
 from .barrier import barrier as dissemination_barrier
 from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
@@ -62,6 +68,31 @@ def _positive(name, value, kind=numbers.Real):
         raise ValueError(f"{name}={value!r} must be a positive "
                          f"{'integer' if kind is numbers.Integral else 'number'}")
     return value
+
+
+def _recorded(collective, nbytes=False):
+    """Wrap a collective so that, while the timeline records, it is one ``comm`` event named
+    ``collective`` with the algorithm(s) its flat operations noted and its bytes: the payload
+    it added, or (``nbytes``) the bytes of its array ``x``."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            event = timeline.span(collective, "comm")
+            if not event:
+                return method(self, *args, **kwargs)
+            outer, self._algorithms = self._algorithms, []
+            before = self.payload_bytes
+            try:
+                with event:
+                    result = method(self, *args, **kwargs)
+                    event.args["algorithm"] = "+".join(dict.fromkeys(self._algorithms))
+                    event.args["bytes"] = (int((args[0] if args else kwargs["x"]).nbytes)
+                                           if nbytes else self.payload_bytes - before)
+            finally:
+                self._algorithms = outer
+            return result
+        return call
+    return wrap
 
 
 def _capture(check):
@@ -112,6 +143,7 @@ class Communicator:
         self._shm = None
         self._token = None
         self.payload_bytes = 0
+        self._algorithms = None
 
     # construction helpers
 
@@ -206,6 +238,11 @@ class Communicator:
             fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
         agree(self._control, collective, _TABLES, problem, **fields)
 
+    def _note(self, algorithm):
+        """Remember the algorithm a flat operation ran, for the timeline event of its call."""
+        if self._algorithms is not None:
+            self._algorithms.append(algorithm)
+
     def _count_payload(self, arrays, compression):
         """Add the bytes of ``arrays`` as they travel (float16 under compression) to
         ``payload_bytes``: what this rank contributes to a collective, before the algorithm's
@@ -229,6 +266,11 @@ class Communicator:
         with transport.activate():
             fn(*bufs)
 
+    def allreduce_algorithm(self, nbytes, compression=None):
+        """The algorithm ``allreduce``/``allreduce_many`` pick (``algorithm=None``) for a flat
+        buffer of ``nbytes`` bytes."""
+        return self._pick_allreduce(nbytes, compression)
+
     def _pick_allreduce(self, nbytes, compression):
         if compression is not None or self.use_hierarchical_allreduce:
             return "hierarchical" if self.use_hierarchical_allreduce else "ring"
@@ -238,6 +280,7 @@ class Communicator:
 
     def _allreduce_flat(self, buf, op, algorithm, compression, index):
         algorithm = algorithm or self._pick_allreduce(buf.nbytes, compression)
+        self._note(algorithm)
         transport = self.transports[index]
         if algorithm == "ring":
             def fn(b):
@@ -271,10 +314,12 @@ class Communicator:
             def fn(b):
                 if self.size > 1 and b.size:
                     algo(transport, b, root)
+        self._note(algorithm)
         self._run(index, fn, buf)
 
     # collectives
 
+    @_recorded("allreduce")
     def allreduce(self, x, op="sum", algorithm=None, compression=None, out=None):
         """The elementwise reduction of ``x`` over all ranks, as a new array (or in ``out``).
 
@@ -302,6 +347,7 @@ class Communicator:
         flat = result.reshape(-1)
         algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
         if algorithm == "shm" and not is_device_array(x) and x.flags.c_contiguous:
+            self._note(algorithm)
             self._shared_memory().allreduce(x.reshape(-1), flat, op)
             return result
         if result is not x:
@@ -309,6 +355,7 @@ class Communicator:
         self._allreduce_flat(flat, op, algorithm, compression, 0)
         return result
 
+    @_recorded("allreduce_many")
     def allreduce_many(self, arrays, op="sum", algorithm=None, compression=None,
                        fuse_grad_size_in_MB=None):
         """Allreduce every array of ``arrays`` in place, fused into buckets.
@@ -332,6 +379,7 @@ class Communicator:
             self._allreduce_flat(flat, op, algorithm, compression, i % self.nccl_comm_num)
             bucket.store()
 
+    @_recorded("broadcast")
     def broadcast(self, x, root=0, algorithm=None):
         """``root``'s ``x``, as a new array on every rank (``x`` gives shape and dtype elsewhere).
 
@@ -351,6 +399,7 @@ class Communicator:
         self._broadcast_flat(buf, root, algorithm, 0)
         return buf.reshape(x.shape)
 
+    @_recorded("broadcast_many")
     def broadcast_many(self, arrays, root=0, algorithm=None, fuse_broadcast_MB=None):
         """Overwrite every array of ``arrays`` with ``root``'s, in place, fused into buckets
         of at most ``fuse_broadcast_MB``."""
@@ -370,6 +419,7 @@ class Communicator:
             self._broadcast_flat(flat, root, algorithm, i % self.nccl_comm_num)
             bucket.store()
 
+    @_recorded("allgather")
     def allgather(self, x, algorithm=None):
         """Every rank's ``x`` stacked in rank order: shape ``(size,) + x.shape``.
 
@@ -387,6 +437,7 @@ class Communicator:
         out = xp.empty(self.size * n, x.dtype)
         out[self.rank * n:(self.rank + 1) * n] = x.reshape(-1)
         transport = self.transports[0]
+        self._note(algorithm or "ring")
         if algorithm == "native":
             self._run(0, transport.native_allgather, out)
         else:
@@ -394,6 +445,7 @@ class Communicator:
             self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
         return out.reshape((self.size,) + x.shape)
 
+    @_recorded("reduce_scatter")
     def reduce_scatter(self, x, op="sum", algorithm=None, compression=None):
         """This rank's block of the reduction of ``x``: blocks split ``x`` along its first axis
         as ``numpy.array_split(reduced, size)`` does, so any length works.
@@ -419,6 +471,7 @@ class Communicator:
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank],) + x.shape[1:]
         transport = self.transports[0]
+        self._note(algorithm or "ring")
         if algorithm == "native":
             send = xp.array(x, order="C", copy=True).reshape(-1)
             out = xp.empty(hi - lo, x.dtype)
@@ -440,6 +493,7 @@ class Communicator:
         to_wire(wire, acc[lo:hi])
         return wire.astype(x.dtype).reshape(shape)
 
+    @_recorded("send", nbytes=True)
     def send(self, x, dest):
         """Send ``x`` to rank ``dest``; the matching ``recv`` checks dtype and shape."""
         self._check_array(x)
@@ -452,9 +506,11 @@ class Communicator:
         header[4:4 + x.ndim] = x.shape
         self._control.Send(header, dest=dest, tag=P2P_TAG)
         buf = array_module(x).ascontiguousarray(x)
+        self._note("p2p")
         self._run(0, lambda b: (self.transports[0].send(b, dest),
                                 self.transports[0].synchronize()), buf)
 
+    @_recorded("recv", nbytes=True)
     def recv(self, x, source):
         """Receive rank ``source``'s ``send`` into ``x`` in place and return ``x``.
 
@@ -469,6 +525,7 @@ class Communicator:
         shape = tuple(int(v) for v in header[4:4 + ndim])
         xp = array_module(x)
         transport = self.transports[0]
+        self._note("p2p")
         if num != x.dtype.num or shape != x.shape:
             self._run(0, lambda b: (transport.recv(b, source), transport.synchronize()),
                       xp.empty(nbytes, np.uint8))
@@ -481,11 +538,13 @@ class Communicator:
             x[...] = buf
         return x
 
+    @_recorded("barrier")
     def barrier(self):
         """Return once every rank has called ``barrier``."""
         self._agree("barrier", [], None)
         if self._token is None:
             self._token = array_module_for(self.transport_name).zeros(2, np.uint8)
+        self._note("dissemination")
         self._run(0, lambda t: dissemination_barrier(self.transports[0], t), self._token)
 
     def free(self):

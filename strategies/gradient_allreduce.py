@@ -6,16 +6,22 @@ so communication overlaps the rest of backward. Buckets follow the collective gu
 fields: ``fuse_all_reduce_ops`` (off: one bucket per parameter), ``fuse_grad_size_in_MB`` (the
 most bytes in a bucket) and ``fuse_grad_size_in_TFLOPS`` (despite its name, the guide defines it
 as the most layers whose gradients one fused allreduce carries).
+
+Each bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``,
+named ``bucket <index>``) with its index, algorithm, bytes and number of parameters.
 """
+from .. import timeline
 from .base import Strategy
 
 
 class Bucket:
-    """A contiguous slice ``[start, stop)`` of one gradient buffer and how many of its
-    parameters have not reported their gradient yet this step (-1: already reduced)."""
+    """A contiguous slice ``[start, stop)`` of one gradient buffer, its position ``index`` in
+    the plan, and how many of its parameters have not reported their gradient yet this step
+    (-1: already reduced)."""
 
-    def __init__(self, buffer, parameters):
+    def __init__(self, buffer, parameters, index=0):
         self.buffer = buffer
+        self.index = index
         self.parameters = list(parameters)
         self.start = parameters[0].offset
         self.stop = parameters[-1].offset + parameters[-1].size
@@ -47,13 +53,13 @@ def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
                     or (max_layers is not None and layer not in layers
                         and len(layers) >= max_layers))
             if current and full:
-                buckets.append(Bucket(run.buffer, current))
+                buckets.append(Bucket(run.buffer, current, len(buckets)))
                 current, current_bytes, layers = [], 0, set()
             current.append(p)
             current_bytes += nbytes
             layers.add(layer)
         if current:
-            buckets.append(Bucket(run.buffer, current))
+            buckets.append(Bucket(run.buffer, current, len(buckets)))
     return buckets
 
 
@@ -75,7 +81,14 @@ class GradientAllreduce(Strategy):
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
 
     def _reduce(self, bucket):
-        self.communicator.allreduce_many([bucket.grad], op="mean", compression=self.compression)
+        grad = bucket.grad
+        with timeline.span(f"bucket {bucket.index}", "comm") as event:
+            if event:
+                event.args.update(
+                    bucket=bucket.index, bytes=int(grad.nbytes), parameters=bucket.size,
+                    algorithm=self.communicator.allreduce_algorithm(grad.nbytes,
+                                                                    self.compression))
+            self.communicator.allreduce_many([grad], op="mean", compression=self.compression)
         bucket.pending = -1
 
     def on_gradient(self, ctx, parameters):

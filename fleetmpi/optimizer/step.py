@@ -5,7 +5,12 @@
 rest of the chain, and decides whether and how to call it. During backward every hook's
 ``on_gradient`` sees each group of parameters as soon as their gradients are final, which is
 where a reducer can start on a bucket before backward has finished.
+
+Forward, backward and update (with every hook's part in them) are events of the timeline
+(``fleetmpi.timeline``, lane ``compute``), each with the step's index.
 """
+from .. import timeline
+
 
 
 class StepContext:
@@ -87,9 +92,14 @@ def _chain(hooks, stage, innermost):
 
 def run_step(hooks, ctx):
     """Run one step through ``hooks``; returns the local mean loss (a 0-d backend array)."""
-    _chain(hooks, "forward", _forward)(ctx)
-    _chain(hooks, "backward", _backward_with(hooks))(ctx)
+    with timeline.span("forward", step=ctx.step):
+        _chain(hooks, "forward", _forward)(ctx)
+    with timeline.span("backward", step=ctx.step):
+        _chain(hooks, "backward", _backward_with(hooks))(ctx)
     _chain(hooks, "reduce", _nothing)(ctx)
-    _chain(hooks, "update", _update)(ctx)
+    with timeline.span("update", step=ctx.step) as event:
+        _chain(hooks, "update", _update)(ctx)
+        if event:
+            event.args["applied"] = bool(ctx.apply_update)
     _chain(hooks, "after_step", _nothing)(ctx)
     return ctx.loss
