@@ -6,14 +6,16 @@ and after-step methods wrap those of every strategy after it, and ``on_gradient`
 this order. The gradient reduction (``fp16_allreduce`` or the plain one) is always innermost, so
 the strategies before it see gradients before they travel (gradient_merge folds its
 accumulator in, amp unscales) and act on the averaged gradients after (amp's overflow check,
-the lars/lamb update). ``python -m fleetmpi.strategies.pairs_doc`` writes
+the lars/lamb update). With ``sharding`` its reduce-scatter is the gradient reduction (with
+float16 on the wire under ``fp16_allreduce``), and its update broadcasts the shards back.
+``python -m fleetmpi.strategies.pairs_doc`` writes
 ``docs/strategy_pairs.md`` from ``ORDER`` and ``CONFLICTS``.
 """
 import importlib
 import itertools
 
 ORDER = ("sync_batch_norm", "recompute", "amp", "gradient_merge", "localsgd",
-         "adaptive_localsgd", "lars", "lamb", "dgc", "fp16_allreduce")
+         "adaptive_localsgd", "lars", "lamb", "dgc", "fp16_allreduce", "sharding")
 
 _CLASSES = {
     "sync_batch_norm": "sync_batch_norm:SyncBatchNorm",
@@ -26,10 +28,11 @@ _CLASSES = {
     "lamb": "lars_lamb:LAMB",
     "dgc": "dgc:DGC",
     "fp16_allreduce": "gradient_allreduce:FP16AllReduce",
+    "sharding": "sharding:Sharding",
 }
 
 # Enabled in DistributedStrategy but not trainable here yet: refused, never ignored.
-NOT_AVAILABLE = ("sharding", "pipeline", "auto")
+NOT_AVAILABLE = ("pipeline", "auto")
 
 
 def _nested_schedules(averaging):
@@ -41,6 +44,17 @@ def _nested_schedules(averaging):
 def _no_gradient_exchange(averaging):
     return (f"{averaging} exchanges parameters, not gradients, after begin_step, so there is "
             "no gradient exchange for dgc to compress")
+
+
+def _sharded_state(partner):
+    return (f"{partner} updates every parameter on every rank from that rank's own optimizer "
+            "state, while sharding keeps each rank's optimizer state for its own shard of the "
+            "parameters only")
+
+
+def _whole_tensor_norms(partner):
+    return (f"{partner} scales each parameter tensor's step by norms of the whole tensor, "
+            "while sharding cuts tensors between the ranks that update them")
 
 
 CONFLICTS = {
@@ -63,6 +77,14 @@ CONFLICTS = {
                                                   "enable one",
     frozenset({"localsgd", "gradient_merge"}): _nested_schedules("localsgd"),
     frozenset({"adaptive_localsgd", "gradient_merge"}): _nested_schedules("adaptive_localsgd"),
+    frozenset({"localsgd", "sharding"}): _sharded_state("localsgd"),
+    frozenset({"adaptive_localsgd", "sharding"}): _sharded_state("adaptive_localsgd"),
+    frozenset({"dgc", "sharding"}): "dgc keeps momentum and residuals of every parameter on "
+                                    "every rank and exchanges sparse gradients by allgather, "
+                                    "while sharding reduce-scatters dense gradients to the "
+                                    "owner of each shard, the only rank holding its state",
+    frozenset({"lars", "sharding"}): _whole_tensor_norms("lars"),
+    frozenset({"lamb", "sharding"}): _whole_tensor_norms("lamb"),
 }
 
 
@@ -86,8 +108,8 @@ def check_combination(names):
 
 def build_strategies(strategy, optimizer, communicator):
     """The hooks of every strategy ``strategy`` enables, outermost first, ending with the
-    gradient reduction when there is more than one rank; refuses what cannot work before
-    building anything."""
+    gradient reduction when there is more than one rank (sharding's own, when enabled);
+    refuses what cannot work before building anything."""
     from .gradient_allreduce import GradientAllreduce
 
     unavailable = [name for name in NOT_AVAILABLE if getattr(strategy, name)]
@@ -102,7 +124,7 @@ def build_strategies(strategy, optimizer, communicator):
         cls.check(strategy, optimizer)
     hooks = [cls(strategy, optimizer, communicator) for cls in classes
              if cls.name != "fp16_allreduce"]
-    if communicator is not None and communicator.size > 1:
+    if communicator is not None and communicator.size > 1 and not strategy.sharding:
         reduction = strategy_class("fp16_allreduce") if strategy.fp16_allreduce \
             else GradientAllreduce
         hooks.append(reduction(strategy, optimizer, communicator))

@@ -30,6 +30,7 @@ CONFIGS = {
     "lamb": None,
     "dgc": {"sparsity": [0.5]},
     "fp16_allreduce": None,
+    "sharding": None,
 }
 # Three steps end every schedule above on a step where the ranks synchronise.
 STEPS = 3
@@ -83,8 +84,10 @@ def check_trained(names, start, model, losses):
 def test_working_combination_trains_and_ranks_agree(names):
     start, model, opt, losses = run(names)
     check_trained(names, start, model, losses)
-    expected = [name for name in compose.ORDER if name in names and name != "fp16_allreduce"]
-    expected.append("fp16_allreduce" if "fp16_allreduce" in names else "gradient_allreduce")
+    expected = [name for name in compose.ORDER if name in names
+                and name not in ("fp16_allreduce", "sharding")]
+    expected.append("sharding" if "sharding" in names else "fp16_allreduce"
+                    if "fp16_allreduce" in names else "gradient_allreduce")
     ok([hook.name for hook in opt.hooks] == expected,
        f"hooks {[hook.name for hook in opt.hooks]}, expected {expected}")
     for name, value in model.state_dict().items():

@@ -33,6 +33,11 @@ class ClipGradBase:
 
     def scales(self, grads):
         """One factor (a 0-d backend array) per tensor of ``grads``."""
+        return self.scales_from_squared_norms([_squared_norm(g) for g in grads])
+
+    def scales_from_squared_norms(self, squared_norms):
+        """One factor per tensor, from the squared L2 norm of each (summed over the shards
+        when a tensor's gradient is split between ranks)."""
         raise NotImplementedError
 
     def __call__(self, grads):
@@ -46,20 +51,19 @@ class ClipGradBase:
 class ClipGradByNorm(ClipGradBase):
     """Each gradient tensor ``g`` becomes ``g * clip_norm / max(||g||, clip_norm)``."""
 
-    def scales(self, grads):
+    def scales_from_squared_norms(self, squared_norms):
         xp = backend.array_module()
-        return [self._factor(xp.sqrt(_squared_norm(g))) for g in grads]
+        return [self._factor(xp.sqrt(s)) for s in squared_norms]
 
 
 class ClipGradByGlobalNorm(ClipGradBase):
     """Every gradient tensor is multiplied by ``clip_norm / max(global_norm, clip_norm)``, where
     ``global_norm`` is the L2 norm of all gradients together."""
 
-    def scales(self, grads):
+    def scales_from_squared_norms(self, squared_norms):
         xp = backend.array_module()
-        total = sum(_squared_norm(g) for g in grads)
-        factor = self._factor(xp.sqrt(total))
-        return [factor] * len(grads)
+        factor = self._factor(xp.sqrt(sum(squared_norms)))
+        return [factor] * len(squared_norms)
 
 
 def check_grad_clip(grad_clip):

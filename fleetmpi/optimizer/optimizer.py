@@ -5,7 +5,14 @@ single run covering a whole buffer). Optimizer state (velocity, moments) is flat
 With ``fuse_all_optimizer_ops`` one kernel updates each run; without, each parameter is updated
 on its own, with the same math from ``fleetmpi.kernels.reference``. A ``grad_clip``
 (``fleetmpi.optimizer.clip``) clips the gradients before either update.
+
+The runs laid back to back form the optimizer's parameter space. ``shard(start, stop)`` narrows
+the update, and the state, to one contiguous range of that space (the sharding strategy gives
+each rank of a group its own range); the runs of the update are then the pieces of the range,
+which may cut a parameter, and the update math, being elementwise, is the same on a piece.
 """
+import numbers
+
 import numpy as np
 
 from .. import backend, kernels
@@ -16,7 +23,8 @@ from .step import StepContext, run_step
 
 
 class _Run:
-    """A contiguous range ``[start, stop)`` of one flat buffer and the parameters in it."""
+    """A contiguous range ``[start, stop)`` of one flat buffer and the parameters in it (for a
+    piece of a shard, the parameters it holds part of too)."""
 
     def __init__(self, buffer, start, stop, parameters):
         self.buffer = buffer
@@ -33,9 +41,12 @@ class _Run:
         return self.buffer.grad[self.start:self.stop]
 
     def view(self, flat, parameter):
-        """The part of ``flat`` (an array of this run's length) that belongs to ``parameter``."""
-        begin = parameter.offset - self.start
-        return flat[begin:begin + parameter.size].reshape(parameter.shape)
+        """The part of ``flat`` (an array of this run's length) that belongs to ``parameter``:
+        shaped like the parameter when the run holds all of it, else the 1-d piece it holds."""
+        begin = max(parameter.offset, self.start)
+        end = min(parameter.offset + parameter.size, self.stop)
+        piece = flat[begin - self.start:end - self.start]
+        return piece.reshape(parameter.shape) if end - begin == parameter.size else piece
 
 
 def _runs(parameters):
@@ -57,6 +68,27 @@ def _runs(parameters):
                 current = [p]
         runs.append(current)
     return [_Run(r[0].buffer, r[0].offset, r[-1].offset + r[-1].size, r) for r in runs]
+
+
+def _spans(runs):
+    """``[start, stop)`` of each run in the parameter space: the runs back to back."""
+    spans, offset = [], 0
+    for run in runs:
+        spans.append((offset, offset + run.stop - run.start))
+        offset += run.stop - run.start
+    return spans
+
+
+def _stored(state, key, shape):
+    """``state[key]`` as an array of ``shape``, or an error naming the key."""
+    if key not in state:
+        raise KeyError(f"optimizer state has no {key!r}; it was saved by a different optimizer "
+                       "or model")
+    value = state[key] if hasattr(state[key], "shape") else np.asarray(state[key])
+    if tuple(value.shape) != shape:
+        raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)}, expected "
+                         f"{shape}")
+    return backend.to_numpy(value)
 
 
 def _check_rate(name, value, low, high, high_inclusive=True):
@@ -90,6 +122,13 @@ class Optimizer:
         self.grad_clip = check_grad_clip(grad_clip)
         self._parameters = parameters
         self._runs = _runs(parameters)
+        # What step() updates: the whole space, or the pieces of one shard of it, each with
+        # its [start, stop) in the space.
+        self._update_runs = self._runs
+        self._run_spans = _spans(self._runs)
+        self._spans = self._run_spans
+        self._shard = None
+        self._sum_over_shards = None
         xp = backend.array_module()
         self._state = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
                         for name in self.state_names} for run in self._runs]
@@ -120,31 +159,54 @@ class Optimizer:
             run.grad[...] = 0
 
     def clipped_grads(self):
-        """The flat gradient of every run as the update uses it: the gradient buffer itself, or
-        a clipped copy when there is a ``grad_clip``."""
+        """The flat gradient of every run the update covers, as the update uses it: the
+        gradient buffer itself, or a clipped copy when there is a ``grad_clip``. On a shard the
+        clip's norms are of whole tensors: each rank's partial sums of squares over its pieces,
+        added up by ``sum_over_shards``."""
+        runs = self._update_runs
         if self.grad_clip is None:
-            return [run.grad for run in self._runs]
-        scales = iter(self.grad_clip.scales([p.grad for run in self._runs
-                                             for p in run.parameters]))
+            return [run.grad for run in runs]
+        if self._shard is None:
+            parameters = [p for run in runs for p in run.parameters]
+            factors = dict(zip(map(id, parameters),
+                               self.grad_clip.scales([p.grad for p in parameters])))
+        else:
+            factors = self._shard_clip_factors()
         flats = []
-        for run in self._runs:
+        for run in runs:
             flat = run.grad.copy()
             for p in run.parameters:
-                run.view(flat, p)[...] *= next(scales)
+                run.view(flat, p)[...] *= factors[id(p)]
             flats.append(flat)
         return flats
 
+    def _shard_clip_factors(self):
+        """``{id(parameter): clip factor}`` from the squared norms of whole gradient tensors,
+        summed over the shards."""
+        xp = backend.array_module()
+        parameters = [p for run in self._runs for p in run.parameters]
+        index = {id(p): i for i, p in enumerate(parameters)}
+        partial = xp.zeros(len(parameters), dtype=np.float64)
+        for run in self._update_runs:
+            for p in run.parameters:
+                piece = run.view(run.grad, p).reshape(-1)
+                partial[index[id(p)]] += (piece * piece).sum()
+        squared = self._sum_over_shards(partial) if self._sum_over_shards else partial
+        factors = self.grad_clip.scales_from_squared_norms(list(squared))
+        return {id(p): factors[index[id(p)]] for p in parameters}
+
     def step(self):
-        """Update every parameter from its gradient (clipped first by ``grad_clip``)."""
+        """Update every parameter (on a shard: the part of it in the shard) from its gradient,
+        clipped first by ``grad_clip``."""
         self.step_count += 1
         lr = self.get_lr()
-        for run, grad, state in zip(self._runs, self.clipped_grads(), self._state):
+        for run, grad, state in zip(self._update_runs, self.clipped_grads(), self._state):
             if self.fuse_all_optimizer_ops:
                 self._fused_update(run.data, grad, state, lr)
             else:
                 for p in run.parameters:
                     views = {name: run.view(flat, p) for name, flat in state.items()}
-                    self._reference_update(p.data, run.view(grad, p), views, lr)
+                    self._reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
 
     def minimize(self, model, loss_fn, x, y):
         """One training step on this process alone: forward, backward, update. Returns the mean
@@ -157,32 +219,97 @@ class Optimizer:
     def _reference_update(self, param, grad, state, lr):
         raise NotImplementedError(f"{type(self).__name__} does not define its update")
 
+    # -- sharding ---------------------------------------------------------------------------
+    @property
+    def space_size(self):
+        """The number of elements of the parameter space (every run, back to back)."""
+        return self._run_spans[-1][1]
+
+    @property
+    def shard_range(self):
+        """``(start, stop)``: the range of the parameter space this optimizer updates."""
+        return self._shard or (0, self.space_size)
+
+    def state_nbytes(self):
+        """Bytes of optimizer state this process holds (velocity, moments)."""
+        return sum(int(flat.nbytes) for run_state in self._state for flat in run_state.values())
+
+    def shard(self, start, stop, sum_over_shards=None):
+        """From now on update only elements ``[start, stop)`` of the parameter space and hold
+        optimizer state for them alone; the state held so far for them is kept.
+
+        ``sum_over_shards(array)``: ``array`` summed over the processes that hold the other
+        shards of the space (an allreduce), for ``grad_clip``'s norms of whole tensors; None
+        when nothing else is held elsewhere. An optimizer is sharded once."""
+        if self._shard is not None:
+            raise RuntimeError(f"this {type(self).__name__} is already sharded to "
+                               f"{self._shard}; build a new optimizer to shard it otherwise")
+        total = self.space_size
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                   for v in (start, stop)) or not 0 <= start <= stop <= total:
+            raise ValueError(f"shard ({start!r}, {stop!r}) must be integers with 0 <= start <= "
+                             f"stop <= {total}, the size of the parameter space")
+        pieces, spans, state = [], [], []
+        for run, (low, high), run_state in zip(self._runs, self._run_spans, self._state):
+            lo, hi = max(start, low), min(stop, high)
+            if lo >= hi:
+                continue
+            first, last = run.start + lo - low, run.start + hi - low
+            held = [p for p in run.parameters if p.offset < last and p.offset + p.size > first]
+            pieces.append(_Run(run.buffer, first, last, held))
+            spans.append((lo, hi))
+            state.append({name: flat[lo - low:hi - low].copy()
+                          for name, flat in run_state.items()})
+        self._update_runs, self._spans, self._state = pieces, spans, state
+        self._shard = (int(start), int(stop))
+        self._sum_over_shards = sum_over_shards
+
     # -- state ------------------------------------------------------------------------------
     def state_dict(self):
-        """``{"step_count": int, "lr_scheduler": dict or None, "<state>.<run>": host array}``."""
+        """``{"step_count": int, "lr_scheduler": dict or None, "<state>.<run>": host array}``;
+        on a shard ``"<state>.shard"`` (the shard's state, in space order) and ``"shard"``:
+        ``[start, stop, space size]``, in place of the per-run arrays."""
         state = {"step_count": self.step_count,
                  "lr_scheduler": (self._learning_rate.state_dict()
                                   if isinstance(self._learning_rate, LRScheduler) else None)}
-        for index, run_state in enumerate(self._state):
-            for name, flat in run_state.items():
-                state[f"{name}.{index}"] = backend.to_numpy(flat).copy()
+        if self._shard is None:
+            for index, run_state in enumerate(self._state):
+                for name, flat in run_state.items():
+                    state[f"{name}.{index}"] = backend.to_numpy(flat).copy()
+            return state
+        state["shard"] = [*self._shard, self.space_size]
+        for name in self.state_names:
+            pieces = [backend.to_numpy(run_state[name]) for run_state in self._state]
+            dtype = self._runs[0].buffer.dtype
+            state[f"{name}.shard"] = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
         return state
 
     def set_state_dict(self, state):
+        """Load a ``state_dict``: per-run arrays, or a ``"shard"`` range with its arrays, which
+        may come from another sharding of the same space as long as it covers the range this
+        optimizer updates (a checkpoint's shards joined together cover all of it)."""
         self.step_count = int(state["step_count"])
         if isinstance(self._learning_rate, LRScheduler) and state.get("lr_scheduler"):
             self._learning_rate.set_state_dict(state["lr_scheduler"])
-        for index, run_state in enumerate(self._state):
+        if "shard" in state:
+            start, stop, total = (int(v) for v in state["shard"])
+            if total != self.space_size:
+                raise ValueError(f"optimizer state was saved for a parameter space of {total} "
+                                 f"elements; this optimizer's has {self.space_size}")
+            sources = {name: _stored(state, f"{name}.shard", (stop - start,))
+                       for name in self.state_names}
+        else:
+            start, stop = 0, self.space_size
+            sources = {name: np.concatenate([
+                _stored(state, f"{name}.{index}", (run.stop - run.start,))
+                for index, run in enumerate(self._runs)]) for name in self.state_names}
+        own = self.shard_range
+        if not start <= own[0] <= own[1] <= stop:
+            raise ValueError(f"optimizer state covers elements [{start}, {stop}) of the "
+                             f"parameter space, but this optimizer updates [{own[0]}, {own[1]})")
+        for (lo, hi), run_state in zip(self._spans, self._state):
             for name, flat in run_state.items():
-                key = f"{name}.{index}"
-                if key not in state:
-                    raise KeyError(f"optimizer state has no {key!r}; it was saved by a "
-                                   "different optimizer or model")
-                value = np.asarray(state[key]) if not hasattr(state[key], "shape") else state[key]
-                if value.shape != flat.shape:
-                    raise ValueError(f"optimizer state {key!r} has shape {value.shape}, "
-                                     f"expected {flat.shape}")
-                flat[...] = backend.asarray(value)
+                flat[...] = backend.asarray(sources[name][lo - start:hi - start])
 
 
 class SGD(Optimizer):
