@@ -6,6 +6,11 @@ Each rank writes ``step-<step>-rank-<rank>.npz`` (``np.savez``; read back with
 Every file goes to a temporary name first and is renamed into place, and the manifest is written
 last, so a crash leaves either the previous checkpoint or the new one, never a mix. Loading checks
 the world size and the digest before touching the model.
+
+Re-sharding: the optimizer state of a ``sharding`` run is saved as each rank's shard with its
+range of the parameter space. Loading joins, for the range the loading optimizer updates, the
+shards of the files that hold it, so such a checkpoint loads into a job of any size, sharded
+or not.
 """
 import hashlib
 import json
@@ -126,27 +131,76 @@ def read_manifest(directory):
     return manifest
 
 
-def load(directory, model, optimizer=None):
-    """Restore this rank's model, optimizer and random state from ``directory``; returns
-    ``{"step": int, "extra": ...}``. The checkpoint must come from a job of the same size."""
-    _, rank, size = _world()
-    manifest = read_manifest(directory)
-    if manifest["world_size"] != size:
-        raise ValueError(f"checkpoint in {directory!r} was written by {manifest['world_size']} "
-                         f"rank(s); this job has {size}")
-    entry = manifest["files"][rank]
+def _verified(directory, entry):
+    """The path of a manifest ``entry``'s file, after checking its digest."""
     path = os.path.join(directory, entry["file"])
     if _digest(path).hex() != entry["sha256"]:
         raise ValueError(f"{path} does not match the SHA-256 in the manifest; the checkpoint "
                          "is damaged or incomplete")
-    with np.load(path, allow_pickle=False) as stored:
-        meta = json.loads(str(stored[_META]))
-        model.set_state_dict({k[len(_MODEL):]: stored[k] for k in stored.files
-                              if k.startswith(_MODEL)})
-        if optimizer is not None:
-            state = dict(meta["optimizer"])
-            state.update({k[len(_OPTIMIZER):]: stored[k] for k in stored.files
-                          if k.startswith(_OPTIMIZER)})
-            optimizer.set_state_dict(state)
+    return path
+
+
+def _meta(stored):
+    return json.loads(str(stored[_META]))
+
+
+def _join_shards(directory, manifest, state, own):
+    """``state`` (one rank's optimizer state of a sharded run) with its ``<name>.shard``
+    arrays replaced by those of range ``own`` of the parameter space, joined from the files
+    whose shards overlap it."""
+    start, stop = own
+    total = int(state["shard"][2])
+    keys = [k for k in state if k.endswith(".shard")]
+    joined = {k: np.empty(stop - start, dtype=state[k].dtype) for k in keys}
+    covered = np.zeros(stop - start, dtype=bool)
+    for entry in manifest["files"]:
+        path = os.path.join(directory, entry["file"])
+        with np.load(path, allow_pickle=False) as stored:
+            a, b, _ = _meta(stored)["optimizer"]["shard"]
+        lo, hi = max(a, start), min(b, stop)
+        if lo >= hi or covered[lo - start:hi - start].all():
+            continue
+        with np.load(_verified(directory, entry), allow_pickle=False) as stored:
+            for k in keys:
+                joined[k][lo - start:hi - start] = stored[_OPTIMIZER + k][lo - a:hi - a]
+        covered[lo - start:hi - start] = True
+    if not covered.all():
+        missing = int(np.flatnonzero(~covered)[0]) + start
+        raise ValueError(f"the shards in {directory!r} do not cover element {missing} of the "
+                         "parameter space; the checkpoint is incomplete")
+    state.update(joined)
+    state["shard"] = [start, stop, total]
+    return state
+
+
+def load(directory, model, optimizer=None):
+    """Restore this rank's model, optimizer and random state from ``directory``; returns
+    ``{"step": int, "extra": ...}``.
+
+    The checkpoint must come from a job of the same size, unless its optimizer state is
+    sharded: then the optimizer's state for the range it updates is joined from the shards of
+    every file that holds part of it, and in a job of another size rank ``r`` takes the model,
+    random state and extra of the saved rank ``r % saved size`` (data parallelism keeps the
+    parameters equal on every rank)."""
+    _, rank, size = _world()
+    manifest = read_manifest(directory)
+    saved = manifest["world_size"]
+    entry = manifest["files"][rank % saved]
+    with np.load(_verified(directory, entry), allow_pickle=False) as stored:
+        meta = _meta(stored)
+        sharded = optimizer is not None and "shard" in meta["optimizer"]
+        if saved != size and not sharded:
+            raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "
+                             f"this job has {size} (only the optimizer state of a sharding "
+                             "run is re-sharded to another number of ranks)")
+        model_state = {k[len(_MODEL):]: stored[k] for k in stored.files if k.startswith(_MODEL)}
+        state = dict(meta["optimizer"])
+        state.update({k[len(_OPTIMIZER):]: stored[k] for k in stored.files
+                      if k.startswith(_OPTIMIZER)})
+    if sharded:
+        state = _join_shards(directory, manifest, state, optimizer.shard_range)
+    model.set_state_dict(model_state)
+    if optimizer is not None:
+        optimizer.set_state_dict(state)
     backend.set_rng_state(meta["rng_state"])
     return {"step": meta["step"], "extra": meta["extra"]}

@@ -1,0 +1,60 @@
+"""A sharded training job for the re-sharding test, started under ``mpiexec -n N``.
+
+    python sharding_checkpoint_job.py save DIRECTORY      # steps [0, HALF), checkpoint
+    python sharding_checkpoint_job.py resume DIRECTORY OUT  # load, steps [HALF, STEPS), write OUT
+
+Every rank trains on its shard of ``strategy_support.global_batch(step)`` with Adam under
+``sharding``; ``resume`` starts from other parameters (seed 7) and writes the final parameters
+and each rank's optimizer-state bytes into ``OUT`` (``np.savez``).
+"""
+import sys
+
+import numpy as np
+
+import fleetmpi as fleet
+from fleetmpi import backend, checkpoint, nn, optimizer
+from strategy_support import global_batch, make_mlp, make_strategy, shard, world_gather
+
+STEPS = 6
+HALF = 3
+
+
+def adam(parameters):
+    return optimizer.Adam(learning_rate=0.01, parameters=parameters)
+
+
+def build(seed):
+    backend.manual_seed(seed)
+    model = fleet.distributed_model(make_mlp())
+    opt = fleet.distributed_optimizer(adam(model.parameters()), make_strategy(sharding=True))
+    return model, opt
+
+
+def train(model, opt, steps):
+    rank, size = fleet.worker_index(), fleet.worker_num()
+    for step in steps:
+        x, y = global_batch(step)
+        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+
+
+def main(mode, directory, out=None):
+    fleet.init(is_collective=True)
+    if mode == "save":
+        model, opt = build(0)
+        train(model, opt, range(HALF))
+        checkpoint.save(directory, model, opt, HALF)
+        return
+    model, opt = build(7)
+    info = checkpoint.load(directory, model, opt)
+    train(model, opt, range(info["step"], STEPS))
+    for name, value in model.state_dict().items():
+        every = world_gather(value)
+        if not all(np.array_equal(every[0], other) for other in every[1:]):
+            raise AssertionError(f"{name} differs between the ranks after resuming")
+    state_bytes = world_gather(np.array([opt.inner.state_nbytes()]))[:, 0]
+    if fleet.worker_index() == 0:
+        np.savez(out, state_bytes=state_bytes, **model.state_dict())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
