@@ -6,16 +6,20 @@
     fleetmpirun --hostfile hosts --gpus 0,1 --mpi_args "-bind-to core" train.py
     fleetmpirun --server_num 1 --worker_num 2 train.py
     fleetmpirun --dry-run --np 2 train.py            # print the mpiexec command only
+    fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 ``fleetmpi.launch.rank_main``, which sets the rank's GPU, role and log file and then runs the
-script. Its exit code is the job's.
+script. Its exit code is the job's. See docs/launch.md.
 """
 import argparse
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 from . import mpi_command
 
@@ -56,6 +60,9 @@ def parser():
     hosts.add_argument("--ips", help="comma-separated hosts to run on")
     hosts.add_argument("--hostfile", help="a host file in the MPI launcher's format")
     p.add_argument("--log_dir", help="write each rank's output to DIR/workerlog.<rank>")
+    p.add_argument("--timeline", metavar="PATH",
+                   help="write a Chrome-trace/Perfetto timeline of every rank to PATH "
+                        "(sets FLEETMPI_TIMELINE for every rank)")
     p.add_argument("--server_num", type=int, default=0,
                    help="parameter-server mode: number of server ranks")
     p.add_argument("--worker_num", type=int, default=0,
@@ -73,29 +80,62 @@ def parser():
     return p
 
 
+def check_inputs(args):
+    """ValueError naming the first bad input that does not depend on the hosts: a script
+    that is not there, a GPU listed twice, a timeline in a folder that does not exist."""
+    if not os.path.isfile(args.script):
+        raise ValueError(f"the training script {args.script!r} does not exist (or is not a "
+                         f"file) in {os.getcwd()}")
+    gpus = parse_list(args.gpus)
+    twice = sorted({gpu for gpu in gpus if gpus.count(gpu) > 1})
+    if twice:
+        raise ValueError(f"--gpus {args.gpus!r} lists GPU {', '.join(twice)} more than once; "
+                         f"each rank gets a GPU of its own")
+    if args.timeline is not None:
+        folder = os.path.dirname(os.path.abspath(args.timeline))
+        if os.path.isdir(args.timeline) or not os.path.isdir(folder):
+            raise ValueError(f"--timeline {args.timeline!r} must name a file in an existing "
+                             f"folder")
+
+
 def plan(args):
-    """``(np, hosts, ranks_per_host)`` from the parsed options; ValueError names a conflict."""
+    """``(np, hosts, ranks_per_host)`` from the parsed options; ValueError names a conflict.
+
+    The rank count comes from whichever of ``--np``, ``--gpus`` (one rank per listed GPU on
+    each host) and ``--server_num + --worker_num`` are given, and they must agree; with none
+    of them it is one rank per host."""
     gpus = parse_list(args.gpus)
     ips = parse_list(args.ips)
     hosts = ips or (hostfile_hosts(args.hostfile) if args.hostfile else [])
     num_hosts = len(hosts) or 1
     if args.np is not None and args.np < 1:
         raise ValueError(f"--np must be at least 1, got {args.np}")
+    counts = []
+    if args.np is not None:
+        counts.append((args.np, f"--np {args.np}"))
+    if gpus:
+        counts.append((len(gpus) * num_hosts,
+                       f"{len(gpus)} GPU(s) in --gpus on each of {num_hosts} host(s)"))
     if args.server_num or args.worker_num:
         if args.server_num < 1 or args.worker_num < 1:
             raise ValueError(f"parameter-server mode needs --server_num and --worker_num "
                              f"both at least 1, got {args.server_num} and {args.worker_num}")
-        implied, why = args.server_num + args.worker_num, "--server_num + --worker_num"
-    elif gpus:
-        implied = len(gpus) * num_hosts
-        why = f"{len(gpus)} GPU(s) in --gpus on each of {num_hosts} host(s)"
-    else:
-        implied, why = None, None
-    if implied is not None and args.np is not None and args.np != implied:
-        raise ValueError(f"--np {args.np} does not match {why}, which make {implied} ranks")
-    np = implied if implied is not None else args.np if args.np is not None else num_hosts
+        counts.append((args.server_num + args.worker_num,
+                       f"--server_num {args.server_num} + --worker_num {args.worker_num}"))
+    for count, why in counts[1:]:
+        if count != counts[0][0]:
+            raise ValueError(f"{counts[0][1]} does not match {why}, which make {count} ranks")
+    np = counts[0][0] if counts else num_hosts
     ranks_per_host = len(gpus) if gpus and hosts else None
     return np, ips, ranks_per_host
+
+
+def job_environment(args):
+    """The variables ``fleetmpirun`` sets for every rank of the job, on every host."""
+    env = {}
+    if args.timeline is not None:
+        env["FLEETMPI_TIMELINE"] = os.path.abspath(args.timeline)
+    return env
 
 
 def rank_program(args):
@@ -117,13 +157,85 @@ def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
     extra = [word for text in args.mpi_args for word in shlex.split(text)]
     return mpi_command.build_command(
         flavour, mpiexec, np, rank_program(args), hosts=ips, hostfile=args.hostfile,
-        ranks_per_host=ranks_per_host, extra_args=extra, environ=environ, as_root=as_root)
+        ranks_per_host=ranks_per_host, extra_args=extra, environ=environ, as_root=as_root,
+        job_env=job_environment(args))
+
+
+LOG_NAME = re.compile(r"(workerlog|serverlog)\.(\d+)")
+TRACEBACK = "Traceback (most recent call last):"
+# At most this many logs, and this many lines of each, in the report of a failed job.
+REPORTED_LOGS = 4
+REPORTED_LINES = 40
+
+
+def failure_excerpt(text):
+    """The last traceback in ``text`` (with the line before it when that names the failing
+    rank), cut to its last ``REPORTED_LINES`` lines; None when there is none."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK)]
+    if not starts:
+        return None
+    start = starts[-1]
+    if start > 0 and "failed" in lines[start - 1]:
+        start -= 1
+    return "\n".join(lines[start:][-REPORTED_LINES:])
+
+
+def failed_rank_logs(log_dir, since):
+    """``(path, excerpt)`` of this job's logs (written since ``since``) that end a rank with a
+    traceback, workers then servers, in rank order.
+
+    Rank 0's log is among them although its output was echoed: when a rank aborts the job,
+    the MPI launcher stops forwarding output, and the end of rank 0's may never reach the
+    terminal; its log (see ``rank_main``) always has it."""
+    if not os.path.isdir(log_dir):
+        return []
+    names = sorted((match.group(1) == "serverlog", int(match.group(2)), match.group(0))
+                   for match in map(LOG_NAME.fullmatch, os.listdir(log_dir)) if match)
+    found = []
+    for _, _, name in names:
+        path = os.path.join(log_dir, name)
+        if os.path.getmtime(path) < since:
+            continue
+        with open(path, errors="replace") as log:
+            excerpt = failure_excerpt(log.read())
+        if excerpt is not None:
+            found.append((path, excerpt))
+    return found[:REPORTED_LOGS]
+
+
+def run_job(cmd, env):
+    """Run the launcher command and return its exit status (128 + N for signal N).
+
+    Ctrl-C reaches the MPI launcher too (same process group), which stops the ranks; a
+    SIGINT or SIGTERM sent to ``fleetmpirun`` alone is passed on, and a launcher that has
+    not ended 10 s after an interrupt is killed. Either way no rank is left running."""
+    process = subprocess.Popen(cmd, env=env)
+    previous = signal.signal(signal.SIGTERM,
+                             lambda signum, frame: process.send_signal(signal.SIGTERM))
+    try:
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:
+            try:
+                code = process.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGINT)
+                try:
+                    code = process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    code = process.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 128 - code if code < 0 else code
 
 
 def main(argv=None):
     p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_inputs(args)
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
         cmd = launch_command(args, mpi_command.detect_flavour(mpiexec), mpiexec)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
@@ -131,12 +243,13 @@ def main(argv=None):
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    code = subprocess.run(cmd).returncode
-    if code < 0:
-        code = 128 - code
+    started = time.time() - 1.0
+    code = run_job(cmd, dict(os.environ, **job_environment(args)))
     if code != 0:
         where = f"; per-rank logs in {os.path.abspath(args.log_dir)}" if args.log_dir else ""
         print(f"fleetmpirun: the job exited with code {code}{where}", file=sys.stderr)
+        for path, excerpt in failed_rank_logs(args.log_dir, started) if args.log_dir else ():
+            print(f"fleetmpirun: {path} ends with:\n{excerpt}", file=sys.stderr)
     return code
 
 

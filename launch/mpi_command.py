@@ -9,6 +9,7 @@ knows both spellings:
 | host file                   | ``-f FILE``          | ``--hostfile FILE``               |
 | k ranks per host            | ``-ppn k``           | ``--map-by ppr:k:node``           |
 | environment to every rank   | ``-genvall``         | ``-x NAME`` for each variable     |
+| a variable set for the job  | ``-genv NAME VALUE`` | ``-x NAME=VALUE``                 |
 | more ranks than cores       | allowed              | ``--oversubscribe``               |
 | started by root             | allowed              | ``--allow-run-as-root``           |
 """
@@ -60,13 +61,15 @@ def exported_names(environ):
 
 
 def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
-                  ranks_per_host=None, extra_args=(), environ=None, as_root=None):
+                  ranks_per_host=None, extra_args=(), environ=None, as_root=None, job_env=None):
     """The whole ``mpiexec`` argument list that starts ``np`` copies of ``program``.
 
     ``hosts`` (a list of host names) and ``hostfile`` are exclusive; ``ranks_per_host`` places
     that many consecutive ranks on each host; ``extra_args`` go to the MPI launcher as given,
     before the program. ``environ`` (default ``os.environ``) chooses Open MPI's ``-x`` names;
     ``as_root`` (default: the effective user is root) adds ``--allow-run-as-root``.
+    ``job_env`` (name -> value) are variables set for every rank on every host, named on the
+    command line so that they reach other hosts whatever the launcher forwards by default.
     """
     if flavour not in FLAVOURS:
         raise ValueError(f"MPI flavour {flavour!r} is not supported; allowed: {FLAVOURS}")
@@ -75,6 +78,7 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
     if np < 1:
         raise ValueError(f"number of ranks must be at least 1, got {np}")
     environ = os.environ if environ is None else environ
+    job_env = dict(job_env or {})
     as_root = os.geteuid() == 0 if as_root is None else as_root
     cmd = [mpiexec, "-n", str(np)]
     if flavour == MPICH:
@@ -85,6 +89,8 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
         if ranks_per_host:
             cmd += ["-ppn", str(ranks_per_host)]
         cmd.append("-genvall")
+        for name, value in sorted(job_env.items()):
+            cmd += ["-genv", name, value]
     else:
         cmd.append("--oversubscribe")
         if as_root:
@@ -97,7 +103,10 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
         if ranks_per_host:
             cmd += ["--map-by", f"ppr:{ranks_per_host}:node"]
         for name in exported_names(environ):
-            cmd += ["-x", name]
+            if name not in job_env:
+                cmd += ["-x", name]
+        for name, value in sorted(job_env.items()):
+            cmd += ["-x", f"{name}={value}"]
     return cmd + list(extra_args) + list(program)
 
 

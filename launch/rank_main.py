@@ -10,37 +10,44 @@ device and role variables, sends its output to its log file and runs the script 
 
 Roles in parameter-server mode: ranks ``0..W-1`` are the trainers (trainer ``i`` is rank
 ``i``), ranks ``W..W+S-1`` the servers (server ``j`` is rank ``W+j``).
+
+An exception the script does not catch goes to ``sys.excepthook`` as it would without the
+wrapper, so the hook ``fleet.init()`` installs (``fleetmpi.failure``) still ends the job. When
+no such hook ended it and the script had started MPI, the wrapper aborts the MPI job itself:
+a rank that returns from an exception while the others wait in a collective would otherwise
+leave the job hanging.
 """
 import argparse
+import atexit
 import os
 import runpy
+import signal
 import sys
-import traceback
+import time
 
-RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
-LOCAL_RANK_VARIABLES = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
-
-
-def _first(environ, names):
-    for name in names:
-        if environ.get(name, "") != "":
-            return int(environ[name])
-    return None
+# (rank, size, local rank) variables of each launcher; one launcher's three are used together,
+# so that a variable left over from an enclosing launcher (an sbatch script's SLURM_LOCALID
+# under mpiexec) never mixes in.
+LAUNCHER_VARIABLES = (
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),                                  # MPICH hydra
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),                              # srun
+)
+# How long a rank that ends normally waits for its terminal copier to write what is left.
+COPIER_EXIT_SECONDS = 10.0
 
 
 def place(environ):
     """``(rank, size, local_rank)`` of this process from the launcher's variables, asking
-    MPI only when the launcher set none of them."""
-    rank, size = _first(environ, RANK_VARIABLES), _first(environ, SIZE_VARIABLES)
-    local_rank = _first(environ, LOCAL_RANK_VARIABLES)
-    if rank is None or size is None or local_rank is None:
-        from mpi4py import MPI
+    MPI only when no launcher set all three of its own."""
+    for names in LAUNCHER_VARIABLES:
+        values = [environ.get(name, "") for name in names]
+        if all(value.isdigit() for value in values):
+            return tuple(int(value) for value in values)
+    from mpi4py import MPI
 
-        world = MPI.COMM_WORLD
-        rank, size = world.Get_rank(), world.Get_size()
-        local_rank = world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    return rank, size, local_rank
+    world = MPI.COMM_WORLD
+    return world.Get_rank(), world.Get_size(), world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
 def role_variables(rank, size, local_rank, gpus=None, server_num=0, worker_num=0):
@@ -78,42 +85,121 @@ def role_variables(rank, size, local_rank, gpus=None, server_num=0, worker_num=0
     return env, log_name
 
 
-def _tee_into(log_path):
-    """Send this process's stdout and stderr to ``log_path`` and to the terminal: a forked
-    copier reads them from a pipe until the last writer closes it."""
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _copy(read_end, log_fd, terminal_fd):
+    """The copier's loop: each chunk to the log first (so the log is complete whatever
+    happens to the terminal), then to the terminal while it accepts writes; ends at EOF, when
+    every writer (the rank, and any process it started) has closed the pipe."""
+    terminal_open = True
+    while True:
+        chunk = os.read(read_end, 65536)
+        if not chunk:
+            return
+        _write_all(log_fd, chunk)
+        if terminal_open:
+            try:
+                _write_all(terminal_fd, chunk)
+            except OSError:  # the launcher stopped reading (job aborted): keep the log going
+                terminal_open = False
+
+
+def _tee_into(log_fd):
+    """Send this process's stdout and stderr to ``log_fd`` and to the terminal; returns the
+    process id of the forked copier that reads them from a pipe.
+
+    The copier runs in a process group of its own and ignores SIGINT, so the launcher's
+    signals to the rank's group (MPI_Abort's kill, a Ctrl-C) do not reach it: it outlives the
+    rank, drains the pipe and exits at EOF, and the log keeps the rank's last words (an
+    abort's traceback) even when the launcher has stopped forwarding them to the terminal.
+    """
     read_end, write_end = os.pipe()
-    if os.fork() == 0:
-        os.close(write_end)
-        with open(log_path, "ab", buffering=0) as log:
-            while True:
-                chunk = os.read(read_end, 65536)
-                if not chunk:
-                    os._exit(0)
-                log.write(chunk)
-                os.write(1, chunk)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            os.setpgid(0, 0)
+            os.close(write_end)
+            _copy(read_end, log_fd, 1)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
     os.close(read_end)
     os.dup2(write_end, 1)
     os.dup2(write_end, 2)
     os.close(write_end)
+    return pid
+
+
+def _await_copier(pid, seconds=COPIER_EXIT_SECONDS):
+    """At a normal exit: close this process's ends of the pipe and give the copier up to
+    ``seconds`` to write what is left (a child of the script still holding the pipe open
+    could keep it going longer; then it finishes on its own)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        time.sleep(0.01)
 
 
 def redirect_output(log_path, echo):
-    """Send fds 1 and 2 to ``log_path`` (also to the terminal when ``echo``)."""
+    """Send fds 1 and 2 to ``log_path`` (truncated first), also to the terminal when
+    ``echo``; Python's streams become line-buffered so the log follows the run."""
     sys.stdout.flush()
     sys.stderr.flush()
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     if echo:
-        _tee_into(log_path)
+        copier = _tee_into(log_fd)
+        atexit.register(_await_copier, copier)
     else:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+    os.close(log_fd)
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
 
 
-def run_script(script, args):
-    """Run ``script`` as ``__main__`` with ``sys.argv = [script] + args``; its exit code."""
+def _script_frames(tb):
+    """``tb`` without its leading frames of this wrapper and of runpy."""
+    wrapper_files = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+    while tb is not None and tb.tb_next is not None and (
+            tb.tb_frame.f_code.co_filename in wrapper_files
+            or os.path.abspath(tb.tb_frame.f_code.co_filename) in wrapper_files):
+        tb = tb.tb_next
+    return tb
+
+
+def _abort_started_mpi(rank, size):
+    """End the whole MPI job when the script started MPI in a world of several ranks."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or size < 2 or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    sys.stderr.write(f"fleetmpirun: rank {rank} of {size} ended with an uncaught exception; "
+                     "aborting the job\n")
+    sys.stderr.flush()
+    mpi.COMM_WORLD.Abort(1)
+
+
+def run_script(script, args, rank=0, size=1):
+    """Run ``script`` as ``__main__`` with ``sys.argv = [script] + args``; its exit code.
+
+    An uncaught exception is reported by ``sys.excepthook`` (see the module docstring)."""
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -123,8 +209,10 @@ def run_script(script, args):
             return done.code or 0
         print(done.code, file=sys.stderr)
         return 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as error:
+        error.with_traceback(_script_frames(error.__traceback__))
+        sys.excepthook(type(error), error, error.__traceback__)
+        _abort_started_mpi(rank, size)
         return 1
     return 0
 
@@ -156,10 +244,8 @@ def main(argv=None):
     os.environ.update(env)
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
-        if rank == 0:
-            open(os.path.join(args.log_dir, log_name), "w").close()
         redirect_output(os.path.join(args.log_dir, log_name), echo=rank == 0)
-    return run_script(args.script, args.script_args)
+    return run_script(args.script, args.script_args, rank, size)
 
 
 if __name__ == "__main__":
