@@ -150,6 +150,9 @@ def _join_shards(directory, manifest, state, own):
     whose shards overlap it."""
     start, stop = own
     total = int(state["shard"][2])
+    if stop > total:
+        raise ValueError(f"the optimizer state in {directory!r} was saved for a parameter "
+                         f"space of {total} elements; this optimizer updates [{start}, {stop})")
     keys = [k for k in state if k.endswith(".shard")]
     joined = {k: np.empty(stop - start, dtype=state[k].dtype) for k in keys}
     covered = np.zeros(stop - start, dtype=bool)

@@ -362,6 +362,17 @@ def test_a_checkpoint_of_2_sharded_ranks_continues_identically_on_3_and_on_1(tmp
                                    err_msg=key)
 
 
+def test_a_sharded_checkpoint_of_another_model_is_refused(tmp_path):
+    fleet.init(is_collective=True)
+    model, opt, _ = train(sharding(), adam, steps=1, local=True)
+    checkpoint.save(str(tmp_path), model, opt, 1)
+    backend.manual_seed(0)
+    wider = make_mlp(sizes=(6, 20, 12, 4))
+    with pytest.raises(ValueError, match=r"parameter space of \d+ elements; this optimizer "
+                                         r"updates \[0, \d+\)"):
+        checkpoint.load(str(tmp_path), wider, adam(wider.parameters()))
+
+
 def test_a_checkpoint_without_sharding_still_needs_the_same_world_size(tmp_path):
     import json
 

@@ -1,0 +1,135 @@
+"""Optimizer-state bytes per rank and step time of sharding next to plain data parallel.
+
+    python benchmarks/sharding.py [--ranks 1 2 4] [--width 1024] [--layers 4] [--steps 20]
+
+For each rank count one ``mpiexec`` job trains a float32 MLP (``--layers`` Linear+ReLU layers
+of ``--width``) with Momentum and with Adam, each under plain data parallelism and under
+``sharding``, from the same weights on the same data (a per-rank batch of 64). Per
+configuration it reports the largest optimizer-state bytes any rank holds
+(``Optimizer.state_nbytes``), the median step time over ``--steps`` timed steps after two
+warm-up steps (the slowest rank's; the ranks start each step together after a barrier), and the
+ratios sharding / data parallel. The parameters of the two runs are checked to agree, so the
+timings compare runs that did the same training.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+PER_RANK_BATCH = 64
+CLASSES = 10
+
+
+def synchronize(backend):
+    """Wait for the device to finish the step (nothing to wait for on the host)."""
+    if backend.on_gpu():
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+
+
+def worker(width, layers, steps):
+    import fleetmpi as fleet
+    from fleetmpi import backend, nn, optimizer
+    from mpi4py import MPI
+
+    fleet.init(is_collective=True)
+    rank, size = fleet.worker_index(), fleet.worker_num()
+    rng = np.random.default_rng(rank)
+    x = rng.standard_normal((PER_RANK_BATCH, width)).astype(np.float32)
+    y = rng.integers(0, CLASSES, PER_RANK_BATCH)
+    makers = {
+        "Momentum": lambda ps: optimizer.Momentum(learning_rate=0.01, momentum=0.9,
+                                                  parameters=ps),
+        "Adam": lambda ps: optimizer.Adam(learning_rate=1e-4, parameters=ps),
+    }
+    rows = []
+    for name, make in makers.items():
+        results = {}
+        for sharded in (False, True):
+            backend.manual_seed(0)
+            body = []
+            for i in range(layers):
+                body += [(f"fc{i}", nn.Linear(width, width)), (f"act{i}", nn.ReLU())]
+            model = fleet.distributed_model(nn.Sequential(*body, ("out", nn.Linear(width,
+                                                                                   CLASSES))))
+            strategy = fleet.DistributedStrategy()
+            strategy.sharding = sharded
+            opt = fleet.distributed_optimizer(make(model.parameters()), strategy)
+            loss_fn = nn.SoftmaxCrossEntropy()
+            times = []
+            for step in range(steps + 2):
+                MPI.COMM_WORLD.Barrier()
+                start = time.perf_counter()
+                opt.minimize(model, loss_fn, x, y)
+                synchronize(backend)
+                times.append(time.perf_counter() - start)
+            slowest = np.empty(steps + 2)
+            MPI.COMM_WORLD.Allreduce(np.array(times), slowest, op=MPI.MAX)
+            state = np.array([opt.inner.state_nbytes()], dtype=np.int64)
+            most = np.empty(1, dtype=np.int64)
+            MPI.COMM_WORLD.Allreduce(state, most, op=MPI.MAX)
+            params = np.concatenate([v.reshape(-1) for v in model.state_dict().values()])
+            results[sharded] = (int(most[0]), float(np.median(slowest[2:])), params)
+        (dp_bytes, dp_time, dp_params), (sh_bytes, sh_time, sh_params) = \
+            results[False], results[True]
+        agree = bool(np.allclose(sh_params, dp_params, rtol=1e-4, atol=1e-6))
+        rows.append({"ranks": size, "optimizer": name, "dp_bytes": dp_bytes,
+                     "sharded_bytes": sh_bytes, "dp_ms": dp_time * 1e3,
+                     "sharded_ms": sh_time * 1e3, "agree": agree})
+    if rank == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+def launch(ranks, args):
+    from fleetmpi.launch.mpi_command import local_command
+
+    command = local_command(ranks) + [sys.executable, os.path.abspath(__file__), "--worker",
+                                      "--width", str(args.width), "--layers", str(args.layers),
+                                      "--steps", str(args.steps)]
+    env = dict(os.environ, FLEETMPI_DEVICE=os.environ.get("FLEETMPI_DEVICE", "cpu"))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"mpiexec -n {ranks} failed:\n{done.stdout}\n{done.stderr}")
+
+
+def table(rows, width, layers):
+    parameters = layers * (width * width + width) + width * CLASSES + CLASSES
+    lines = [f"float32 MLP, {layers} x {width} + {CLASSES} ({parameters:,} parameters), "
+             f"per-rank batch {PER_RANK_BATCH}", "",
+             "| ranks | optimizer | state bytes/rank, DP | state bytes/rank, sharding | "
+             "ratio | step ms, DP | step ms, sharding | ratio | same parameters |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['dp_bytes']:,} | "
+                     f"{r['sharded_bytes']:,} | {r['sharded_bytes'] / r['dp_bytes']:.3f} | "
+                     f"{r['dp_ms']:.1f} | {r['sharded_ms']:.1f} | "
+                     f"{r['sharded_ms'] / r['dp_ms']:.2f} | {'yes' if r['agree'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.width, args.layers, args.steps)
+        return
+    rows = []
+    for ranks in args.ranks:
+        rows += launch(ranks, args)
+    print(table(rows, args.width, args.layers))
+
+
+if __name__ == "__main__":
+    main()
