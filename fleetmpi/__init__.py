@@ -8,6 +8,9 @@ from . import nn, optimizer
 from .config_message import ConfigError
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .parallel import distributed_model, distributed_optimizer
+from .role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
+from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
+                                    save_persistables, server_index, server_num, stop_worker)
 from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
                     node_num, worker_index, worker_num)
 
@@ -15,7 +18,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
-    "barrier_worker", "distributed_model", "distributed_optimizer", "init", "is_first_worker",
-    "local_rank", "local_size", "nn", "node_index", "node_num", "optimizer", "worker_index",
-    "worker_num",
+    "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "barrier_worker",
+    "distributed_model", "distributed_optimizer", "init", "init_server", "init_worker",
+    "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn", "node_index",
+    "node_num", "optimizer", "run_server", "save_persistables", "server_index", "server_num",
+    "stop_worker", "worker_index", "worker_num",
 ]

@@ -38,7 +38,13 @@ def strategy_communicator(strategy):
 
 def distributed_model(model, communicator=None):
     """Make ``model``'s parameters and buffers identical on every rank (rank 0's values, one
-    broadcast per flat buffer and one for the buffers) and return it."""
+    broadcast per flat buffer and one for the buffers) and return it. In parameter-server mode
+    nothing is broadcast: the model is remembered, and workers take its parameters from the
+    servers in ``fleet.init_worker()``."""
+    if world.roles() is not None:
+        from .strategies.ps.runtime import register_model
+
+        return register_model(model)
     comm = _world_communicator(communicator)
     flats = [buffer.data for buffer in model.flat_buffers()]
     if flats:
@@ -124,5 +130,13 @@ class DistributedOptimizer:
 def distributed_optimizer(optimizer, strategy=None, communicator=None, local=False):
     """Wrap ``optimizer`` for distributed training under ``strategy`` (the default
     ``DistributedStrategy`` when None). ``local=True`` runs the strategies on this process
-    alone, with no communication: the single-process math a multi-rank run must match."""
+    alone, with no communication: the single-process math a multi-rank run must match.
+
+    In parameter-server mode (``fleet.init(is_collective=False)``) it returns a
+    ``ParameterServerOptimizer``: ``a_sync`` and ``a_sync_configs`` choose synchronous,
+    asynchronous or GEO training (see ``fleetmpi.strategies.ps``)."""
+    if not local and world.roles() is not None:
+        from .strategies.ps.runtime import make_optimizer
+
+        return make_optimizer(optimizer, DistributedStrategy() if strategy is None else strategy)
     return DistributedOptimizer(optimizer, strategy, communicator, local)

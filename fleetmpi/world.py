@@ -2,6 +2,7 @@
 from . import log
 
 _topology = None
+_roles = None
 
 
 def init(role_maker=None, is_collective=True):
@@ -9,19 +10,25 @@ def init(role_maker=None, is_collective=True):
 
     Works under ``mpirun``/``mpiexec``, ``srun`` and ``fleetmpirun``, and as a plain
     ``python train.py`` (a world of one). A second call does nothing.
+
+    ``is_collective=False`` or a ``role_maker`` selects parameter-server mode: the role comes
+    from ``role_maker`` or from the launcher's variables (``fleetmpi.role_maker``).
     """
-    global _topology
-    if not is_collective or role_maker is not None:
-        raise NotImplementedError(
-            "parameter-server mode (is_collective=False or a role_maker) is not available in "
-            "this version of fleetmpi; call fleet.init(is_collective=True)")
+    global _topology, _roles
     if _topology is not None:
+        if (not is_collective or role_maker is not None) != (_roles is not None):
+            raise RuntimeError("fleet.init was already called in the other mode (collective or "
+                               "parameter-server); a process runs in one mode")
         return
     from mpi4py import MPI
 
     from .comm.topology import Topology
 
     _topology = Topology(MPI.COMM_WORLD)
+    if not is_collective or role_maker is not None:
+        from .strategies.ps.runtime import join
+
+        _roles = join(role_maker, _topology)
     log.configure(_topology.rank, _topology.size, _topology.node_index)
     log.logger.info("joined: %d rank(s) on %d node(s), local rank %d of %d",
                     _topology.size, _topology.num_nodes, _topology.local_rank,
@@ -35,23 +42,41 @@ def topology():
     return _topology
 
 
+def roles():
+    """The role maker of parameter-server mode; None in collective mode."""
+    topology()
+    return _roles
+
+
 def worker_index():
-    """This rank's index among the workers (its world rank)."""
+    """This rank's index among the workers: its world rank in collective mode, its worker id
+    in parameter-server mode (a server answers with its world rank)."""
+    if roles() is not None and roles().is_worker():
+        return _roles.current_id
     return topology().rank
 
 
 def worker_num():
-    """The number of workers (the world size)."""
-    return topology().size
+    """The number of workers: the world size in collective mode, the workers alone in
+    parameter-server mode."""
+    return topology().size if roles() is None else _roles.worker_num
 
 
 def is_first_worker():
     """True on worker 0 only."""
+    if roles() is not None:
+        return _roles.is_worker() and _roles.current_id == 0
     return topology().rank == 0
 
 
 def barrier_worker():
-    """Wait until every worker has reached this call."""
+    """Wait until every worker has reached this call (servers do not take part in
+    parameter-server mode)."""
+    if roles() is not None:
+        from .strategies.ps.runtime import worker_communicator
+
+        worker_communicator().Barrier()
+        return
     topology().world.Barrier()
 
 

@@ -29,8 +29,10 @@ NO_EFFECT = {
     "cudnn_exhaustive_search": _NO_CUDNN,
     "conv_workspace_size_limit": _NO_CUDNN,
     "cudnn_batchnorm_spatial_persistent": _NO_CUDNN,
-    "a_sync": "it selects asynchronous parameter-server training, not collective training",
-    "a_sync_configs": "it configures parameter-server training, not collective training",
+    "a_sync": "collective training ignores it; it selects synchronous or asynchronous "
+              "training in parameter-server mode (fleet.init(is_collective=False))",
+    "a_sync_configs": "collective training ignores it; it configures parameter-server mode "
+                      "(fleet.init(is_collective=False))",
     "build_strategy.enable_sequential_execution": _IN_ORDER,
     "build_strategy.fuse_relu_depthwise_conv": "the trainer has no depthwise convolution",
     "build_strategy.fuse_broadcast_ops": "parameter broadcasts are always fused, one per flat "
@@ -68,9 +70,15 @@ def report_inert_fields(strategy):
     """Log a warning (first worker only, once per field and process) for every field that was
     set but has no effect here."""
     for path in inert_fields_set(strategy):
-        if path in _reported:
-            continue
-        _reported.add(path)
-        if world.worker_index() == 0:
-            logger.warning("DistributedStrategy.%s is set but has no effect in fleetmpi: %s",
-                           path, NO_EFFECT[path])
+        report_once(path, NO_EFFECT[path], world.worker_index() == 0)
+
+
+def report_once(path, why, first_worker):
+    """Warn (where ``first_worker``) that ``DistributedStrategy.<path>`` has no effect, once
+    per process."""
+    if path in _reported:
+        return
+    _reported.add(path)
+    if first_worker:
+        logger.warning("DistributedStrategy.%s is set but has no effect in fleetmpi: %s",
+                       path, why)

@@ -38,8 +38,9 @@ def test_init_twice_keeps_the_same_topology():
     assert world.topology() is first
 
 
-def test_parameter_server_mode_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="is_collective=True"):
+def test_switching_to_parameter_server_mode_after_init_is_refused_clearly():
+    fleet.init()
+    with pytest.raises(RuntimeError, match="already called in the other mode"):
         fleet.init(is_collective=False)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 from .. import backend, kernels
 from ..kernels import reference
 from .layer import Layer
+from .sparse import SparseTable
 
 
 def check_positive_int(name, value):
@@ -208,19 +209,28 @@ class Flatten(Layer):
 class Embedding(MixedPrecisionLayer):
     """Rows of ``weight`` (``(num_embeddings, embedding_dim)``, normal(0, 1) initialised)
     picked by an integer index array; the output gains a trailing axis of ``embedding_dim``.
-    Backward returns None: integer indices have no gradient."""
+    Backward returns None: integer indices have no gradient.
+
+    ``sparse=True`` (parameter-server mode): the table is a ``SparseTable`` whose rows live on
+    the servers; the layer has no dense parameter, looks up only the rows a batch touches and
+    leaves their gradient in ``table.grad_ids`` / ``table.grad_values``."""
 
     op_type = "lookup_table"
 
-    def __init__(self, num_embeddings, embedding_dim, dtype=None):
+    def __init__(self, num_embeddings, embedding_dim, dtype=None, sparse=False):
         super().__init__(dtype)
         self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
-        self.create_parameter("weight", backend.shared_rng().standard_normal(
-            (num_embeddings, embedding_dim)))
+        self.sparse = bool(sparse)
+        if self.sparse:
+            self.table = SparseTable(num_embeddings, embedding_dim, self.dtype)
+        else:
+            self.create_parameter("weight", backend.shared_rng().standard_normal(
+                (num_embeddings, embedding_dim)))
 
     def extra_repr(self):
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        sparse = ", sparse=True" if self.sparse else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{sparse}"
 
     def forward(self, ids):
         xp = backend.array_module()
@@ -229,10 +239,15 @@ class Embedding(MixedPrecisionLayer):
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise ValueError(f"Embedding indices must lie in [0, {self.num_embeddings}), got "
                              f"values in [{int(ids.min())}, {int(ids.max())}]")
+        if self.sparse:
+            return self._in_compute_dtype(self.table.lookup(ids))
         self._ids = xp.asarray(ids)
         return self._in_compute_dtype(self.weight.data[self._ids])
 
     def _backward(self, dy, input_grad):
+        if self.sparse:
+            self.table.backward(self._in_compute_dtype(dy))
+            return None
         grad = self.weight.grad
         grad[...] = 0
         rows = self._ids.reshape(-1)

@@ -1,0 +1,268 @@
+"""Parameter-server jobs that tests/test_pserver.py starts under mpiexec.
+
+    mpiexec -n S+W python tests/pserver_jobs.py SCENARIO --servers S [--out DIR] [...]
+
+Ranks ``0..W-1`` are workers, the rest servers (``UserDefinedRoleMaker``). Every worker checks
+its own results against single-process math and prints ``ok <scenario> worker <i>``; a failed
+check raises, which ends the job with a non-zero exit. Servers print their report as JSON
+after ``report <server>``.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+import fleetmpi as fleet
+from fleetmpi import backend, data, nn, optimizer
+
+FEATURES, CLASSES, HIDDEN = 64, 4, 160   # fc0 has 64 * 160 > 8192 elements: split in blocks
+ROWS, DIM = 1000, 8
+
+
+def parse():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("--servers", type=int, required=True)
+    parser.add_argument("--mode", default="sync", choices=["sync", "async", "geo"])
+    parser.add_argument("--k-steps", type=int, default=4)
+    parser.add_argument("--out")
+    parser.add_argument("--load")
+    return parser.parse_args()
+
+
+def join(servers):
+    from mpi4py import MPI
+
+    size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    workers = size - servers
+    role = fleet.Role.WORKER if rank < workers else fleet.Role.SERVER
+    fleet.init(role_maker=fleet.UserDefinedRoleMaker(
+        current_id=rank if rank < workers else rank - workers, role=role,
+        worker_num=workers, server_num=servers))
+
+
+def strategy_for(mode, k_steps):
+    strategy = fleet.DistributedStrategy()
+    strategy.a_sync = mode != "sync"
+    strategy.a_sync_configs = {"k_steps": {"sync": -1, "async": 0, "geo": k_steps}[mode]}
+    return strategy
+
+
+def serve(args):
+    fleet.init_server(args.load)
+    report = fleet.run_server(save_dirname=args.out if args.scenario == "restart" else None)
+    report.pop("staleness")
+    print(f"report {fleet.server_index()} {json.dumps(report)}", flush=True)
+
+
+# -- sync equals data parallel, with uneven batch counts, and a restart in the middle --------
+def dense_model():
+    backend.manual_seed(3)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN, dtype="float64"), nn.Tanh(),
+                         nn.Linear(HIDDEN, CLASSES, dtype="float64"))
+
+
+def adam(parameters):
+    return optimizer.Adam(learning_rate=0.01, parameters=parameters)
+
+
+def step_batches(worker, worker_num, step):
+    """Worker ``w`` has ``6 - w`` batches of 8; step ``t``'s global batch is the batches of
+    the workers that still have one, in worker order."""
+    rng = np.random.default_rng(500 + step)
+    x, y = rng.standard_normal((8 * worker_num, FEATURES)), rng.integers(0, CLASSES,
+                                                                         8 * worker_num)
+    alive = [w for w in range(worker_num) if step < 6 - w]
+    parts = {w: (x[8 * w:8 * w + 8], y[8 * w:8 * w + 8]) for w in alive}
+    return parts, (np.concatenate([parts[w][0] for w in alive]),
+                   np.concatenate([parts[w][1] for w in alive]))
+
+
+def reference_parameters(worker_num, steps):
+    model = dense_model()
+    opt = fleet.distributed_optimizer(adam(model.parameters()), local=True)
+    for step in range(steps):
+        _, (x, y) = step_batches(0, worker_num, step)
+        opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+    return [backend.to_numpy(p.data).copy() for p in model.parameters()]
+
+
+def sync_equals_dp(args, steps_range):
+    model = fleet.distributed_model(dense_model())
+    opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for("sync", 0))
+    if fleet.is_server():
+        return serve(args)
+    fleet.init_worker()
+    w, n = fleet.worker_index(), fleet.worker_num()
+    for step in steps_range:
+        parts, _ = step_batches(w, n, step)
+        if w in parts:
+            opt.minimize(model, nn.SoftmaxCrossEntropy(), *parts[w])
+    fleet.stop_worker()
+    return model, w, n
+
+
+def scenario_sync(args):
+    done = sync_equals_dp(args, range(6))
+    if done is None:
+        return
+    model, w, n = done
+    # worker w's last answer came after its own last step, 6 - w
+    for got, want in zip(model.parameters(), reference_parameters(n, 6 - w)):
+        np.testing.assert_allclose(backend.to_numpy(got.data), want, rtol=1e-10, atol=1e-12)
+    print(f"ok sync worker {w}: {6 - w} steps, parameters equal one process", flush=True)
+
+
+def scenario_restart(args):
+    """First job (no --load): steps 0-2, shards saved at shutdown into --out. Second job
+    (--load): steps 3-5 from the shards; the end equals 6 uninterrupted steps."""
+    first = args.load is None
+    done = sync_equals_dp(args, range(3) if first else range(3, 6))
+    if done is None:
+        return
+    model, w, n = done
+    if not first:
+        for got, want in zip(model.parameters(), reference_parameters(n, 6 - w)):
+            np.testing.assert_allclose(backend.to_numpy(got.data), want, rtol=1e-10,
+                                       atol=1e-12)
+    print(f"ok restart worker {w} ({'first' if first else 'resumed'} job)", flush=True)
+
+
+# -- async and GEO on digits ------------------------------------------------------------------
+def scenario_digits(args):
+    backend.manual_seed(0)
+    model = fleet.distributed_model(nn.MLP([64, 128, 10]))
+    opt = fleet.distributed_optimizer(
+        optimizer.Momentum(learning_rate=0.05, momentum=0.9, parameters=model.parameters()),
+        strategy_for(args.mode, args.k_steps))
+    if fleet.is_server():
+        return serve(args)
+    fleet.init_worker()
+    train, test = data.load_digits()
+    sampler = data.DistributedSampler(len(train), 32)
+    for epoch in range(10):
+        sampler.set_epoch(epoch)
+        for x, y in train.batches(sampler):
+            opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+    fleet.stop_worker()
+    model.eval()
+    predicted = backend.to_numpy(model.forward(backend.asarray(test.features))).argmax(axis=1)
+    accuracy = float((predicted == test.labels).mean())
+    stale = opt.staleness if args.mode == "async" else []
+    assert accuracy >= 0.95, f"{args.mode}: test accuracy {accuracy:.4f} < 0.95"
+    print(f"ok digits {args.mode} worker {fleet.worker_index()}: accuracy {accuracy:.4f}, "
+          f"staleness mean {np.mean(stale) if stale else 0:.2f}", flush=True)
+
+
+# -- sparse rows -------------------------------------------------------------------------------
+class Bag(nn.Layer):
+    """Embedding of 3 ids per sample, summed over the ids, then a Linear layer."""
+
+    def __init__(self, sparse):
+        super().__init__(dtype="float64")
+        self.embedding = self.add_sublayer("embedding", nn.Embedding(ROWS, DIM, dtype="float64",
+                                                                     sparse=sparse))
+        self.fc = self.add_sublayer("fc", nn.Linear(DIM, CLASSES, dtype="float64"))
+
+    def forward(self, ids):
+        self._shape = ids.shape
+        return self.fc.forward(self.embedding.forward(ids).sum(axis=1))
+
+    def _backward(self, dy, input_grad):
+        d = self.fc.backward(dy)
+        self.embedding.backward(np.broadcast_to(d[:, None, :], self._shape + (DIM,)).copy())
+
+
+def sparse_batch(step, worker_num):
+    rng = np.random.default_rng(900 + step)
+    return (rng.integers(0, ROWS // 4, (4 * worker_num, 3)) * 4 + step % 4,
+            rng.integers(0, CLASSES, 4 * worker_num))
+
+
+def scenario_sparse(args):
+    backend.manual_seed(5)
+    model = fleet.distributed_model(Bag(sparse=True))
+    sgd = optimizer.SGD(learning_rate=0.5, parameters=model.parameters())
+    opt = fleet.distributed_optimizer(sgd, strategy_for(args.mode, args.k_steps))
+    if fleet.is_server():
+        return serve(args)
+    fleet.init_worker()
+    w, n = fleet.worker_index(), fleet.worker_num()
+    table = model.embedding.table
+    client = fleet.strategies.ps.runtime._client
+    start_rows = table.lookup(np.arange(ROWS)).copy() if args.mode == "sync" else None
+    start_fc = [backend.to_numpy(p.data).copy() for p in model.parameters()]
+    touched_since_push = []
+    steps = 8
+    for step in range(steps):
+        ids, y = sparse_batch(step, n)
+        mine = slice(4 * w, 4 * w + 4)
+        opt.minimize(model, nn.SoftmaxCrossEntropy(), ids[mine], y[mine])
+        touched = np.unique(ids[mine])
+        touched_since_push.append(touched)
+        if args.mode == "geo":
+            cached_before = np.concatenate(touched_since_push[:-1] or [np.zeros(0, np.int64)])
+            np.testing.assert_array_equal(client.last_pulled[0],
+                                          np.setdiff1d(touched, cached_before))
+            if (step + 1) % args.k_steps == 0:
+                np.testing.assert_array_equal(client.last_pushed[0],
+                                              np.unique(np.concatenate(touched_since_push)))
+                touched_since_push = []
+        else:
+            np.testing.assert_array_equal(client.last_pulled[0], touched)
+            np.testing.assert_array_equal(client.last_pushed[0], touched)
+    if args.mode == "sync":
+        check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n)
+    fleet.stop_worker()
+    print(f"ok sparse {args.mode} worker {w}: pulled and pushed exactly the touched rows",
+          flush=True)
+
+
+def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
+    dense = Bag(sparse=False)
+    dense.embedding.weight.data[...] = start_rows
+    for p, value in zip(dense.fc.parameters(), start_fc):
+        p.data[...] = value
+    ref = fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.5,
+                                                    parameters=dense.parameters()), local=True)
+    for step in range(steps):
+        ref.minimize(dense, nn.SoftmaxCrossEntropy(), *sparse_batch(step, n))
+    np.testing.assert_allclose(table.lookup(np.arange(ROWS)), dense.embedding.weight.data,
+                               rtol=1e-10, atol=1e-12)
+    for got, want in zip(model.parameters(), dense.fc.parameters()):
+        np.testing.assert_allclose(got.data, want.data, rtol=1e-10, atol=1e-12)
+
+
+# -- faults ----------------------------------------------------------------------------------
+def scenario_leave(args):
+    """Worker 1 leaves after 2 steps: by an exception, without stop_worker."""
+    model = fleet.distributed_model(dense_model())
+    opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for(args.mode, 2))
+    if fleet.is_server():
+        return serve(args)
+    fleet.init_worker()
+    w, n = fleet.worker_index(), fleet.worker_num()
+    for step in range(6):
+        if w == 1 and step == 2:
+            if args.mode == "sync":
+                raise ValueError("worker 1 fails on purpose")
+            print("worker 1 exits without stop_worker", flush=True)
+            return
+        parts, _ = step_batches(0, n, step)
+        opt.minimize(model, nn.SoftmaxCrossEntropy(), *parts[0])
+    fleet.stop_worker()
+    print(f"ok leave {args.mode} worker {w}", flush=True)
+
+
+def main():
+    args = parse()
+    join(args.servers)
+    {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
+     "sparse": scenario_sparse, "leave": scenario_leave}[args.scenario](args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    main()

@@ -1,0 +1,155 @@
+"""Parameter-server pieces on one process: role makers, the block plan, the message codec,
+the mode a strategy selects, and the shard files."""
+import os
+
+import numpy as np
+import pytest
+
+import fleetmpi as fleet
+from fleetmpi.config_message import ConfigError
+from fleetmpi.role_maker import PaddleCloudRoleMaker
+from fleetmpi.strategies.ps import blocks, mode, shards, wire
+
+
+def test_user_defined_role_maker_places_workers_then_servers():
+    server = fleet.UserDefinedRoleMaker(current_id=1, role=fleet.Role.SERVER, worker_num=2,
+                                        server_num=2)
+    assert server.is_server() and not server.is_worker()
+    assert server.world_rank() == 3
+    server.check_world(3, 4)
+    worker = fleet.UserDefinedRoleMaker(current_id=1, role=fleet.Role.WORKER, worker_num=2,
+                                        server_num=2)
+    assert worker.world_rank() == 1
+    with pytest.raises(ValueError, match="MPI rank 2 cannot be worker 1"):
+        worker.check_world(2, 4)
+    with pytest.raises(ValueError, match="2 worker.*2 server.*MPI world has 3"):
+        worker.check_world(1, 3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"current_id": 2, "role": fleet.Role.WORKER, "worker_num": 2}, "current_id 2 is out of "
+                                                                     "range for a worker"),
+    ({"role": "server"}, "role must be fleetmpi.Role"),
+    ({"worker_num": 0}, "worker_num must be an integer >= 1, not 0"),
+    ({"server_num": 1.5}, "server_num must be an integer >= 1, not 1.5"),
+])
+def test_user_defined_role_maker_names_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fleet.UserDefinedRoleMaker(**kwargs)
+
+
+def test_environment_role_maker_reads_the_launcher_variables():
+    from fleetmpi.launch.rank_main import role_variables
+
+    env, _ = role_variables(3, 4, 3, server_num=2, worker_num=2)
+    roles = PaddleCloudRoleMaker(environ=env)
+    assert (roles.role, roles.current_id, roles.worker_num, roles.server_num) == (
+        fleet.Role.SERVER, 1, 2, 2)
+    roles.check_world(3, 4)
+    env, _ = role_variables(0, 4, 0, server_num=2, worker_num=2)
+    assert PaddleCloudRoleMaker(environ=env).is_worker()
+    with pytest.raises(ValueError, match="TRAINING_ROLE='' must be TRAINER or PSERVER"):
+        PaddleCloudRoleMaker(environ={})
+    with pytest.raises(ValueError, match="PADDLE_PSERVERS_NUM='x' must be an integer"):
+        PaddleCloudRoleMaker(environ={"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0",
+                                      "PADDLE_TRAINERS_NUM": "1", "PADDLE_PSERVERS_NUM": "x"})
+
+
+def test_block_plan_splits_large_parameters_and_balances_servers():
+    sizes = [64 * 160, 160, 160 * 4, 4, 100_000]
+    plan = blocks.plan_blocks(sizes, 3)
+    for index, size in enumerate(sizes):
+        mine = [b for b in plan if b.param == index]
+        # the blocks of a parameter tile it exactly, and never more blocks than servers
+        assert mine[0].start == 0 and mine[-1].stop == size
+        assert all(a.stop == b.start for a, b in zip(mine, mine[1:]))
+        assert len(mine) == min(3, -(-size // blocks.MIN_BLOCK_SIZE))
+    big = [b for b in plan if b.param == 4]
+    assert sorted(b.server for b in big) == [0, 1, 2]
+    load = [sum(b.size for b in plan if b.server == s) for s in range(3)]
+    assert max(load) - min(load) <= max(b.size for b in plan)
+
+
+def test_rows_go_to_servers_by_id_modulo():
+    ids = np.array([0, 1, 2, 3, 4, 5, 9_999_999])
+    assert blocks.row_owner(ids, 2).tolist() == [0, 1, 0, 1, 0, 1, 1]
+    assert blocks.local_rows(ids, 2).tolist() == [0, 0, 1, 1, 2, 2, 4_999_999]
+    assert blocks.shard_rows(10_000_000, 1, 2) == 5_000_000
+    assert blocks.shard_rows(7, 0, 3) == 3 and blocks.shard_rows(7, 2, 3) == 2
+    parts = dict(blocks.split_by_owner(ids, 2))
+    assert ids[parts[1]].tolist() == [1, 3, 5, 9_999_999]
+
+
+def test_message_codec_round_trips_every_dtype():
+    arrays = [np.arange(5, dtype=np.int64), np.linspace(0, 1, 3, dtype=np.float32),
+              np.array([1.5, -2.0], dtype=np.float64), np.ones(3, np.float16),
+              wire.text_array("dir/ü"), np.zeros(0, np.float64)]
+    data = wire.encode(wire.Kind.PUSH, arrays, step=7, version=-3, extra=11, lr=0.125)
+    message = wire.decode(data, source=2)
+    assert (message.kind, message.step, message.version, message.extra, message.lr,
+            message.source) == (wire.Kind.PUSH, 7, -3, 11, 0.125, 2)
+    for got, want in zip(message.arrays, arrays):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    assert wire.decode(wire.encode(wire.Kind.ERROR, [wire.text_array("dir/ü")])).text() == "dir/ü"
+    with pytest.raises(TypeError, match="cannot carry dtype complex128"):
+        wire.encode(wire.Kind.PUSH, [np.zeros(2, np.complex128)])
+
+
+def strategy(a_sync, k_steps=-1, **fields):
+    s = fleet.DistributedStrategy()
+    s.a_sync = a_sync
+    s.a_sync_configs = {"k_steps": k_steps}
+    for name, value in fields.items():
+        setattr(s, name, value)
+    return s
+
+
+def test_mode_follows_a_sync_and_k_steps():
+    assert mode.training_mode(strategy(False)) == mode.SYNC
+    assert mode.training_mode(strategy(True, -1)) == mode.ASYNC
+    assert mode.training_mode(strategy(True, 0)) == mode.ASYNC
+    assert mode.training_mode(strategy(True, 3)) == mode.GEO
+    with pytest.raises(ConfigError, match="k_steps=3 selects GEO.*needs a_sync=True"):
+        mode.training_mode(strategy(False, 3))
+    with pytest.raises(ConfigError, match=r"collective strategies \['amp'\]"):
+        mode.training_mode(strategy(True, amp=True))
+
+
+def test_every_a_sync_configs_key_is_effective_or_listed_without_effect():
+    keys = set(fleet.DistributedStrategy().a_sync_configs)
+    assert keys == set(mode.EFFECTIVE_KEYS) | set(mode.NO_EFFECT_KEYS)
+    assert not set(mode.EFFECTIVE_KEYS) & set(mode.NO_EFFECT_KEYS)
+
+
+def test_keys_without_effect_are_reported_once(caplog):
+    from fleetmpi.strategies import inert_fields
+
+    s = strategy(True, 0)
+    s.a_sync_configs = {"send_queue_size": 4, "thread_pool_size": 2}
+    inert_fields._reported.difference_update({"a_sync_configs.send_queue_size",
+                                              "a_sync_configs.thread_pool_size"})
+    fleet_logger = inert_fields.logger
+    fleet_logger.propagate = True
+    try:
+        with caplog.at_level("WARNING", logger="fleetmpi"):
+            mode.report_inert_keys(s, first_worker=True)
+            mode.report_inert_keys(s, first_worker=True)
+    finally:
+        fleet_logger.propagate = False
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert any("a_sync_configs.send_queue_size" in line for line in lines)
+    assert any("a_sync_configs.thread_pool_size" in line for line in lines)
+
+
+def test_shard_files_are_replaced_whole_and_read_without_pickle(tmp_path):
+    arrays = {"block.0": np.arange(4.0), "table.0": np.ones((3, 2), np.float32)}
+    path = shards.save_shard(str(tmp_path), 1, 2, arrays, {"server": 1, "version": 5})
+    assert os.path.basename(path) == "server-1-of-2.npz"
+    assert os.listdir(tmp_path) == ["server-1-of-2.npz"]   # no partial file left behind
+    loaded, meta = shards.load_shard(str(tmp_path), 1, 2)
+    assert meta == {"server": 1, "version": 5}
+    np.testing.assert_array_equal(loaded["table.0"], arrays["table.0"])
+    with pytest.raises(FileNotFoundError, match="no shard .*server-0-of-3.npz.*same number"):
+        shards.load_shard(str(tmp_path), 0, 3)
