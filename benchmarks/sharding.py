@@ -8,8 +8,9 @@ of ``--width``) with Momentum and with Adam, each under plain data parallelism a
 configuration it reports the largest optimizer-state bytes any rank holds
 (``Optimizer.state_nbytes``), the median step time over ``--steps`` timed steps after two
 warm-up steps (the slowest rank's; the ranks start each step together after a barrier), and the
-ratios sharding / data parallel. The parameters of the two runs are checked to agree, so the
-timings compare runs that did the same training.
+ratios sharding / data parallel, and the largest difference between the parameters the two
+runs end with (float32: the reduce-scatter sums in another order than the allreduce, and those
+last-bit differences grow over the steps; in float64 the two agree to 1e-16).
 """
 import argparse
 import json
@@ -77,10 +78,11 @@ def worker(width, layers, steps):
             results[sharded] = (int(most[0]), float(np.median(slowest[2:])), params)
         (dp_bytes, dp_time, dp_params), (sh_bytes, sh_time, sh_params) = \
             results[False], results[True]
-        agree = bool(np.allclose(sh_params, dp_params, rtol=1e-4, atol=1e-6))
         rows.append({"ranks": size, "optimizer": name, "dp_bytes": dp_bytes,
                      "sharded_bytes": sh_bytes, "dp_ms": dp_time * 1e3,
-                     "sharded_ms": sh_time * 1e3, "agree": agree})
+                     "sharded_ms": sh_time * 1e3,
+                     "difference": float(np.abs(sh_params - dp_params).max()),
+                     "largest": float(np.abs(dp_params).max())})
     if rank == 0:
         print("RESULT " + json.dumps(rows), flush=True)
 
@@ -104,13 +106,14 @@ def table(rows, width, layers):
     lines = [f"float32 MLP, {layers} x {width} + {CLASSES} ({parameters:,} parameters), "
              f"per-rank batch {PER_RANK_BATCH}", "",
              "| ranks | optimizer | state bytes/rank, DP | state bytes/rank, sharding | "
-             "ratio | step ms, DP | step ms, sharding | ratio | same parameters |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "ratio | step ms, DP | step ms, sharding | ratio | max abs parameter difference |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['dp_bytes']:,} | "
                      f"{r['sharded_bytes']:,} | {r['sharded_bytes'] / r['dp_bytes']:.3f} | "
                      f"{r['dp_ms']:.1f} | {r['sharded_ms']:.1f} | "
-                     f"{r['sharded_ms'] / r['dp_ms']:.2f} | {'yes' if r['agree'] else 'NO'} |")
+                     f"{r['sharded_ms'] / r['dp_ms']:.2f} | {r['difference']:.1e} "
+                     f"(largest parameter {r['largest']:.2f}) |")
     return "\n".join(lines)
 
 
