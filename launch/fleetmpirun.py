@@ -9,10 +9,11 @@
     fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
-``fleetmpi.launch.rank_main``, which sets the rank's GPU, role and log file and then runs the
+the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and then runs the
 script. Its exit code is the job's. See docs/launch.md.
 """
 import argparse
+import fcntl
 import os
 import re
 import shlex
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from . import mpi_command
+from . import mpi_command, rank_main
 
 
 def parse_list(text):
@@ -140,7 +141,7 @@ def job_environment(args):
 
 def rank_program(args):
     """What each rank runs: the rank wrapper, its options, ``--``, the script and its args."""
-    program = [sys.executable, "-m", "fleetmpi.launch.rank_main"]
+    program = [sys.executable, os.path.abspath(rank_main.__file__)]
     gpus = parse_list(args.gpus)
     if gpus:
         program += ["--gpus", ",".join(gpus)]
@@ -181,6 +182,21 @@ def failure_excerpt(text):
     return "\n".join(lines[start:][-REPORTED_LINES:])
 
 
+def wait_for_copier(path, seconds=5.0):
+    """Wait up to ``seconds`` for rank 0's output copier to finish writing ``path``: it holds
+    an exclusive ``flock`` on the log while it runs (see ``rank_main``)."""
+    deadline = time.monotonic() + seconds
+    with open(path, "rb") as log:
+        while True:
+            try:
+                fcntl.flock(log, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+
+
 def failed_rank_logs(log_dir, since):
     """``(path, excerpt)`` of this job's logs (written since ``since``) that end a rank with a
     traceback, workers then servers, in rank order.
@@ -197,6 +213,8 @@ def failed_rank_logs(log_dir, since):
         path = os.path.join(log_dir, name)
         if os.path.getmtime(path) < since:
             continue
+        if name == "workerlog.0":
+            wait_for_copier(path)
         with open(path, errors="replace") as log:
             excerpt = failure_excerpt(log.read())
         if excerpt is not None:

@@ -1,7 +1,13 @@
 """What each rank of a ``fleetmpirun`` job runs before the user's script.
 
-    python -m fleetmpi.launch.rank_main [--gpus 0,1] [--log_dir DIR]
+    python .../fleetmpi/launch/rank_main.py [--gpus 0,1] [--log_dir DIR]
         [--server_num S --worker_num W] -- script.py [script args]
+
+``fleetmpirun`` runs it by its file path rather than with ``-m``, so that nothing of fleetmpi
+is imported before the rank's variables are in place (the script's own ``import fleetmpi``
+then sees them) and a script that does not use fleetmpi starts without its import cost; it
+imports only the standard library. As with ``python script.py``, the script's folder is first
+on ``sys.path``.
 
 It learns its rank from the variables the MPI launcher sets (so MPI itself is initialized only
 by the script's ``fleet.init()``, after ``CUDA_VISIBLE_DEVICES`` is in place), sets the
@@ -19,6 +25,7 @@ leave the job hanging.
 """
 import argparse
 import atexit
+import fcntl
 import os
 import runpy
 import signal
@@ -116,6 +123,8 @@ def _tee_into(log_fd):
     signals to the rank's group (MPI_Abort's kill, a Ctrl-C) do not reach it: it outlives the
     rank, drains the pipe and exits at EOF, and the log keeps the rank's last words (an
     abort's traceback) even when the launcher has stopped forwarding them to the terminal.
+    It holds an exclusive ``flock`` on the log while it runs, which ``fleetmpirun`` waits for
+    before it reads the log of a failed job.
     """
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -124,6 +133,7 @@ def _tee_into(log_fd):
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.setpgid(0, 0)
+            fcntl.flock(log_fd, fcntl.LOCK_EX)
             os.close(write_end)
             _copy(read_end, log_fd, 1)
         except BaseException:
@@ -220,11 +230,11 @@ def run_script(script, args, rank=0, size=1):
 def parse_args(argv):
     """Options before ``--``, then the script and its own arguments, untouched."""
     if "--" not in argv:
-        raise SystemExit("usage: python -m fleetmpi.launch.rank_main [options] -- script [args]")
+        raise SystemExit("usage: rank_main.py [options] -- script [args]")
     split = argv.index("--")
     if split + 1 >= len(argv):
         raise SystemExit("rank_main: no script after --")
-    parser = argparse.ArgumentParser(prog="python -m fleetmpi.launch.rank_main",
+    parser = argparse.ArgumentParser(prog="rank_main.py",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="")
     parser.add_argument("--log_dir")
@@ -249,4 +259,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # run by path: this folder is not the script's
     sys.exit(main())

@@ -1,0 +1,516 @@
+"""fleetmpirun: the mpiexec commands for Open MPI and MPICH (pure functions, argument by
+argument), refusals of bad input, the rank wrapper's placement, roles and script running, and a
+few real jobs (2, 3 and 4 ranks) with per-rank logs, GPU variables, roles and exit codes."""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fleetmpi.launch import fleetmpirun, mpi_command, rank_main
+
+JOB_TIMEOUT = 120
+PY = sys.executable
+WRAPPER = [PY, os.path.abspath(rank_main.__file__)]
+
+
+def parse(*argv):
+    return fleetmpirun.parser().parse_args(list(argv))
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("print('hello')\n")
+    return str(path)
+
+
+# ---------------------------------------------------------------- commands, argument by argument
+
+def test_mpich_command_with_hosts_ranks_per_host_and_launcher_arguments():
+    cmd = mpi_command.build_command(
+        "mpich", "mpiexec", 4, ["python", "x.py"], hosts=["h1", "h2"], ranks_per_host=2,
+        extra_args=["-bind-to", "core"], environ={"PATH": "/bin"}, as_root=True)
+    assert cmd == ["mpiexec", "-n", "4", "-hosts", "h1,h2", "-ppn", "2", "-genvall",
+                   "-bind-to", "core", "python", "x.py"]
+
+
+def test_open_mpi_command_with_hosts_forwards_the_chosen_variables():
+    environ = {"PATH": "/bin", "HOME": "/root", "FLEETMPI_STALL_TIMEOUT": "60",
+               "CUDA_HOME": "/cuda", "PADDLE_X": "1", "PYTHONPATH": "/p", "TERM": "xterm"}
+    cmd = mpi_command.build_command(
+        "openmpi", "mpirun", 4, ["python", "x.py"], hosts=["h1", "h2"], ranks_per_host=2,
+        extra_args=["--bind-to", "core"], environ=environ, as_root=False)
+    assert cmd == ["mpirun", "-n", "4", "--oversubscribe", "--host", "h1:2,h2:2",
+                   "--map-by", "ppr:2:node", "-x", "CUDA_HOME", "-x", "FLEETMPI_STALL_TIMEOUT",
+                   "-x", "PADDLE_X", "-x", "PATH", "-x", "PYTHONPATH", "--bind-to", "core",
+                   "python", "x.py"]
+
+
+def test_open_mpi_as_root_and_without_ranks_per_host():
+    cmd = mpi_command.build_command("openmpi", "mpirun", 2, ["p"], hosts=["a", "b"],
+                                    environ={}, as_root=True)
+    assert cmd == ["mpirun", "-n", "2", "--oversubscribe", "--allow-run-as-root",
+                   "--host", "a,b", "p"]
+
+
+def test_hostfile_spelling_of_each_launcher():
+    mpich = mpi_command.build_command("mpich", "mpiexec", 8, ["p"], hostfile="hosts",
+                                      ranks_per_host=4, environ={}, as_root=False)
+    assert mpich == ["mpiexec", "-n", "8", "-f", "hosts", "-ppn", "4", "-genvall", "p"]
+    ompi = mpi_command.build_command("openmpi", "mpirun", 8, ["p"], hostfile="hosts",
+                                     ranks_per_host=4, environ={}, as_root=False)
+    assert ompi == ["mpirun", "-n", "8", "--oversubscribe", "--hostfile", "hosts",
+                    "--map-by", "ppr:4:node", "p"]
+
+
+def test_job_variables_are_named_on_the_command_line_of_each_launcher():
+    job_env = {"FLEETMPI_TIMELINE": "/shared/t.json"}
+    mpich = mpi_command.build_command("mpich", "mpiexec", 2, ["p"], environ={},
+                                      as_root=False, job_env=job_env)
+    assert mpich == ["mpiexec", "-n", "2", "-genvall", "-genv", "FLEETMPI_TIMELINE",
+                     "/shared/t.json", "p"]
+    # an older value in the launcher's own environment is not forwarded beside the job's
+    ompi = mpi_command.build_command("openmpi", "mpirun", 2, ["p"], as_root=False,
+                                     environ={"FLEETMPI_TIMELINE": "/old.json", "PATH": "/b"},
+                                     job_env=job_env)
+    assert ompi == ["mpirun", "-n", "2", "--oversubscribe", "-x", "PATH",
+                    "-x", "FLEETMPI_TIMELINE=/shared/t.json", "p"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"flavour": "lam"}, "'lam' is not supported"),
+    ({"hosts": ["a"], "hostfile": "f"}, "not both"),
+    ({"np": 0}, "at least 1, got 0"),
+])
+def test_build_command_refuses_bad_requests(kwargs, message):
+    call = {"flavour": "mpich", "mpiexec": "mpiexec", "np": 2, "program": ["p"]}
+    call.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        mpi_command.build_command(**call)
+
+
+@pytest.mark.parametrize("flavour, expected", [
+    ("mpich", ["mpiexec", "-n", "4", "-hosts", "h1,h2", "-ppn", "2", "-genvall"]),
+    ("openmpi", ["mpiexec", "-n", "4", "--oversubscribe", "--host", "h1:2,h2:2",
+                 "--map-by", "ppr:2:node", "-x", "PATH"]),
+])
+def test_ips_and_gpus_give_one_rank_per_gpu_on_each_host(script, flavour, expected):
+    args = parse("--ips", "h1, h2", "--gpus", "0,1", script, "--lr", "0.1")
+    cmd = fleetmpirun.launch_command(args, flavour, "mpiexec", environ={"PATH": "/b"},
+                                     as_root=False)
+    assert cmd == expected + WRAPPER + ["--gpus", "0,1", "--", script, "--lr", "0.1"]
+
+
+@pytest.mark.parametrize("flavour, expected", [
+    ("mpich", ["-f", "HOSTFILE", "-ppn", "2", "-genvall"]),
+    ("openmpi", ["--oversubscribe", "--hostfile", "HOSTFILE", "--map-by", "ppr:2:node"]),
+])
+def test_hostfile_and_gpus_count_the_hosts_of_the_file(tmp_path, script, flavour, expected):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# two machines\nh1:8\n\nh2 slots=8   # the second\nh3\n")
+    args = parse("--hostfile", str(hostfile), "--gpus", "0,1", "--log_dir", "logs", script)
+    cmd = fleetmpirun.launch_command(args, flavour, "mpiexec", environ={}, as_root=False)
+    expected = [str(hostfile) if word == "HOSTFILE" else word for word in expected]
+    assert cmd == (["mpiexec", "-n", "6"] + expected + WRAPPER
+                   + ["--gpus", "0,1", "--log_dir", os.path.abspath("logs"), "--", script])
+
+
+def test_hostfile_hosts_reads_both_formats(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a:4\n  # comment only\nnode-b slots=2\nnode-c\n")
+    assert fleetmpirun.hostfile_hosts(str(hostfile)) == ["node-a", "node-b", "node-c"]
+
+
+def test_rank_program_passes_roles_logs_and_script_arguments(script):
+    args = parse("--server_num", "2", "--worker_num", "3", "--log_dir", "out", "--gpus",
+                 " 4, 5", script, "--np", "9", "--", "x")
+    assert fleetmpirun.rank_program(args) == WRAPPER + [
+        "--gpus", "4,5", "--log_dir", os.path.abspath("out"), "--server_num", "2",
+        "--worker_num", "3", "--", script, "--np", "9", "--", "x"]
+
+
+def test_mpi_args_are_split_like_a_shell_and_may_be_repeated(script):
+    args = parse("--np", "2", "--mpi_args", "-bind-to core", "--mpi_args=-verbose",
+                 "--mpi_args", "-genv X 'a b'", script)
+    cmd = fleetmpirun.launch_command(args, "mpich", "mpiexec", environ={}, as_root=False)
+    assert cmd[:10] == ["mpiexec", "-n", "2", "-genvall", "-bind-to", "core", "-verbose",
+                        "-genv", "X", "a b"]
+    assert cmd[10:] == WRAPPER + ["--", script]
+
+
+def test_timeline_is_an_absolute_path_in_the_job_environment(tmp_path, script, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = parse("--np", "2", "--timeline", "trace.json", script)
+    assert fleetmpirun.job_environment(args) == {
+        "FLEETMPI_TIMELINE": str(tmp_path / "trace.json")}
+    cmd = fleetmpirun.launch_command(args, "openmpi", "mpirun", environ={}, as_root=False)
+    assert f"FLEETMPI_TIMELINE={tmp_path / 'trace.json'}" in cmd
+    assert fleetmpirun.job_environment(parse(script)) == {}
+
+
+@pytest.mark.parametrize("argv, np, ranks_per_host", [
+    ([], 1, None),
+    (["--np", "3"], 3, None),
+    (["--ips", "a,b,c"], 3, None),
+    (["--ips", "a,b", "--np", "5"], 5, None),
+    (["--gpus", "0,1,2"], 3, None),
+    (["--ips", "a,b", "--gpus", "2,3", "--np", "4"], 4, 2),
+    (["--server_num", "1", "--worker_num", "2"], 3, None),
+    (["--server_num", "1", "--worker_num", "3", "--gpus", "0,1,2,3"], 4, None),
+])
+def test_rank_count_and_placement(script, argv, np, ranks_per_host):
+    planned_np, _, planned_per_host = fleetmpirun.plan(parse(*argv, script))
+    assert (planned_np, planned_per_host) == (np, ranks_per_host)
+
+
+# ---------------------------------------------------------------- refusals of bad input
+
+@pytest.mark.parametrize("argv, message", [
+    (["--np", "0"], "--np must be at least 1, got 0"),
+    (["--np", "-2"], "--np must be at least 1, got -2"),
+    (["--np", "3", "--gpus", "0,1"],
+     "--np 3 does not match 2 GPU\\(s\\) in --gpus on each of 1 host\\(s\\), which make 2"),
+    (["--ips", "a,b", "--gpus", "0", "--np", "3"], "1 GPU\\(s\\) in --gpus on each of 2 host"),
+    (["--np", "2", "--server_num", "1", "--worker_num", "2"],
+     "--np 2 does not match --server_num 1 \\+ --worker_num 2, which make 3"),
+    (["--server_num", "1"], "both at least 1, got 1 and 0"),
+    (["--worker_num", "2"], "both at least 1, got 0 and 2"),
+    (["--gpus", "0,1,2", "--server_num", "1", "--worker_num", "1"],
+     "3 GPU\\(s\\) .* does not match --server_num 1 \\+ --worker_num 1, which make 2"),
+])
+def test_plan_refuses_counts_that_cannot_work(script, argv, message):
+    with pytest.raises(ValueError, match=message):
+        fleetmpirun.plan(parse(*argv, script))
+
+
+def test_hostfile_that_is_missing_or_names_no_host_is_refused(tmp_path, script):
+    with pytest.raises(ValueError, match="--hostfile '/no/such/hosts' does not exist"):
+        fleetmpirun.plan(parse("--hostfile", "/no/such/hosts", script))
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="names no host"):
+        fleetmpirun.plan(parse("--hostfile", str(empty), script))
+
+
+def test_check_inputs_names_the_bad_value(tmp_path, script):
+    with pytest.raises(ValueError, match="training script '/no/train.py' does not exist"):
+        fleetmpirun.check_inputs(parse("/no/train.py"))
+    with pytest.raises(ValueError, match="training script .* does not exist"):
+        fleetmpirun.check_inputs(parse(str(tmp_path)))
+    with pytest.raises(ValueError, match="--gpus '0,1,0,2,1' lists GPU 0, 1 more than once"):
+        fleetmpirun.check_inputs(parse("--gpus", "0,1,0,2,1", script))
+    with pytest.raises(ValueError, match="--timeline '/no/dir/t.json' must name a file"):
+        fleetmpirun.check_inputs(parse("--timeline", "/no/dir/t.json", script))
+    with pytest.raises(ValueError, match="must name a file"):
+        fleetmpirun.check_inputs(parse("--timeline", str(tmp_path), script))
+    fleetmpirun.check_inputs(parse("--gpus", "0,1", "--timeline", str(tmp_path / "t"), script))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["/no/such/train.py"], "training script '/no/such/train.py' does not exist"),
+    (["--hostfile", "/no/hosts", "SCRIPT"], "--hostfile '/no/hosts' does not exist"),
+    (["--np", "0", "SCRIPT"], "--np must be at least 1, got 0"),
+    (["--ips", "a", "--hostfile", "h", "SCRIPT"], "not allowed with argument"),
+    (["--mpiexec", "/no/mpiexec", "SCRIPT"], "/no/mpiexec"),
+])
+def test_main_refuses_bad_input_with_usage_error(script, capsys, argv, message):
+    argv = [script if word == "SCRIPT" else word for word in argv]
+    with pytest.raises(SystemExit) as done:
+        fleetmpirun.main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "fleetmpirun: error:" in err
+    assert message.replace("\\", "") in err
+
+
+def _fake_mpiexec(tmp_path, version_text):
+    path = tmp_path / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho {shlex.quote(version_text)}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("version_text, flavour", [
+    ("mpirun (Open MPI) 5.0.3", "openmpi"),
+    ("HYDRA build details:\n    Version: 4.2.0", "mpich"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "mpich"),
+])
+def test_dry_run_prints_the_command_of_the_detected_launcher(tmp_path, script, capsys,
+                                                             version_text, flavour):
+    mpiexec = _fake_mpiexec(tmp_path, version_text)
+    assert mpi_command.detect_flavour(mpiexec) == flavour
+    argv = ["--mpiexec", mpiexec, "--dry-run", "--ips", "h1,h2", "--gpus", "0,1", script]
+    assert fleetmpirun.main(argv) == 0
+    printed = capsys.readouterr().out.strip()
+    assert shlex.split(printed) == fleetmpirun.launch_command(parse(*argv), flavour, mpiexec)
+    placement = ["-hosts", "h1,h2", "-ppn", "2"] if flavour == "mpich" else ["--host", "h1:2,h2:2"]
+    assert printed.startswith(shlex.join([mpiexec, "-n", "4"]))
+    assert shlex.join(placement) in printed
+
+
+def test_an_unknown_mpi_is_refused_naming_what_it_said(tmp_path):
+    mpiexec = _fake_mpiexec(tmp_path, "some other launcher 1.0")
+    with pytest.raises(RuntimeError, match="neither Open MPI nor MPICH.*some other launcher"):
+        mpi_command.detect_flavour(mpiexec)
+
+
+# ---------------------------------------------------------------- the rank wrapper
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1"}, (3, 4, 1)),
+    ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1", "PMIX_RANK": "5"}, (5, 8, 1)),
+    ({"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2"}, (6, 8, 2)),
+    # mpiexec inside an sbatch script: the batch step's SLURM_* must not mix in
+    ({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3",
+      "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}, (3, 4, 3)),
+    # srun with PMI-2 sets PMI_RANK without hydra's local rank: srun's three are used
+    ({"PMI_RANK": "6", "SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2"},
+     (6, 8, 2)),
+])
+def test_place_takes_one_launchers_variables_together(environ, expected):
+    assert rank_main.place(environ) == expected
+
+
+def test_collective_roles_and_one_gpu_per_local_rank():
+    env, log = rank_main.role_variables(5, 8, 1, gpus=["4", "6"])
+    assert env == {"CUDA_VISIBLE_DEVICES": "6", "FLAGS_selected_gpus": "6",
+                   "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "5",
+                   "PADDLE_TRAINERS_NUM": "8"}
+    assert log == "workerlog.5"
+    with pytest.raises(ValueError, match="local rank 2 has no GPU: --gpus lists 2 \\(4,6\\)"):
+        rank_main.role_variables(2, 3, 2, gpus=["4", "6"])
+
+
+def test_parameter_server_roles():
+    worker, worker_log = rank_main.role_variables(1, 5, 1, server_num=2, worker_num=3)
+    assert worker == {"PADDLE_TRAINERS_NUM": "3", "PADDLE_PSERVERS_NUM": "2",
+                      "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1"}
+    assert worker_log == "workerlog.1"
+    server, server_log = rank_main.role_variables(4, 5, 4, server_num=2, worker_num=3)
+    assert server == {"PADDLE_TRAINERS_NUM": "3", "PADDLE_PSERVERS_NUM": "2",
+                      "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVER_ID": "1"}
+    assert server_log == "serverlog.1"
+    with pytest.raises(ValueError, match="the job has 4 ranks but --server_num 2 and "
+                                         "--worker_num 3 need 5"):
+        rank_main.role_variables(0, 4, 0, server_num=2, worker_num=3)
+
+
+def test_wrapper_arguments_stop_at_the_double_dash():
+    args = rank_main.parse_args(["--gpus", "0,1", "--log_dir", "d", "--", "t.py", "--gpus",
+                                 "x", "--"])
+    assert (args.gpus, args.log_dir, args.script) == ("0,1", "d", "t.py")
+    assert args.script_args == ["--gpus", "x", "--"]
+    with pytest.raises(SystemExit, match="usage"):
+        rank_main.parse_args(["t.py"])
+    with pytest.raises(SystemExit, match="no script"):
+        rank_main.parse_args(["--gpus", "0", "--"])
+
+
+@pytest.mark.parametrize("body, code, stderr", [
+    ("pass", 0, ""),
+    ("import sys; sys.exit(3)", 3, ""),
+    ("import sys; sys.exit()", 0, ""),
+    ("import sys; sys.exit('stopped: bad data')", 1, "stopped: bad data\n"),
+])
+def test_run_script_returns_the_scripts_exit_code(tmp_path, monkeypatch, capsys, body, code,
+                                                  stderr):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    path = tmp_path / "s.py"
+    path.write_text(body + "\n")
+    assert rank_main.run_script(str(path), ["a"]) == code
+    assert capsys.readouterr().err == stderr
+
+
+def test_run_script_sets_argv_and_hands_an_uncaught_exception_to_the_excepthook(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda *info: seen.append(info))
+    path = tmp_path / "s.py"
+    path.write_text("import sys\nARGV = list(sys.argv)\ndef f():\n    raise KeyError(ARGV)\nf()\n")
+    assert rank_main.run_script(str(path), ["--x", "1"]) == 1
+    (exc_type, value, tb), = seen
+    assert exc_type is KeyError and value.args == ([str(path), "--x", "1"],)
+    # the traceback starts at the script: no frames of the wrapper or of runpy
+    assert tb.tb_frame.f_code.co_filename == str(path)
+    assert tb.tb_next.tb_frame.f_code.co_name == "f"
+
+
+def test_failure_excerpt_is_the_last_traceback_with_the_rank_line():
+    text = ("step 1\nTraceback (most recent call last):\n  old\nOldError\nstep 2\n"
+            "[fleetmpi] rank 1/2 on node 0 failed:\nTraceback (most recent call last):\n"
+            '  File "t.py", line 3\nValueError: bad\n')
+    assert fleetmpirun.failure_excerpt(text) == (
+        "[fleetmpi] rank 1/2 on node 0 failed:\nTraceback (most recent call last):\n"
+        '  File "t.py", line 3\nValueError: bad')
+    assert fleetmpirun.failure_excerpt("all good\n") is None
+    long = "Traceback (most recent call last):\n" + "".join(f"  line {i}\n" for i in range(100))
+    excerpt = fleetmpirun.failure_excerpt(long).splitlines()
+    assert len(excerpt) == fleetmpirun.REPORTED_LINES and excerpt[-1] == "  line 99"
+
+
+def test_failed_rank_logs_are_this_jobs_logs_with_a_traceback_in_rank_order(tmp_path):
+    failed = "Traceback (most recent call last):\nValueError: {}\n"
+    for name, text in [("workerlog.0", "fine\n"), ("workerlog.10", failed.format(10)),
+                       ("workerlog.2", failed.format(2)), ("serverlog.0", failed.format("s")),
+                       ("workerlog.3", failed.format("old")), ("notes.txt", failed.format(0))]:
+        (tmp_path / name).write_text(text)
+    os.utime(tmp_path / "workerlog.3", (1000.0, 1000.0))
+    found = fleetmpirun.failed_rank_logs(str(tmp_path), since=2000.0)
+    assert [os.path.basename(path) for path, _ in found] == [
+        "workerlog.2", "workerlog.10", "serverlog.0"]
+    assert found[1][1] == "Traceback (most recent call last):\nValueError: 10"
+    assert fleetmpirun.failed_rank_logs(str(tmp_path / "missing"), since=0.0) == []
+
+
+# ---------------------------------------------------------------- real jobs
+
+JOB_SCRIPT = textwrap.dedent("""\
+    import argparse, json, os, sys
+
+    WRAPPER_IMPORTED_FLEETMPI = "fleetmpi" in sys.modules
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lines", type=int, default=0)
+    parser.add_argument("--exit", default="")
+    parser.add_argument("--abort", action="store_true")
+    args = parser.parse_args()
+    rank = int(os.environ.get("PMI_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
+    keys = ("CUDA_VISIBLE_DEVICES", "FLAGS_selected_gpus", "TRAINING_ROLE",
+            "PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_PSERVER_ID",
+            "PADDLE_PSERVERS_NUM", "FLEETMPI_TIMELINE")
+    print("ENV " + json.dumps({"rank": rank, "argv": sys.argv[1:],
+                               "fleetmpi_imported": WRAPPER_IMPORTED_FLEETMPI,
+                               "path0": sys.path[0],
+                               **{key: os.environ.get(key) for key in keys}}))
+    print(f"stderr of rank {rank}", file=sys.stderr)
+    if rank == 0:
+        for i in range(args.lines):
+            print(f"line {i} of rank 0")
+    if args.abort:
+        from mpi4py import MPI
+        if rank == 0:
+            print("LAST WORDS", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(7)
+        MPI.COMM_WORLD.Barrier()
+    if args.exit:
+        failing, code = map(int, args.exit.split(":"))
+        sys.exit(code if rank == failing else 0)
+    """)
+
+
+@pytest.fixture
+def job_script(tmp_path):
+    path = tmp_path / "job.py"
+    path.write_text(JOB_SCRIPT)
+    return str(path)
+
+
+def launch(launcher, argv, cwd):
+    """Run a launcher command to its end (the whole process group is killed past
+    ``JOB_TIMEOUT``, so no rank outlives a failed test); ``(code, stdout, stderr)``."""
+    environ = {name: value for name, value in os.environ.items()
+               if not name.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "FLEETMPI_"))}
+    process = subprocess.Popen(launcher + argv, cwd=cwd, env=environ, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"{launcher + argv} did not end within {JOB_TIMEOUT} s:\n{out}\n{err}")
+    return process.returncode, out, err
+
+
+def console_script():
+    path = os.path.join(os.path.dirname(PY), "fleetmpirun")
+    if not os.path.exists(path):
+        pytest.fail(f"the fleetmpirun console script is not installed beside {PY}")
+    return [path]
+
+
+def logged_env(text):
+    """The ENV record a job script printed into ``text``."""
+    records = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("ENV ")]
+    assert len(records) == 1, text
+    return records[0]
+
+
+def test_two_ranks_with_gpus_and_log_dir(tmp_path, job_script):
+    code, out, err = launch(console_script(), [
+        "--gpus", "3,5", "--log_dir", "log", job_script, "--lines", "3000"], tmp_path)
+    assert code == 0, out + err
+    logs = sorted(os.listdir(tmp_path / "log"))
+    assert logs == ["workerlog.0", "workerlog.1"]
+    for rank, gpu in enumerate(["3", "5"]):
+        text = (tmp_path / "log" / f"workerlog.{rank}").read_text()
+        assert logged_env(text) == {
+            "rank": rank, "argv": ["--lines", "3000"], "fleetmpi_imported": False,
+            "path0": str(tmp_path), "CUDA_VISIBLE_DEVICES": gpu,
+            "FLAGS_selected_gpus": gpu, "TRAINING_ROLE": "TRAINER",
+            "PADDLE_TRAINER_ID": str(rank), "PADDLE_TRAINERS_NUM": "2",
+            "PADDLE_PSERVER_ID": None, "PADDLE_PSERVERS_NUM": None, "FLEETMPI_TIMELINE": None}
+        assert f"stderr of rank {rank}\n" in text
+    # rank 0's log and the terminal's standard output (stderr merged into it, in the order
+    # written, as in the log) both have all of rank 0's output; rank 1's is only in its log
+    log0 = (tmp_path / "log" / "workerlog.0").read_text()
+    assert out == log0
+    assert [f"line {i} of rank 0" for i in range(3000)] == [
+        line for line in out.splitlines() if line.startswith("line ")]
+    assert logged_env(out)["rank"] == 0
+    assert "rank 1" not in out + err
+
+
+def test_four_ranks_through_python_m_with_timeline_variable(tmp_path, job_script):
+    code, out, err = launch([PY, "-m", "fleetmpi.launch"], [
+        "--np", "4", "--log_dir", "log", "--timeline", "trace.json", job_script], tmp_path)
+    assert code == 0, out + err
+    assert sorted(os.listdir(tmp_path / "log")) == [f"workerlog.{r}" for r in range(4)]
+    for rank in range(4):
+        env = logged_env((tmp_path / "log" / f"workerlog.{rank}").read_text())
+        assert (env["rank"], env["PADDLE_TRAINER_ID"], env["PADDLE_TRAINERS_NUM"]) == (
+            rank, str(rank), "4")
+        assert env["FLEETMPI_TIMELINE"] == str(tmp_path / "trace.json")
+        assert env["CUDA_VISIBLE_DEVICES"] is None
+    assert logged_env(out)["rank"] == 0
+
+
+def test_parameter_server_roles_and_log_names(tmp_path, job_script):
+    code, out, err = launch(console_script(), [
+        "--server_num", "1", "--worker_num", "2", "--log_dir", "log", job_script], tmp_path)
+    assert code == 0, out + err
+    assert sorted(os.listdir(tmp_path / "log")) == ["serverlog.0", "workerlog.0", "workerlog.1"]
+    roles = {name: logged_env((tmp_path / "log" / name).read_text())
+             for name in ("workerlog.0", "workerlog.1", "serverlog.0")}
+    for name, rank, role, trainer, server in [("workerlog.0", 0, "TRAINER", "0", None),
+                                              ("workerlog.1", 1, "TRAINER", "1", None),
+                                              ("serverlog.0", 2, "PSERVER", None, "0")]:
+        env = roles[name]
+        assert (env["rank"], env["TRAINING_ROLE"], env["PADDLE_TRAINER_ID"],
+                env["PADDLE_PSERVER_ID"]) == (rank, role, trainer, server)
+        assert (env["PADDLE_TRAINERS_NUM"], env["PADDLE_PSERVERS_NUM"]) == ("2", "1")
+
+
+def test_a_rank_exit_code_becomes_the_jobs(tmp_path, job_script):
+    code, out, err = launch(console_script(), ["--np", "2", job_script, "--exit", "1:3"],
+                            tmp_path)
+    assert code != 0, out + err
+    assert "fleetmpirun: the job exited with code" in err
+
+
+def test_rank_0s_log_keeps_everything_when_the_job_is_aborted(tmp_path, job_script):
+    code, out, err = launch(console_script(), [
+        "--np", "2", "--log_dir", "log", job_script, "--lines", "20000", "--abort"], tmp_path)
+    assert code != 0, out + err
+    lines = (tmp_path / "log" / "workerlog.0").read_text().splitlines()
+    assert [line for line in lines if line.startswith("line ")] == [
+        f"line {i} of rank 0" for i in range(20000)]
+    assert "LAST WORDS" in lines[20000:]
