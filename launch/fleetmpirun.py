@@ -223,7 +223,8 @@ def failed_rank_logs(log_dir, since):
 
 
 def run_job(cmd, env):
-    """Run the launcher command and return its exit status (128 + N for signal N).
+    """Run the launcher command; ``(exit status, interrupted)``, the status 128 + N when the
+    launcher was ended by signal N, ``interrupted`` when Ctrl-C reached ``fleetmpirun``.
 
     Ctrl-C reaches the MPI launcher too (same process group), which stops the ranks; a
     SIGINT or SIGTERM sent to ``fleetmpirun`` alone is passed on, and a launcher that has
@@ -231,10 +232,12 @@ def run_job(cmd, env):
     process = subprocess.Popen(cmd, env=env)
     previous = signal.signal(signal.SIGTERM,
                              lambda signum, frame: process.send_signal(signal.SIGTERM))
+    interrupted = False
     try:
         try:
             code = process.wait()
         except KeyboardInterrupt:
+            interrupted = True
             try:
                 code = process.wait(timeout=1)
             except subprocess.TimeoutExpired:
@@ -246,7 +249,7 @@ def run_job(cmd, env):
                     code = process.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return 128 - code if code < 0 else code
+    return (128 - code if code < 0 else code), interrupted
 
 
 def main(argv=None):
@@ -262,11 +265,12 @@ def main(argv=None):
         print(shlex.join(cmd))
         return 0
     started = time.time() - 1.0
-    code = run_job(cmd, dict(os.environ, **job_environment(args)))
+    code, interrupted = run_job(cmd, dict(os.environ, **job_environment(args)))
     if code != 0:
         where = f"; per-rank logs in {os.path.abspath(args.log_dir)}" if args.log_dir else ""
         print(f"fleetmpirun: the job exited with code {code}{where}", file=sys.stderr)
-        for path, excerpt in failed_rank_logs(args.log_dir, started) if args.log_dir else ():
+        reported = args.log_dir and not interrupted
+        for path, excerpt in failed_rank_logs(args.log_dir, started) if reported else ():
             print(f"fleetmpirun: {path} ends with:\n{excerpt}", file=sys.stderr)
     return code
 

@@ -223,7 +223,7 @@ def run_script(script, args, rank=0, size=1):
         error.with_traceback(_script_frames(error.__traceback__))
         sys.excepthook(type(error), error, error.__traceback__)
         _abort_started_mpi(rank, size)
-        return 1
+        return 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     return 0
 
 

@@ -502,8 +502,8 @@ def test_parameter_server_roles_and_log_names(tmp_path, job_script):
 def test_a_rank_exit_code_becomes_the_jobs(tmp_path, job_script):
     code, out, err = launch(console_script(), ["--np", "2", job_script, "--exit", "1:3"],
                             tmp_path)
-    assert code != 0, out + err
-    assert "fleetmpirun: the job exited with code" in err
+    assert code == 3, out + err
+    assert "fleetmpirun: the job exited with code 3" in err
 
 
 def test_rank_0s_log_keeps_everything_when_the_job_is_aborted(tmp_path, job_script):
