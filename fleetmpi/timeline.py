@@ -294,31 +294,33 @@ def _wait(request, timeout):
     return True
 
 
-def _clock_offset(comm, rank, same_host):
-    """Rank 0's clock minus this rank's, in ns (0 on rank 0's machine); collective."""
+def clock_offset(comm, same_host):
+    """``(offset, round_trip)`` in ns: rank 0's clock minus this rank's, and the round trip of
+    the ping-pong it was measured from (its error is at most half of that); ``(0, 0)`` on rank
+    0 and where ``same_host``. Collective over ``comm``."""
     import numpy as np
 
     remote = np.zeros(comm.Get_size(), dtype=np.int8)
     comm.Allgather(np.array([not same_host], dtype=np.int8), remote)
     stamp = np.zeros(1, dtype=np.int64)
-    if rank == 0:
-        for peer in np.flatnonzero(remote):
+    if comm.Get_rank() == 0:
+        for peer in np.flatnonzero(remote[1:]) + 1:
             for _ in range(CLOCK_SAMPLES):
                 comm.Recv(stamp, source=int(peer), tag=_TAG_CLOCK)
                 stamp[0] = time.perf_counter_ns()
                 comm.Send(stamp, dest=int(peer), tag=_TAG_CLOCK)
-        return 0
+        return 0, 0
     if same_host:
-        return 0
+        return 0, 0
     best = None
     for _ in range(CLOCK_SAMPLES):
         sent = time.perf_counter_ns()
         comm.Send(stamp, dest=0, tag=_TAG_CLOCK)
         comm.Recv(stamp, source=0, tag=_TAG_CLOCK)
         received = time.perf_counter_ns()
-        if best is None or received - sent < best[0]:
-            best = (received - sent, int(stamp[0]) - (sent + received) // 2)
-    return best[1]
+        if best is None or received - sent < best[1]:
+            best = (int(stamp[0]) - (sent + received) // 2, received - sent)
+    return best
 
 
 def _allgather_text(comm, text, width=256):
@@ -363,7 +365,7 @@ def _write_gathered(comm, recorder, part):
     rank, size = comm.Get_rank(), comm.Get_size()
     header, records = _read_part(part)
     hosts = _allgather_text(comm, header["host"])
-    offset = _clock_offset(comm, rank, hosts[rank] == hosts[0])
+    offset, _ = clock_offset(comm, hosts[rank] == hosts[0])
     first = recorder.start_ns if recorder.first_ns is None else recorder.first_ns
     epoch = np.array([first + offset], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, epoch, op=MPI.MIN)
