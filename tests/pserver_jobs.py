@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -89,7 +90,7 @@ def reference_parameters(worker_num, steps):
     return [backend.to_numpy(p.data).copy() for p in model.parameters()]
 
 
-def sync_equals_dp(args, steps_range):
+def sync_equals_dp(args, steps_range, save_after=None):
     model = fleet.distributed_model(dense_model())
     opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for("sync", 0))
     if fleet.is_server():
@@ -100,6 +101,8 @@ def sync_equals_dp(args, steps_range):
         parts, _ = step_batches(w, n, step)
         if w in parts:
             opt.minimize(model, nn.SoftmaxCrossEntropy(), *parts[w])
+        if step == save_after and fleet.is_first_worker():
+            fleet.save_persistables(os.path.join(args.out, "on-request"))
     fleet.stop_worker()
     return model, w, n
 
@@ -119,7 +122,8 @@ def scenario_restart(args):
     """First job (no --load): steps 0-2, shards saved at shutdown into --out. Second job
     (--load): steps 3-5 from the shards; the end equals 6 uninterrupted steps."""
     first = args.load is None
-    done = sync_equals_dp(args, range(3) if first else range(3, 6))
+    done = sync_equals_dp(args, range(3) if first else range(3, 6),
+                          save_after=1 if first else None)
     if done is None:
         return
     model, w, n = done
@@ -237,7 +241,8 @@ def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
 
 # -- faults ----------------------------------------------------------------------------------
 def scenario_leave(args):
-    """Worker 1 leaves after 2 steps: by an exception, without stop_worker."""
+    """Worker 1 leaves after 2 steps: by an exception in sync mode, by exiting without
+    stop_worker otherwise; or (scenario ``stall``) stops pushing for three timeouts."""
     model = fleet.distributed_model(dense_model())
     opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for(args.mode, 2))
     if fleet.is_server():
@@ -245,7 +250,9 @@ def scenario_leave(args):
     fleet.init_worker()
     w, n = fleet.worker_index(), fleet.worker_num()
     for step in range(6):
-        if w == 1 and step == 2:
+        if w == 1 and step == 2 and args.scenario == "stall":
+            time.sleep(3 * float(os.environ["FLEETMPI_PS_TIMEOUT"]))
+        elif w == 1 and step == 2:
             if args.mode == "sync":
                 raise ValueError("worker 1 fails on purpose")
             print("worker 1 exits without stop_worker", flush=True)
@@ -260,7 +267,7 @@ def main():
     args = parse()
     join(args.servers)
     {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
-     "sparse": scenario_sparse, "leave": scenario_leave}[args.scenario](args)
+     "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave}[args.scenario](args)
 
 
 if __name__ == "__main__":

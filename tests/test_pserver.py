@@ -40,7 +40,7 @@ def assert_workers_ok(output, check, workers):
         assert re.search(rf"ok {check}[^\n]* worker {w}\b", output), output
 
 
-@pytest.mark.parametrize("ranks,servers", [(2, 1), (3, 1), (4, 2)])
+@pytest.mark.parametrize("ranks,servers", [(3, 1), (4, 2)])
 def test_sync_equals_data_parallel_with_uneven_batches(ranks, servers):
     """Adam, float64, a parameter split over both servers; worker w has 6 - w batches."""
     code, output, _ = run_job(ranks, servers, "sync")
@@ -69,3 +69,70 @@ def test_async_and_geo_reach_95_percent_on_digits(mode):
             assert report["staleness_max"] >= 1
         else:
             assert report["staleness_max"] == 0
+
+
+@pytest.mark.parametrize("ranks,servers,mode", [(4, 2, "sync"), (4, 2, "async"), (4, 2, "geo"),
+                                                (3, 1, "sync")])
+def test_sparse_rows_pulled_and_pushed_are_exactly_the_touched_ones(ranks, servers, mode):
+    """A 1000 x 8 Embedding(sparse=True): every step each worker pulls exactly the distinct ids
+    of its batch (GEO: those not cached since its last push) and pushes exactly those (GEO:
+    every row touched since its last push); synchronous training equals one process with a
+    dense Embedding started from the servers' rows."""
+    code, output, _ = run_job(ranks, servers, "sparse", "--mode", mode)
+    assert code == 0, output
+    assert_workers_ok(output, f"sparse {mode}", ranks - servers)
+
+
+def test_sync_worker_that_raises_ends_the_job_naming_it():
+    """Worker 1 raises at its third step; with or without the abort-on-error hook the job
+    ends (well inside the test's timeout) with an error naming worker 1's rank."""
+    for abort in ("1", "0"):
+        code, output, _ = run_job(4, 2, "leave", "--mode", "sync",
+                                  env={"FLEETMPI_ABORT_ON_ERROR": abort})
+        assert code != 0, output
+        assert "worker 1 fails on purpose" in output
+        if abort == "0":
+            assert re.search(r"server \d stopped: worker 1 \(rank 1\) left the job without "
+                             r"stop_worker after 2 step\(s\)", output), output
+            assert "WorkerLostError" in output and "ServerError" in output
+
+
+def test_sync_worker_that_stops_pushing_is_named_after_the_timeout():
+    code, output, _ = run_job(4, 2, "stall", "--mode", "sync",
+                                    env={"FLEETMPI_ABORT_ON_ERROR": "0",
+                                         "FLEETMPI_PS_TIMEOUT": "1"})
+    assert code != 0, output
+    assert re.search(r"worker\(s\) \[1\] \(rank\(s\) \[1\]\) pushed nothing for step 2 "
+                     r"within 1 s \(FLEETMPI_PS_TIMEOUT\)", output), output
+
+
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_async_and_geo_servers_go_on_without_a_worker_that_left(mode):
+    code, output, _ = run_job(4, 2, "leave", "--mode", mode)
+    assert code == 0, output
+    assert "training goes on with the other workers" in output
+    assert_workers_ok(output, f"leave {mode}", 1)
+    for report in reports(output).values():
+        assert report["lost_workers"] == [1]
+        assert report["pushes"][0] > report["pushes"][1]
+
+
+def test_servers_save_shards_on_request_and_at_shutdown_and_a_new_job_resumes(tmp_path):
+    """Job one: steps 0-2, worker 0 asks for a save after step 1, the servers save at
+    shutdown. Job two loads the shards (blocks, Adam moments, step counts) and runs steps
+    3-5; its parameters equal six uninterrupted steps on one process."""
+    from fleetmpi.strategies.ps import shards
+
+    out = str(tmp_path / "shards")
+    code, output, _ = run_job(4, 2, "restart", "--out", out)
+    assert code == 0, output
+    assert sorted(os.listdir(out)) == ["on-request", "server-0-of-2.npz", "server-1-of-2.npz"]
+    for server in (0, 1):
+        _, meta = shards.load_shard(os.path.join(out, "on-request"), server, 2)
+        assert meta["version"] == 2 and meta["step_count"] == 2
+        _, meta = shards.load_shard(out, server, 2)
+        assert meta["version"] == 3
+    code, output, _ = run_job(4, 2, "restart", "--out", out, "--load", out)
+    assert code == 0, output
+    assert_workers_ok(output, "restart", 2)
+    assert all(r["updates"] == 6 for r in reports(output).values())

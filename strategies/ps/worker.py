@@ -38,7 +38,8 @@ class Client:
         self.tables = tables
         self.mode = mode
         self.inner = inner
-        self.timeout = timeout_seconds() if timeout is None else timeout
+        # twice the servers' bound: a server that gives up on a step says so before this
+        self.timeout = 2 * (timeout_seconds() if timeout is None else timeout)
         self.signature = model_signature(parameters, tables)
         blocks = plan_blocks([p.size for p in parameters], self.server_num)
         self.blocks = [[b for b in blocks if b.server == s] for s in range(self.server_num)]
