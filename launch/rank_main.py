@@ -124,8 +124,10 @@ def _tee_into(log_fd):
     rank, drains the pipe and exits at EOF, and the log keeps the rank's last words (an
     abort's traceback) even when the launcher has stopped forwarding them to the terminal.
     It holds an exclusive ``flock`` on the log while it runs, which ``fleetmpirun`` waits for
-    before it reads the log of a failed job.
+    before it reads the log of a failed job (taken before the fork: the lock belongs to the
+    open log, which after the parent closes it only the copier holds).
     """
+    fcntl.flock(log_fd, fcntl.LOCK_EX)
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -133,7 +135,6 @@ def _tee_into(log_fd):
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.setpgid(0, 0)
-            fcntl.flock(log_fd, fcntl.LOCK_EX)
             os.close(write_end)
             _copy(read_end, log_fd, 1)
         except BaseException:
@@ -162,7 +163,10 @@ def _await_copier(pid, seconds=COPIER_EXIT_SECONDS):
     os.close(devnull)
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # the script reaped it, or ignores SIGCHLD
+            return
         if done:
             return
         time.sleep(0.01)
