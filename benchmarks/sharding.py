@@ -7,7 +7,8 @@ of ``--width``) with Momentum and with Adam, each under plain data parallelism a
 ``sharding``, from the same weights on the same data (a per-rank batch of 64). Per
 configuration it reports the largest optimizer-state bytes any rank holds
 (``Optimizer.state_nbytes``), the median step time over ``--steps`` timed steps after two
-warm-up steps (the slowest rank's; the ranks start each step together after a barrier), and the
+warm-up steps (the slowest rank's; the ranks start each step together after a barrier, and the
+two runs alternate step by step so that both see the same load on the machine), and the
 ratios sharding / data parallel, and the largest difference between the parameters the two
 runs end with (float32: the reduce-scatter sums in another order than the allreduce, and those
 last-bit differences grow over the steps; in float64 the two agree to 1e-16).
@@ -48,36 +49,42 @@ def worker(width, layers, steps):
                                                   parameters=ps),
         "Adam": lambda ps: optimizer.Adam(learning_rate=1e-4, parameters=ps),
     }
+    def build(make, sharded):
+        backend.manual_seed(0)
+        body = []
+        for i in range(layers):
+            body += [(f"fc{i}", nn.Linear(width, width)), (f"act{i}", nn.ReLU())]
+        model = fleet.distributed_model(nn.Sequential(*body, ("out", nn.Linear(width, CLASSES))))
+        strategy = fleet.DistributedStrategy()
+        strategy.sharding = sharded
+        return model, fleet.distributed_optimizer(make(model.parameters()), strategy)
+
+    def most(value, op):
+        result = np.empty_like(value)
+        MPI.COMM_WORLD.Allreduce(value, result, op=op)
+        return result
+
+    loss_fn = nn.SoftmaxCrossEntropy()
     rows = []
     for name, make in makers.items():
-        results = {}
-        for sharded in (False, True):
-            backend.manual_seed(0)
-            body = []
-            for i in range(layers):
-                body += [(f"fc{i}", nn.Linear(width, width)), (f"act{i}", nn.ReLU())]
-            model = fleet.distributed_model(nn.Sequential(*body, ("out", nn.Linear(width,
-                                                                                   CLASSES))))
-            strategy = fleet.DistributedStrategy()
-            strategy.sharding = sharded
-            opt = fleet.distributed_optimizer(make(model.parameters()), strategy)
-            loss_fn = nn.SoftmaxCrossEntropy()
-            times = []
-            for step in range(steps + 2):
+        runs = {sharded: build(make, sharded) for sharded in (False, True)}
+        times = {sharded: [] for sharded in runs}
+        for _ in range(steps + 2):
+            # Alternate the two runs step by step, so that both see the same load.
+            for sharded, (model, opt) in runs.items():
                 MPI.COMM_WORLD.Barrier()
                 start = time.perf_counter()
                 opt.minimize(model, loss_fn, x, y)
                 synchronize(backend)
-                times.append(time.perf_counter() - start)
-            slowest = np.empty(steps + 2)
-            MPI.COMM_WORLD.Allreduce(np.array(times), slowest, op=MPI.MAX)
-            state = np.array([opt.inner.state_nbytes()], dtype=np.int64)
-            most = np.empty(1, dtype=np.int64)
-            MPI.COMM_WORLD.Allreduce(state, most, op=MPI.MAX)
+                times[sharded].append(time.perf_counter() - start)
+        result = {}
+        for sharded, (model, opt) in runs.items():
+            slowest = most(np.array(times[sharded]), MPI.MAX)
+            state = most(np.array([opt.inner.state_nbytes()], dtype=np.int64), MPI.MAX)
             params = np.concatenate([v.reshape(-1) for v in model.state_dict().values()])
-            results[sharded] = (int(most[0]), float(np.median(slowest[2:])), params)
+            result[sharded] = (int(state[0]), float(np.median(slowest[2:])), params)
         (dp_bytes, dp_time, dp_params), (sh_bytes, sh_time, sh_params) = \
-            results[False], results[True]
+            result[False], result[True]
         rows.append({"ranks": size, "optimizer": name, "dp_bytes": dp_bytes,
                      "sharded_bytes": sh_bytes, "dp_ms": dp_time * 1e3,
                      "sharded_ms": sh_time * 1e3,
