@@ -5,12 +5,15 @@ collective, op, algorithm, compression, root, dtype, element count, number of ar
 checksum of all shapes and dtypes, and whether the arguments passed this rank's own checks).
 If the vectors differ, or some rank rejected its arguments, every rank raises
 ``CollectiveMismatchError`` instead of entering a transfer whose sizes do not match, which
-would hang or return garbage. The cost is one small allgather per call (per
-``allreduce_many``/``broadcast_many`` call, not per array).
+would hang or return garbage. The cost is one small gather to rank 0 and broadcast back per
+call (per ``allreduce_many``/``broadcast_many`` call, not per array), polled so that a rank
+that never arrives is reported instead of waited for forever (``fleetmpi.comm.stall``).
 """
 import zlib
 
 import numpy as np
+
+from .stall import gather_rows
 
 FIELDS = ("collective", "op", "algorithm", "compression", "root", "dtype", "count", "arrays",
           "shapes", "rejected")
@@ -59,7 +62,8 @@ def _decode(field, value, tables):
 
 
 def agree(comm, collective, tables, problem=None, **fields):
-    """Allgather this call's description over the MPI ``comm``; raise on every rank if ranks differ.
+    """Gather this call's description from every rank of the MPI ``comm``; raise on every rank
+    if ranks differ, abort the job if some do not arrive (``fleetmpi.comm.stall``).
 
     ``tables`` maps field names (``collective``, ``op``, ...) to the tuple of allowed values;
     values are sent as their index. ``fields`` holds the raw values for this rank. ``problem``
@@ -76,8 +80,7 @@ def agree(comm, collective, tables, problem=None, **fields):
             row[i] = _code(fields.get(name), tables[name])
         else:
             row[i] = int(fields.get(name, 0))
-    rows = np.empty((comm.Get_size(), len(FIELDS)), dtype=np.int64)
-    comm.Allgather(row, rows)
+    rows = gather_rows(comm, row, collective)
     rejecters = np.flatnonzero(rows[:, FIELDS.index("rejected")])
     if len(rejecters):
         if problem is not None:

@@ -1,5 +1,7 @@
 """This process's place in the job: ``init`` and the role queries of Fleet's collective mode."""
-from . import log
+import os
+
+from . import failure, log
 
 _topology = None
 _roles = None
@@ -22,9 +24,14 @@ def init(role_maker=None, is_collective=True):
         return
     from mpi4py import MPI
 
-    from .comm.topology import Topology
+    from .comm.topology import LOCAL_SIZE_ENV, Topology
+    from .launch.environment import verify
 
-    _topology = Topology(MPI.COMM_WORLD)
+    topology = Topology(MPI.COMM_WORLD)
+    failure.install(topology.rank, topology.size, topology.node_index)
+    verify(topology, collective=is_collective and role_maker is None,
+           emulated_nodes=os.environ.get(LOCAL_SIZE_ENV, "") != "")
+    _topology = topology
     if not is_collective or role_maker is not None:
         from .strategies.ps.runtime import join
 

@@ -1,0 +1,83 @@
+"""No hangs on failure: an unhandled exception on one rank ends the whole job.
+
+Without this, a rank that dies of an exception leaves the others blocked in their next
+collective until someone kills the job by hand. ``install`` (called by ``fleet.init``) sets
+``sys.excepthook`` and ``threading.excepthook`` so that an exception nobody caught, in the main
+thread or any other thread, writes ``rank r/N on node k failed:`` and the traceback to stderr,
+flushes, and calls ``MPI.COMM_WORLD.Abort(1)``: the MPI launcher then ends every rank and exits
+non-zero, whichever launcher started the job.
+
+A hook is installed only where Python's default is still in place, so handlers someone else
+installed (pytest, which reports thread exceptions itself, IPython, the application) keep
+working. ``FLEETMPI_ABORT_ON_ERROR=0`` installs nothing.
+"""
+import os
+import sys
+import threading
+import time
+import traceback
+
+ABORT_ENV = "FLEETMPI_ABORT_ON_ERROR"
+
+
+def abort_on_error_enabled(environ=os.environ):
+    """The value of ``FLEETMPI_ABORT_ON_ERROR`` (``1``, the default, or ``0``)."""
+    text = environ.get(ABORT_ENV, "")
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{ABORT_ENV}={text!r} must be 0 or 1")
+    return text != "0"
+
+
+def abort(message, code=1, linger=0.0):
+    """Write ``message`` to stderr, flush both streams, wait ``linger`` seconds (for other
+    ranks to write their own reports), and end the whole MPI job."""
+    try:
+        sys.stdout.flush()
+    except Exception:  # a closed or broken stream must not stop the abort
+        pass
+    try:
+        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+    if linger > 0:
+        time.sleep(linger)
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)  # MPICH's Abort can return while the launcher takes the job down
+
+
+def _report(place, exc_type, exc_value, exc_tb, thread_name=None):
+    where = "" if thread_name is None else f" (in thread {thread_name})"
+    text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
+    return f"[fleetmpi] {place} failed{where}:\n{text}"
+
+
+def install(rank, size, node):
+    """Make an uncaught exception abort the job, naming this rank; see the module docstring.
+
+    Returns the names of the hooks installed (``"sys"``, ``"threading"``).
+    """
+    if not abort_on_error_enabled():
+        return []
+    place = f"rank {rank}/{size} on node {node}"
+    installed = []
+
+    if sys.excepthook is sys.__excepthook__:
+        def excepthook(exc_type, exc_value, exc_tb):
+            abort(_report(place, exc_type, exc_value, exc_tb))
+
+        sys.excepthook = excepthook
+        installed.append("sys")
+
+    if threading.excepthook is threading.__excepthook__:
+        def thread_excepthook(args):
+            if args.exc_type is SystemExit:
+                return
+            name = None if args.thread is None else args.thread.name
+            abort(_report(place, args.exc_type, args.exc_value, args.exc_traceback, name))
+
+        threading.excepthook = thread_excepthook
+        installed.append("threading")
+    return installed

@@ -1,0 +1,74 @@
+"""Jobs that tests/test_failure.py, test_stall.py and test_environment.py start under a launcher.
+
+    mpiexec -n N python tests/failure_jobs.py raise       # rank 1 raises, rank 0 waits
+    mpiexec -n N python tests/failure_jobs.py raise-thread
+    mpiexec -n N python tests/failure_jobs.py stall LATE COLLECTIVE [sleep|skip]
+    mpiexec -n N python tests/failure_jobs.py place       # prints this rank's place
+
+``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
+``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
+``stall``: every rank makes one ``COLLECTIVE`` call, then rank ``LATE`` sleeps a minute
+(``sleep``) or leaves without the second call (``skip``) while the others make it.
+"""
+import sys
+import threading
+import time
+
+import numpy as np
+
+import fleetmpi as fleet
+from fleetmpi.comm import Communicator
+from fleetmpi.world import topology
+
+FAILURE_TEXT = "rank 1 fails on purpose"
+
+
+def fail():
+    raise RuntimeError(FAILURE_TEXT)
+
+
+def call(comm, collective):
+    x = np.ones(4)
+    if collective == "allreduce":
+        comm.allreduce(x)
+    elif collective == "broadcast":
+        comm.broadcast(x)
+    elif collective == "barrier":
+        comm.barrier()
+    else:
+        raise ValueError(f"unknown collective {collective!r}")
+
+
+def main(args):
+    fleet.init()
+    comm = Communicator(topology())
+    mode = args[0]
+    if mode.startswith("raise"):
+        if comm.rank == 1:
+            if mode == "raise-thread":
+                worker = threading.Thread(target=fail, name="loader")
+                worker.start()
+                worker.join()
+                time.sleep(60)
+            else:
+                fail()
+        comm.allreduce(np.ones(4))
+        print(f"rank {comm.rank} left the allreduce", flush=True)
+    elif mode == "stall":
+        late, collective, how = int(args[1]), args[2], args[3]
+        call(comm, collective)
+        if comm.rank == late:
+            if how == "sleep":
+                time.sleep(60)
+            return
+        call(comm, collective)
+        print(f"rank {comm.rank} finished", flush=True)
+    elif mode == "place":
+        print(f"place rank {fleet.worker_index()} of {fleet.worker_num()}", flush=True)
+        comm.barrier()
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,98 @@
+"""An unhandled exception on one rank ends the whole job, whichever launcher started it."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from fleetmpi import failure
+from fleetmpi.launch.mpi_command import local_command
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "failure_jobs.py")
+FAILURE_TEXT = "RuntimeError: rank 1 fails on purpose"
+# The issue's bound: the job must be over within 30 s of starting.
+JOB_SECONDS = 30
+
+
+def run_job(cmd, **kwargs):
+    """Run a job that must end by itself; TimeoutExpired (a hang) fails the test."""
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu")
+    env.pop(failure.ABORT_ENV, None)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_SECONDS,
+                          **kwargs)
+
+
+def fleetmpirun():
+    script = os.path.join(os.path.dirname(sys.executable), "fleetmpirun")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "fleetmpi.launch"]
+
+
+def assert_rank_one_reported(result, text):
+    assert result.returncode != 0, text
+    assert "[fleetmpi] rank 1/2 on node 0 failed" in text, text
+    assert FAILURE_TEXT in text, text
+    assert "rank 0 left the allreduce" not in text, text
+
+
+@pytest.mark.parametrize("mode", ["raise", "raise-thread"])
+def test_mpiexec_job_ends_when_rank_1_raises(mode):
+    result = run_job(local_command(2, [sys.executable, JOB, mode]))
+    text = result.stdout + result.stderr
+    assert_rank_one_reported(result, text)
+    if mode == "raise-thread":
+        assert "failed (in thread loader)" in text, text
+
+
+def test_fleetmpirun_job_ends_when_rank_1_raises():
+    result = run_job(fleetmpirun() + ["--np", "2", JOB, "raise"])
+    assert_rank_one_reported(result, result.stdout + result.stderr)
+
+
+def test_python_m_fleetmpi_launch_job_ends_with_the_traceback_in_the_rank_log(tmp_path):
+    result = run_job([sys.executable, "-m", "fleetmpi.launch", "--np", "2",
+                      "--log_dir", str(tmp_path), JOB, "raise"])
+    log = (tmp_path / "workerlog.1").read_text()
+    assert_rank_one_reported(result, log)
+    assert "[fleetmpi] rank 1/2" not in (tmp_path / "workerlog.0").read_text()
+
+
+def test_abort_on_error_knob_is_validated():
+    assert failure.abort_on_error_enabled({})
+    assert failure.abort_on_error_enabled({failure.ABORT_ENV: "1"})
+    assert not failure.abort_on_error_enabled({failure.ABORT_ENV: "0"})
+    with pytest.raises(ValueError, match="FLEETMPI_ABORT_ON_ERROR='yes' must be 0 or 1"):
+        failure.abort_on_error_enabled({failure.ABORT_ENV: "yes"})
+
+
+def test_report_names_the_place_and_carries_the_traceback():
+    try:
+        raise KeyError("missing")
+    except KeyError as exc:
+        text = failure._report("rank 3/8 on node 1", type(exc), exc, exc.__traceback__,
+                               "loader")
+    assert text.startswith("[fleetmpi] rank 3/8 on node 1 failed (in thread loader):\n")
+    assert "Traceback (most recent call last)" in text
+    assert "KeyError: 'missing'" in text
+
+
+def test_install_leaves_handlers_someone_else_installed(monkeypatch):
+    def mine(*args):
+        pass
+
+    monkeypatch.setattr(sys, "excepthook", mine)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    monkeypatch.delenv(failure.ABORT_ENV, raising=False)
+    assert failure.install(0, 1, 0) == ["threading"]
+    assert sys.excepthook is mine
+    assert threading.excepthook is not threading.__excepthook__
+
+
+def test_install_does_nothing_when_switched_off(monkeypatch):
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    monkeypatch.setenv(failure.ABORT_ENV, "0")
+    assert failure.install(0, 1, 0) == []
+    assert sys.excepthook is sys.__excepthook__
+    assert threading.excepthook is threading.__excepthook__
