@@ -3,18 +3,18 @@
     mpiexec -n 2 python examples/train_digits.py
 
 Every rank trains on its own shard of each epoch (the distributed sampler), gradients are
-averaged over the ranks after every step, and rank 0 shows a progress line with the loss and the
-training throughput, then the test accuracy. Needs scikit-learn (``pip install
+averaged over the ranks after every step, and rank 0 shows a progress bar with the loss, the
+training throughput and the time left (one line per epoch when the output is not a terminal),
+then the test accuracy. Needs scikit-learn (``pip install
 'fleetmpi[examples]'``); nothing is downloaded.
 """
 import argparse
-import sys
 import time
 
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import backend, data, nn, optimizer
+from fleetmpi import backend, data, nn, optimizer, progress
 from fleetmpi.optimizer import lr
 
 
@@ -38,15 +38,6 @@ def evaluate(model, dataset):
     return float((predicted == dataset.labels).mean())
 
 
-def progress(epoch, epochs, loss, samples_per_second):
-    width = 30
-    filled = int(width * epoch / epochs)
-    bar = "#" * filled + "-" * (width - filled)
-    sys.stdout.write(f"\repoch {epoch:3d}/{epochs} [{bar}] loss {loss:.4f} "
-                     f"{samples_per_second:,.0f} samples/s")
-    sys.stdout.flush()
-
-
 def main():
     args = parse_args()
     fleet.init(is_collective=True)
@@ -65,20 +56,20 @@ def main():
     loss_fn = nn.SoftmaxCrossEntropy()
     sampler = data.DistributedSampler(len(train), args.batch_size)
 
-    first = fleet.is_first_worker()
     start = time.perf_counter()
-    seen = 0
+    bar = progress.ProgressBar(args.epochs * len(sampler), epochs=args.epochs)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        losses = [opt.minimize(model, loss_fn, x, y) for x, y in train.batches(sampler)]
+        losses = []
+        for x, y in train.batches(sampler):
+            losses.append(opt.minimize(model, loss_fn, x, y))
+            bar.step(len(x) * fleet.worker_num(), loss=losses[-1])
         schedule.step()
-        seen += len(sampler.indices()) * fleet.worker_num()
-        if first:
-            mean_loss = float(np.mean([float(loss) for loss in losses]))
-            progress(epoch + 1, args.epochs, mean_loss, seen / (time.perf_counter() - start))
+        bar.end_epoch(loss=float(np.mean([float(loss) for loss in losses])))
+    bar.close()
     accuracy = evaluate(model, test)
-    if first:
-        print(f"\ntest accuracy {accuracy:.4f} on {len(test)} images after "
+    if fleet.is_first_worker():
+        print(f"test accuracy {accuracy:.4f} on {len(test)} images after "
               f"{time.perf_counter() - start:.1f} s on {fleet.worker_num()} rank(s)")
     if args.min_accuracy is not None and accuracy < args.min_accuracy:
         raise SystemExit(1)

@@ -1,0 +1,161 @@
+"""Rank 0's training progress: a bar on a terminal, one plain line per epoch elsewhere.
+
+    bar = ProgressBar(total_steps=epochs * len(sampler), epochs=epochs)
+    for epoch in range(epochs):
+        for x, y in train.batches(sampler):
+            loss = opt.minimize(model, loss_fn, x, y)
+            bar.step(samples=len(x) * fleet.worker_num(), loss=loss)
+        bar.end_epoch(loss=mean_loss)
+    bar.close()
+
+On a terminal (``stream.isatty()``) the bar is redrawn in place with ``\\r``, at most every
+``min_interval`` seconds, showing the loss of the latest step, the samples per second since the
+start and the estimated time left. When the stream is a file or a pipe (a log of
+``fleetmpirun --log_dir``, a Slurm output file) carriage returns would pile up into one huge
+line, so the bar stays off and ``end_epoch`` writes one line per epoch instead. Ranks other than
+0 write nothing. The loss is read (``float``, a device synchronisation on a GPU) only when it is
+shown.
+
+``mode`` / ``FLEETMPI_PROGRESS``: ``auto`` (the default: the bar on a terminal, lines
+elsewhere), ``bar``, ``lines`` or ``off``. ``bar`` is for launchers that hand the ranks a pipe
+even when they run in a terminal (MPICH's ``mpiexec`` does): the pipe cannot tell.
+"""
+import math
+import os
+import sys
+import time
+
+PROGRESS_ENV = "FLEETMPI_PROGRESS"
+MODES = ("auto", "bar", "lines", "off")
+
+
+def format_duration(seconds):
+    """``h:mm:ss`` (``m:ss`` under an hour) of a non-negative number of seconds, rounded up
+    (time left shows 0:00 only when none is)."""
+    seconds = math.ceil(seconds)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _this_rank():
+    from . import world
+
+    return world.topology().rank if world._topology is not None else 0
+
+
+class ProgressBar:
+    """Progress of ``total_steps`` training steps (``epochs`` of them when the run has epochs).
+
+    ``stream``: where to write (default ``sys.stdout``); ``rank``: this process's rank (default
+    the fleet world's, 0 before ``fleet.init``); ``mode``: see the module docstring (default
+    ``FLEETMPI_PROGRESS``, else ``auto``); ``clock``: a seconds counter (tests pass a fake one).
+    """
+
+    def __init__(self, total_steps, epochs=None, stream=None, rank=None, mode=None, width=30,
+                 min_interval=0.1, clock=time.perf_counter):
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps={total_steps!r} must be a positive integer")
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
+                                   or epochs < 1):
+            raise ValueError(f"epochs={epochs!r} must be a positive integer or None")
+        self.total_steps = total_steps
+        self.epochs = epochs
+        mode = os.environ.get(PROGRESS_ENV) or "auto" if mode is None else mode
+        if mode not in MODES:
+            raise ValueError(f"progress mode {mode!r} (argument mode or {PROGRESS_ENV}) is not "
+                             f"known; allowed: {', '.join(MODES)}")
+        self.stream = sys.stdout if stream is None else stream
+        self.enabled = mode != "off" and (_this_rank() if rank is None else rank) == 0
+        if mode == "auto":
+            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.terminal = self.enabled and mode == "bar"
+        self.width = width
+        self.min_interval = min_interval
+        self.clock = clock
+        self.start = clock()
+        self.steps = 0
+        self.samples = 0
+        self.epoch = 0
+        self.loss = None
+        self.last_draw = None
+        self.drawn_width = 0
+
+    def rate(self):
+        """Samples per second since the start (0 before any time has passed)."""
+        elapsed = self.clock() - self.start
+        return self.samples / elapsed if elapsed > 0 else 0.0
+
+    def eta(self):
+        """Seconds left at the average step time so far (None before the first step)."""
+        if self.steps == 0:
+            return None
+        per_step = (self.clock() - self.start) / self.steps
+        return per_step * max(self.total_steps - self.steps, 0)
+
+    def _figures(self, loss):
+        parts = []
+        if loss is not None:
+            parts.append(f"loss {float(loss):.4f}")
+        parts.append(f"{self.rate():,.0f} samples/s")
+        eta = self.eta()
+        parts.append("ETA " + ("?" if eta is None else format_duration(eta)))
+        return " ".join(parts)
+
+    def step(self, samples, loss=None, steps=1):
+        """``steps`` more steps done over ``samples`` samples (all ranks together); ``loss``
+        is the latest step's (anything ``float`` accepts)."""
+        if not self.enabled:
+            return
+        self.steps += steps
+        self.samples += samples
+        if loss is not None:
+            self.loss = loss
+        if self.terminal:
+            now = self.clock()
+            if (self.last_draw is None or now - self.last_draw >= self.min_interval
+                    or self.steps >= self.total_steps):
+                self._draw()
+                self.last_draw = now
+
+    def _draw(self):
+        filled = min(self.width, self.width * self.steps // self.total_steps)
+        bar = "#" * filled + "-" * (self.width - filled)
+        head = "" if self.epochs is None else f"epoch {min(self.epoch + 1, self.epochs)}/" \
+                                              f"{self.epochs} "
+        text = (f"{head}[{bar}] {self.steps}/{self.total_steps} "
+                f"{self._figures(self.loss)}")
+        padding = " " * max(self.drawn_width - len(text), 0)
+        self.stream.write("\r" + text + padding)
+        self.stream.flush()
+        self.drawn_width = len(text)
+
+    def end_epoch(self, loss=None):
+        """An epoch is over; off a terminal, write its line (``loss``: the epoch's, else the
+        latest step's)."""
+        if not self.enabled:
+            return
+        self.epoch += 1
+        if self.terminal:
+            return
+        shown = self.loss if loss is None else loss
+        of = "" if self.epochs is None else f"/{self.epochs}"
+        self.stream.write(f"epoch {self.epoch}{of} {self._figures(shown)}\n")
+        self.stream.flush()
+
+    def write(self, line):
+        """Write ``line`` below the bar (the bar is redrawn by the next step)."""
+        if not self.enabled:
+            return
+        if self.terminal and self.drawn_width:
+            self.stream.write("\n")
+            self.drawn_width = 0
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self):
+        """End the bar's line on a terminal."""
+        if self.enabled and self.terminal and self.drawn_width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.drawn_width = 0

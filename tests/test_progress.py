@@ -1,0 +1,171 @@
+"""Rank 0's progress bar on a terminal, plain lines elsewhere, nothing on other ranks; log
+lines that name their rank and node."""
+import io
+import logging
+
+import pytest
+
+import fleetmpi as fleet
+from fleetmpi import log
+from fleetmpi.progress import PROGRESS_ENV, ProgressBar, format_duration
+
+from comm_support import ok
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class Clock:
+    """A clock that moves only when told to."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class Loss:
+    """A loss that counts how often it is read."""
+
+    def __init__(self, value):
+        self.value = value
+        self.reads = 0
+
+    def __float__(self):
+        self.reads += 1
+        return self.value
+
+
+@pytest.fixture(autouse=True)
+def no_mode_from_environment(monkeypatch):
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+
+
+def run_epochs(stream, rank=0, mode=None, epochs=2, steps_per_epoch=5, min_interval=0.0):
+    """Two epochs of 5 steps of 32 samples, 0.5 s each, on ``rank`` (None: the world's);
+    returns the bar."""
+    clock = Clock()
+    bar = ProgressBar(epochs * steps_per_epoch, epochs=epochs, stream=stream, rank=rank,
+                      mode=mode, min_interval=min_interval, clock=clock)
+    for epoch in range(epochs):
+        for step in range(steps_per_epoch):
+            clock.now += 0.5
+            bar.step(32, loss=1.0 / (1 + epoch * steps_per_epoch + step))
+        bar.end_epoch(loss=0.25 * (epoch + 1))
+    bar.close()
+    return bar
+
+
+def test_bar_on_a_terminal_shows_loss_rate_and_eta():
+    stream = Terminal()
+    clock = Clock()
+    bar = ProgressBar(10, epochs=2, stream=stream, rank=0, min_interval=0.0, clock=clock)
+    for _ in range(4):
+        clock.now += 0.5
+        bar.step(32, loss=0.5)
+    text = stream.getvalue()
+    assert text.count("\r") == 4 and "\n" not in text
+    # 4 of 10 steps: 12 of 30 marks; 128 samples in 2 s; 6 steps left at 0.5 s each
+    assert text.rsplit("\r", 1)[1] == \
+        "epoch 1/2 [############------------------] 4/10 loss 0.5000 64 samples/s ETA 0:03"
+    bar.end_epoch(loss=9.0)
+    assert stream.getvalue() == text, "a terminal gets no epoch line"
+    bar.close()
+    assert stream.getvalue() == text + "\n"
+
+
+def test_bar_redraws_at_most_every_min_interval_and_reads_the_loss_only_then():
+    stream = Terminal()
+    clock = Clock()
+    bar = ProgressBar(100, stream=stream, rank=0, min_interval=1.0, clock=clock)
+    losses = [Loss(float(i)) for i in range(100)]
+    for loss in losses:
+        clock.now += 0.25
+        bar.step(8, loss=loss)
+    draws = stream.getvalue().count("\r")
+    # the first step, then every fourth (1 s apart), and the last one
+    assert draws == 1 + 24 + 1
+    assert sum(loss.reads for loss in losses) == draws
+    assert stream.getvalue().endswith("100/100 loss 99.0000 32 samples/s ETA 0:00")
+
+
+def test_shorter_redraw_clears_the_rest_of_the_line():
+    stream = Terminal()
+    clock = Clock()
+    bar = ProgressBar(2, stream=stream, rank=0, min_interval=0.0, clock=clock)
+    clock.now += 0.001
+    bar.step(10_000_000, loss=123456.0)
+    first = stream.getvalue()[1:]
+    clock.now += 10.0
+    bar.step(1, loss=1.0)
+    second = stream.getvalue()[1 + len(first) + 1:]
+    assert len(second) == len(first) and second.endswith(" ")
+
+
+def test_plain_lines_when_not_a_terminal():
+    stream = io.StringIO()
+    run_epochs(stream)
+    assert stream.getvalue() == ("epoch 1/2 loss 0.2500 64 samples/s ETA 0:03\n"
+                                 "epoch 2/2 loss 0.5000 64 samples/s ETA 0:00\n")
+
+
+@pytest.mark.parametrize("stream", [io.StringIO(), Terminal()], ids=["file", "terminal"])
+def test_nothing_on_other_ranks(stream):
+    run_epochs(stream, rank=1)
+    assert stream.getvalue() == ""
+
+
+def test_modes(monkeypatch):
+    off = Terminal()
+    run_epochs(off, mode="off")
+    assert off.getvalue() == ""
+    lines = Terminal()
+    run_epochs(lines, mode="lines")
+    assert "\r" not in lines.getvalue() and lines.getvalue().count("\n") == 2
+    monkeypatch.setenv(PROGRESS_ENV, "bar")
+    piped = io.StringIO()
+    run_epochs(piped)
+    assert piped.getvalue().count("\r") == 10 and piped.getvalue().endswith("\n")
+    monkeypatch.setenv(PROGRESS_ENV, "fancy")
+    with pytest.raises(ValueError, match="'fancy'.*FLEETMPI_PROGRESS.*auto, bar, lines, off"):
+        ProgressBar(1)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, None])
+def test_total_steps_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="total_steps"):
+        ProgressBar(bad)
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (0, 0.01, 59.4, 61, 3599, 3600, 86399)] == \
+        ["0:00", "0:01", "1:00", "1:01", "59:59", "1:00:00", "23:59:59"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_only_rank_0_writes_in_a_job():
+    fleet.init()
+    stream = Terminal()
+    run_epochs(stream, rank=None)
+    wrote = bool(stream.getvalue())
+    ok(wrote == (fleet.worker_index() == 0),
+       f"rank {fleet.worker_index()} wrote {stream.getvalue()!r}")
+
+
+@pytest.fixture
+def restored_logger():
+    handlers, level = list(log.logger.handlers), log.logger.level
+    yield
+    log.logger.handlers[:] = handlers
+    log.logger.setLevel(level)
+
+
+def test_log_lines_carry_rank_and_node(capsys, restored_logger, monkeypatch):
+    monkeypatch.setenv(log.LOG_LEVEL_ENV, "INFO")
+    log.configure(rank=3, size=8, node=1)
+    log.logger.info("step %d done", 7)
+    assert capsys.readouterr().err == "[fleetmpi rank 3/8 node 1] INFO step 7 done\n"
+    assert log.logger.level == logging.INFO
