@@ -7,7 +7,6 @@
     fleetmpirun --server_num 1 --worker_num 2 train.py
     fleetmpirun --dry-run --np 2 train.py            # print the mpiexec command only
     fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
-    fleetmpirun --slurm train.py                     # in an sbatch script: srun starts the ranks
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and then runs the
@@ -23,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from . import mpi_command, rank_main, slurm
+from . import mpi_command, rank_main
 
 
 def parse_list(text):
@@ -31,20 +30,38 @@ def parse_list(text):
     return [item.strip() for item in (text or "").split(",") if item.strip()]
 
 
-def hostfile_hosts(path):
-    """The host names of a host file, in either launcher's format (``host:4`` or
-    ``host slots=4``); ``#`` starts a comment."""
+def read_hostfile(path):
+    """``([(host, slots or None), ...], spelling)`` of a host file; ``#`` starts a comment.
+
+    ``spelling`` is the launcher whose format the file uses for slot counts: ``"mpich"`` for
+    ``host:4``, ``"openmpi"`` for ``host slots=4``, None when it gives no counts (plain host
+    names, which both read). Each launcher refuses the other's format, so ``launch_command``
+    rewrites a file of the other spelling as a host list."""
     if not os.path.isfile(path):
         raise ValueError(f"--hostfile {path!r} does not exist")
-    hosts = []
+    entries, spellings = [], set()
     with open(path) as lines:
-        for line in lines:
+        for number, line in enumerate(lines, 1):
             fields = line.split("#", 1)[0].split()
-            if fields:
-                hosts.append(fields[0].split(":", 1)[0])
-    if not hosts:
+            if not fields:
+                continue
+            host, _, count = fields[0].partition(":")
+            if count:
+                spellings.add(mpi_command.MPICH)
+            for field in fields[1:]:
+                if field.startswith("slots="):
+                    count = field[len("slots="):]
+                    spellings.add(mpi_command.OPEN_MPI)
+            if count and not count.isdigit() or count == "0":
+                raise ValueError(f"--hostfile {path!r} line {number}: {line.strip()!r} has "
+                                 f"slot count {count!r}; a count is a whole number of at least 1")
+            entries.append((host, int(count) if count else None))
+    if not entries:
         raise ValueError(f"--hostfile {path!r} names no host")
-    return hosts
+    if len(spellings) > 1:
+        raise ValueError(f"--hostfile {path!r} mixes MPICH's host:N and Open MPI's "
+                         f"host slots=N; use one of them")
+    return entries, (spellings.pop() if spellings else None)
 
 
 def parser():
@@ -74,9 +91,6 @@ def parser():
                         "(may be repeated)")
     p.add_argument("--mpiexec", help="the mpiexec/mpirun to use (default: the one beside "
                                      "this Python, else on PATH)")
-    p.add_argument("--slurm", action="store_true",
-                   help="inside a Slurm allocation (sbatch, salloc): start the ranks with srun "
-                        "(-n from --np, else the allocation's tasks); --mpi_args go to srun")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print the command instead of running it")
     p.add_argument("script", help="the training script")
@@ -108,11 +122,12 @@ def plan(args):
 
     The rank count comes from whichever of ``--np``, ``--gpus`` (one rank per listed GPU on
     each host) and ``--server_num + --worker_num`` are given, and they must agree; with none
-    of them it is one rank per host."""
+    of them it is one rank per host of ``--ips``, or per slot of ``--hostfile`` (a host
+    without a count has one)."""
     gpus = parse_list(args.gpus)
     ips = parse_list(args.ips)
-    hosts = ips or (hostfile_hosts(args.hostfile) if args.hostfile else [])
-    num_hosts = len(hosts) or 1
+    entries = read_hostfile(args.hostfile)[0] if args.hostfile else []
+    num_hosts = len(ips or entries) or 1
     if args.np is not None and args.np < 1:
         raise ValueError(f"--np must be at least 1, got {args.np}")
     counts = []
@@ -130,8 +145,11 @@ def plan(args):
     for count, why in counts[1:]:
         if count != counts[0][0]:
             raise ValueError(f"{counts[0][1]} does not match {why}, which make {count} ranks")
-    np = counts[0][0] if counts else num_hosts
-    ranks_per_host = len(gpus) if gpus and hosts else None
+    if counts:
+        np = counts[0][0]
+    else:
+        np = sum(slots or 1 for _, slots in entries) if entries else num_hosts
+    ranks_per_host = len(gpus) if gpus and (ips or entries) else None
     return np, ips, ranks_per_host
 
 
@@ -158,10 +176,18 @@ def rank_program(args):
 
 def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
     """The whole ``mpiexec`` command for the parsed ``args`` and an MPI of ``flavour``."""
-    np, ips, ranks_per_host = plan(args)
+    np, hosts, ranks_per_host = plan(args)
+    hostfile = args.hostfile
+    if hostfile:
+        entries, spelling = read_hostfile(hostfile)
+        if spelling not in (None, flavour):
+            # the other launcher's format: the same hosts and counts as a host list
+            hostfile = None
+            hosts = [host if slots is None or ranks_per_host else f"{host}:{slots}"
+                     for host, slots in entries]
     extra = [word for text in args.mpi_args for word in shlex.split(text)]
     return mpi_command.build_command(
-        flavour, mpiexec, np, rank_program(args), hosts=ips, hostfile=args.hostfile,
+        flavour, mpiexec, np, rank_program(args), hosts=hosts, hostfile=hostfile,
         ranks_per_host=ranks_per_host, extra_args=extra, environ=environ, as_root=as_root,
         job_env=job_environment(args))
 
@@ -261,14 +287,8 @@ def main(argv=None):
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_inputs(args)
-        if args.slurm:
-            slurm.require_allocation(os.environ)
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
-        flavour = mpi_command.detect_flavour(mpiexec)
-        if args.slurm:
-            cmd = slurm.launch_command(args, rank_program(args), flavour)
-        else:
-            cmd = launch_command(args, flavour, mpiexec)
+        cmd = launch_command(args, mpi_command.detect_flavour(mpiexec), mpiexec)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         p.error(str(error))
     if args.dry_run:

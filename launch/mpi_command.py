@@ -7,6 +7,7 @@ knows both spellings:
 | --------------------------- | -------------------- | --------------------------------- |
 | hosts                       | ``-hosts h1,h2``     | ``--host h1:k,h2:k``              |
 | host file                   | ``-f FILE``          | ``--hostfile FILE``               |
+| its slot counts             | ``host:4``           | ``host slots=4``                  |
 | k ranks per host            | ``-ppn k``           | ``--map-by ppr:k:node``           |
 | environment to every rank   | ``-genvall``         | ``-x NAME`` for each variable     |
 | a variable set for the job  | ``-genv NAME VALUE`` | ``-x NAME=VALUE``                 |
@@ -44,7 +45,11 @@ def find_mpiexec():
 
 def detect_flavour(mpiexec):
     """``"openmpi"`` or ``"mpich"``, from what ``mpiexec --version`` says."""
-    result = subprocess.run([mpiexec, "--version"], capture_output=True, text=True)
+    try:
+        result = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                                timeout=60)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{mpiexec} --version did not answer within 60 s") from None
     text = result.stdout + result.stderr
     if "Open MPI" in text or "OpenRTE" in text or "PRRTE" in text:
         return OPEN_MPI
@@ -64,8 +69,9 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
                   ranks_per_host=None, extra_args=(), environ=None, as_root=None, job_env=None):
     """The whole ``mpiexec`` argument list that starts ``np`` copies of ``program``.
 
-    ``hosts`` (a list of host names) and ``hostfile`` are exclusive; ``ranks_per_host`` places
-    that many consecutive ranks on each host; ``extra_args`` go to the MPI launcher as given,
+    ``hosts`` (a list of host names, each may carry a slot count as ``host:4``, which both
+    launchers read) and ``hostfile`` are exclusive; ``ranks_per_host`` places that many
+    consecutive ranks on each host (give it with plain host names); ``extra_args`` go to the MPI launcher as given,
     before the program. ``environ`` (default ``os.environ``) chooses Open MPI's ``-x`` names;
     ``as_root`` (default: the effective user is root) adds ``--allow-run-as-root``.
     ``job_env`` (name -> value) are variables set for every rank on every host, named on the

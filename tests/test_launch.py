@@ -108,11 +108,12 @@ def test_ips_and_gpus_give_one_rank_per_gpu_on_each_host(script, flavour, expect
 
 @pytest.mark.parametrize("flavour, expected", [
     ("mpich", ["-f", "HOSTFILE", "-ppn", "2", "-genvall"]),
-    ("openmpi", ["--oversubscribe", "--hostfile", "HOSTFILE", "--map-by", "ppr:2:node"]),
+    # Open MPI does not read host:N files: the hosts go on the command line
+    ("openmpi", ["--oversubscribe", "--host", "h1:2,h2:2,h3:2", "--map-by", "ppr:2:node"]),
 ])
 def test_hostfile_and_gpus_count_the_hosts_of_the_file(tmp_path, script, flavour, expected):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("# two machines\nh1:8\n\nh2 slots=8   # the second\nh3\n")
+    hostfile.write_text("# three machines\nh1:8\n\nh2:8   # the second\nh3\n")
     args = parse("--hostfile", str(hostfile), "--gpus", "0,1", "--log_dir", "logs", script)
     cmd = fleetmpirun.launch_command(args, flavour, "mpiexec", environ={}, as_root=False)
     expected = [str(hostfile) if word == "HOSTFILE" else word for word in expected]
@@ -120,10 +121,44 @@ def test_hostfile_and_gpus_count_the_hosts_of_the_file(tmp_path, script, flavour
                    + ["--gpus", "0,1", "--log_dir", os.path.abspath("logs"), "--", script])
 
 
-def test_hostfile_hosts_reads_both_formats(tmp_path):
+@pytest.mark.parametrize("flavour, expected", [
+    # MPICH does not read slots= files: the hosts and their counts go on the command line
+    ("mpich", ["-hosts", "a:4,b,c:2", "-genvall"]),
+    ("openmpi", ["--oversubscribe", "--hostfile", "HOSTFILE"]),
+])
+def test_hostfile_without_gpus_gives_one_rank_per_slot(tmp_path, script, flavour, expected):
     hostfile = tmp_path / "hosts"
-    hostfile.write_text("node-a:4\n  # comment only\nnode-b slots=2\nnode-c\n")
-    assert fleetmpirun.hostfile_hosts(str(hostfile)) == ["node-a", "node-b", "node-c"]
+    hostfile.write_text("a slots=4 max_slots=8\nb\nc slots=2\n")
+    cmd = fleetmpirun.launch_command(parse("--hostfile", str(hostfile), script), flavour,
+                                     "mpiexec", environ={}, as_root=False)
+    expected = [str(hostfile) if word == "HOSTFILE" else word for word in expected]
+    assert cmd == ["mpiexec", "-n", "7"] + expected + WRAPPER + ["--", script]
+
+
+def test_read_hostfile_reads_either_launchers_format(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node-a:4\n  # comment only\nnode-b # no count\nnode-c:1\n")
+    assert fleetmpirun.read_hostfile(str(hostfile)) == (
+        [("node-a", 4), ("node-b", None), ("node-c", 1)], "mpich")
+    hostfile.write_text("node-a slots=4\nnode-b\n")
+    assert fleetmpirun.read_hostfile(str(hostfile)) == (
+        [("node-a", 4), ("node-b", None)], "openmpi")
+    hostfile.write_text("node-a\nnode-b\n")
+    assert fleetmpirun.read_hostfile(str(hostfile)) == (
+        [("node-a", None), ("node-b", None)], None)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("# nothing\n\n", "names no host"),
+    ("a:4\nb slots=2\n", "mixes MPICH's host:N and Open MPI's host slots=N"),
+    ("a:x\n", "line 1: 'a:x' has slot count 'x'"),
+    ("a\nb slots=0\n", "line 2: 'b slots=0' has slot count '0'"),
+])
+def test_bad_hostfile_is_refused_naming_the_line(tmp_path, script, text, message):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        fleetmpirun.plan(parse("--hostfile", str(hostfile), script))
 
 
 def test_rank_program_passes_roles_logs_and_script_arguments(script):
@@ -188,13 +223,9 @@ def test_plan_refuses_counts_that_cannot_work(script, argv, message):
         fleetmpirun.plan(parse(*argv, script))
 
 
-def test_hostfile_that_is_missing_or_names_no_host_is_refused(tmp_path, script):
+def test_hostfile_that_is_missing_is_refused(script):
     with pytest.raises(ValueError, match="--hostfile '/no/such/hosts' does not exist"):
         fleetmpirun.plan(parse("--hostfile", "/no/such/hosts", script))
-    empty = tmp_path / "empty"
-    empty.write_text("# nothing\n\n")
-    with pytest.raises(ValueError, match="names no host"):
-        fleetmpirun.plan(parse("--hostfile", str(empty), script))
 
 
 def test_check_inputs_names_the_bad_value(tmp_path, script):
