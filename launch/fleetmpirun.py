@@ -9,8 +9,8 @@
     fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
-the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and then runs the
-script. Its exit code is the job's. See docs/launch.md.
+the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and
+then runs the script. Its exit code is the job's. See docs/launch.md.
 """
 import argparse
 import fcntl
