@@ -72,8 +72,9 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
     ``hosts`` (a list of host names, each may carry a slot count as ``host:4``, which both
     launchers read) and ``hostfile`` are exclusive; ``ranks_per_host`` places that many
     consecutive ranks on each host (give it with plain host names); ``extra_args`` go to the
-    MPI launcher as given, before the program. ``environ`` (default ``os.environ``) chooses Open MPI's ``-x`` names;
-    ``as_root`` (default: the effective user is root) adds ``--allow-run-as-root``.
+    MPI launcher as given, before the program. ``environ`` (default ``os.environ``) chooses
+    Open MPI's ``-x`` names; ``as_root`` (default: the effective user is root) adds
+    ``--allow-run-as-root``.
     ``job_env`` (name -> value) are variables set for every rank on every host, named on the
     command line so that they reach other hosts whatever the launcher forwards by default.
     """
