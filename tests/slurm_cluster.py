@@ -93,10 +93,10 @@ class SlurmCluster:
             auth = self._start_auth()
             self._write_conf(cpus, auth)
             for daemon in ("slurmctld", "slurmd"):
-                log = open(os.path.join(directory, daemon + ".out"), "w")
-                self.processes.append(subprocess.Popen(
-                    [_executable(daemon), "-D"], env=self.env(), stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True))
+                with open(self.path(daemon + ".out"), "w") as log:
+                    self.processes.append(subprocess.Popen(
+                        [_executable(daemon), "-D"], env=self.env(), stdout=log,
+                        stderr=subprocess.STDOUT, start_new_session=True))
             self._wait_idle(start_timeout)
         except BaseException:
             self.stop()
@@ -206,8 +206,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 if process.poll() is not None:
                     raise RuntimeError(f"{process.args[0]} exited with {process.returncode}:\n"
                                        + self.logs())
-            result = subprocess.run(["sinfo", "--noheader", "--format=%t"], env=self.env(),
-                                    capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+            result = self.run(["sinfo", "--noheader", "--format=%t"])
             state = result.stdout.strip()
             if result.returncode == 0 and state == "idle":
                 return
