@@ -127,6 +127,18 @@ def test_dry_run_prints_the_srun_command(monkeypatch, capsys, tmp_path):
     assert printed[-4:] == ["--", str(script), "--lr", "0.1"]
 
 
+def test_srun_missing_or_failing_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="needs Slurm's srun, and there is none on PATH"):
+        slurm.find_srun()
+    broken = tmp_path / "srun"
+    broken.write_text("#!/bin/sh\necho 'srun: fatal: Could not establish a configuration "
+                      "source' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"--mpi=list failed with exit code 1: .*srun: fatal"):
+        slurm.available_plugins(slurm.find_srun())
+
+
 @pytest.mark.parametrize("text, names", [
     (LIST_22, ["pmix", "none", "cray_shasta", "pmi2"]),
     (LIST_OLD, ["none", "pmi2", "pmix_v3"]),
