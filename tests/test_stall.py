@@ -1,0 +1,104 @@
+"""The stall inspector: a collective some rank never reaches is reported, then the job ends."""
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fleetmpi.comm import stall
+from fleetmpi.launch.mpi_command import local_command
+
+from comm_support import equal, ok, world
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "failure_jobs.py")
+JOB_SECONDS = 30
+
+
+def stalled_job(n, late, collective, how="sleep", timeout="1"):
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout)
+    result = subprocess.run(local_command(n, [sys.executable, JOB, "stall", str(late),
+                                              collective, how]),
+                            env=env, capture_output=True, text=True, timeout=JOB_SECONDS)
+    return result, result.stdout + result.stderr
+
+
+def reports(text):
+    """{reporting rank: the rest of its stall line}."""
+    return {int(m.group(1)): m.group(2)
+            for m in re.finditer(r"\[fleetmpi\] stall: rank (\d+)/\d+ (.*)", text)}
+
+
+@pytest.mark.parametrize("how", ["sleep", "skip"])
+def test_rank_1_missing_is_named_by_the_waiting_rank(how):
+    result, text = stalled_job(2, 1, "allreduce", how)
+    assert result.returncode != 0, text
+    found = reports(text)
+    assert set(found) == {0}, text
+    assert "in allreduce, call #2 of its communicator" in found[0], text
+    assert "rank(s) 1 have not arrived there" in found[0], text
+    assert "finished" not in text, text
+
+
+def test_every_waiting_rank_writes_the_report():
+    result, text = stalled_job(3, 2, "broadcast")
+    assert result.returncode != 0, text
+    found = reports(text)
+    assert set(found) == {0, 1}, text
+    for line in found.values():
+        assert "in broadcast, call #2 of its communicator" in line, text
+        assert "rank(s) 2 have not arrived there" in line, text
+
+
+def test_a_missing_rank_0_is_named_by_the_others():
+    result, text = stalled_job(3, 0, "barrier")
+    assert result.returncode != 0, text
+    found = reports(text)
+    assert set(found) == {1, 2}, text
+    for line in found.values():
+        assert "in barrier, call #2 of its communicator; rank 0 has not arrived there" in line
+
+
+@pytest.mark.parametrize("text, seconds", [(None, 600.0), ("", 600.0), ("2.5", 2.5),
+                                           ("0", math.inf), ("30", 30.0)])
+def test_stall_time_knob(text, seconds):
+    environ = {} if text is None else {stall.STALL_ENV: text}
+    assert stall.stall_seconds(environ) == seconds
+
+
+@pytest.mark.parametrize("text", ["abc", "-1", "nan", "inf"])
+def test_bad_stall_time_is_named(text):
+    with pytest.raises(ValueError, match=f"FLEETMPI_STALL_TIMEOUT='{text}' must be a number"):
+        stall.stall_seconds({stall.STALL_ENV: text})
+
+
+def test_rank_lists_are_written_as_ranges():
+    assert stall.ranks_text([7, 1, 2, 3]) == "1-3, 7"
+    assert stall.ranks_text([4]) == "4"
+    assert stall.ranks_text([0, 2, 4, 5]) == "0, 2, 4-5"
+
+
+def test_message_names_the_call_and_the_missing_ranks():
+    text = stall.stall_message(1, 8, "allreduce_many", 12, [3, 4, 6], 5.0, reported_by=0)
+    assert text.startswith("[fleetmpi] stall: rank 1/8 has waited 5.0 s in allreduce_many, "
+                           "call #12 of its communicator; rank(s) 3-4, 6 have not arrived "
+                           "there (as rank 0 reports)")
+    assert "FLEETMPI_STALL_TIMEOUT" in text
+
+
+@pytest.mark.mpi(min_size=2)
+def test_polled_exchange_gives_every_rank_every_row_and_counts_calls():
+    comm = world()
+    control = comm._control
+    before = stall.call_state(control).calls
+    for call in range(3):
+        row = np.array([comm.rank, call, 7 * comm.rank + call], dtype=np.int64)
+        rows = stall.gather_rows(control, row, "test")
+        expected = np.array([[r, call, 7 * r + call] for r in range(comm.size)])
+        equal(rows, expected)
+    ok(stall.call_state(control).calls == before + 3)
+    counts = control.allgather(stall.call_state(control).calls)
+    ok(len(set(counts)) == 1, f"call counters differ across ranks: {counts}")
