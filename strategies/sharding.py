@@ -27,6 +27,7 @@ Everything happens after backward: the reduce-scatter does not overlap it, unlik
 allreduce of plain data parallelism.
 """
 from .. import backend, world
+from ..comm.communicator import NATIVE_BELOW_BYTES
 from ..comm.ring import split_offsets
 from ..log import logger
 from .base import Strategy
@@ -127,7 +128,10 @@ class Sharding(Strategy):
         if self.group is None:
             block = flat[start:stop].copy()
         else:
-            block = self.group.reduce_scatter(flat, op="mean", compression=self.compression)
+            # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
+            native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
+            block = self.group.reduce_scatter(flat, op="mean", compression=self.compression,
+                                              algorithm="native" if native else None)
         if self.replicas is not None and block.size:
             self.replicas.allreduce(block, op="mean", compression=self.compression, out=block)
         for run, (low, high) in zip(self.optimizer._runs, self.optimizer._run_spans):
