@@ -17,6 +17,7 @@ from .stall import gather_rows
 
 FIELDS = ("collective", "op", "algorithm", "compression", "root", "dtype", "count", "arrays",
           "shapes", "rejected")
+_REJECTED = FIELDS.index("rejected")
 
 
 class CollectiveMismatchError(ValueError):
@@ -70,26 +71,28 @@ def agree(comm, collective, tables, problem=None, **fields):
     is the exception this rank's own argument checks produced, if any: it is raised here, after
     the other ranks have learnt that this rank rejected the call.
     """
-    row = np.zeros(len(FIELDS), dtype=np.int64)
-    for i, name in enumerate(FIELDS):
+    values = []
+    for name in FIELDS:
         if name == "collective":
-            row[i] = _code(collective, tables["collective"])
+            values.append(_code(collective, tables["collective"]))
         elif name == "rejected":
-            row[i] = int(problem is not None)
+            values.append(int(problem is not None))
         elif name in tables:
-            row[i] = _code(fields.get(name), tables[name])
+            values.append(_code(fields.get(name), tables[name]))
         else:
-            row[i] = int(fields.get(name, 0))
-    rows = gather_rows(comm, row, collective)
-    rejecters = np.flatnonzero(rows[:, FIELDS.index("rejected")])
+            values.append(int(fields.get(name, 0)))
+    rows = gather_rows(comm, np.array(values, dtype=np.int64), collective)
+    if problem is None and (rows == rows[0]).all():
+        return
+    rejecters = np.flatnonzero(rows[:, _REJECTED])
     if len(rejecters):
         if problem is not None:
             raise problem
         raise CollectiveMismatchError(
             f"{collective} aborted: rank(s) {', '.join(map(str, rejecters))} rejected their "
             f"arguments (their error says why)")
-    differing = [i for i in range(len(FIELDS)) if np.any(rows[:, i] != rows[0, i])]
-    if differing:
+    differing = np.flatnonzero((rows != rows[0]).any(axis=0))
+    if len(differing):
         parts = []
         for i in differing:
             seen = ", ".join(f"rank {r}: {_decode(FIELDS[i], int(rows[r, i]), tables)}"

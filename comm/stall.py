@@ -86,6 +86,10 @@ class _Clock:
         self.deadline = self.start + timeout
         self.sleep = SLEEP_MIN_SECONDS
 
+    def sleeping(self):
+        """True once the spinning is over."""
+        return self.sleep > SLEEP_MIN_SECONDS
+
     def waited(self):
         return time.monotonic() - self.start
 
@@ -137,13 +141,15 @@ def _stalled(message):
 
 def _wait(requests, clock, probe=None):
     """Poll ``requests`` until all complete (True) or the clock runs out (False); ``probe()``
-    returning True also ends the wait (False)."""
+    returning True also ends the wait (False). The probe is asked only once the spinning is
+    over: a report cannot come sooner."""
     from mpi4py import MPI
 
-    while not MPI.Request.Testall(requests):
-        if probe is not None and probe():
-            return False
+    testall = MPI.Request.Testall
+    while not testall(requests):
         if not clock.pause():
+            return False
+        if probe is not None and clock.sleeping() and probe():
             return False
     return True
 
