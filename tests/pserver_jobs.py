@@ -2,7 +2,8 @@
 
     mpiexec -n S+W python tests/pserver_jobs.py SCENARIO --servers S [--out DIR] [...]
 
-Ranks ``0..W-1`` are workers, the rest servers (``UserDefinedRoleMaker``). Every worker checks
+Ranks ``0..W-1`` are workers, the rest servers (``UserDefinedRoleMaker``, or the variables of
+``fleetmpirun --server_num S --worker_num W`` when it started the job). Every worker checks
 its own results against single-process math and prints ``ok <scenario> worker <i>``; a failed
 check raises, which ends the job with a non-zero exit. Servers print their report as JSON
 after ``report <server>``.
@@ -34,6 +35,11 @@ def parse():
 
 
 def join(servers):
+    """Roles from fleetmpirun's variables when it started the job, else given here."""
+    if "TRAINING_ROLE" in os.environ:
+        fleet.init(is_collective=False)
+        assert fleet.server_num() == servers
+        return
     from mpi4py import MPI
 
     size, rank = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()

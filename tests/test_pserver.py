@@ -17,10 +17,14 @@ JOB = os.path.join(HERE, "pserver_jobs.py")
 JOB_TIMEOUT = 120
 
 
-def run_job(ranks, servers, scenario, *args, env=None):
-    """``(exit code, output, seconds)`` of one job; a job that outlives JOB_TIMEOUT fails."""
-    command = local_command(ranks) + [sys.executable, JOB, scenario, "--servers", str(servers),
-                                      *args]
+def run_job(ranks, servers, scenario, *args, env=None, fleetmpirun=False):
+    """``(exit code, output, seconds)`` of one job; a job that outlives JOB_TIMEOUT fails.
+    ``fleetmpirun``: started by ``fleetmpirun --server_num --worker_num`` (roles from its
+    variables) instead of ``mpiexec`` (roles from ``UserDefinedRoleMaker``)."""
+    launcher = ([sys.executable, "-m", "fleetmpi.launch", "--server_num", str(servers),
+                 "--worker_num", str(ranks - servers)] if fleetmpirun
+                else local_command(ranks) + [sys.executable])
+    command = launcher + [JOB, scenario, "--servers", str(servers), *args]
     environ = dict(os.environ, **(env or {}))
     start = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
@@ -40,10 +44,10 @@ def assert_workers_ok(output, check, workers):
         assert re.search(rf"ok {check}[^\n]* worker {w}\b", output), output
 
 
-@pytest.mark.parametrize("ranks,servers", [(3, 1), (4, 2)])
-def test_sync_equals_data_parallel_with_uneven_batches(ranks, servers):
+@pytest.mark.parametrize("ranks,servers,fleetmpirun", [(3, 1, True), (4, 2, False)])
+def test_sync_equals_data_parallel_with_uneven_batches(ranks, servers, fleetmpirun):
     """Adam, float64, a parameter split over both servers; worker w has 6 - w batches."""
-    code, output, _ = run_job(ranks, servers, "sync")
+    code, output, _ = run_job(ranks, servers, "sync", fleetmpirun=fleetmpirun)
     workers = ranks - servers
     assert code == 0, output
     assert_workers_ok(output, "sync", workers)

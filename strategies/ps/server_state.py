@@ -101,6 +101,8 @@ class ServerState:
                 p.grad[...] = backend.asarray(g)
             self.optimizer.set_lr(lr)
             self.optimizer.step()
+        # the script's optimizer does nothing else on a server: it lends its update rule to
+        # the sparse rows, with the step count of this server's updates (Adam's correction)
         step_count = self.optimizer.step_count if self.optimizer else self.version + 1
         self.rule.step_count = step_count
         for shard, (ids, values) in zip(self.shards, sparse):
