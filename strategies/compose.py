@@ -15,7 +15,7 @@ import importlib
 import itertools
 
 ORDER = ("sync_batch_norm", "recompute", "amp", "gradient_merge", "localsgd",
-         "adaptive_localsgd", "lars", "lamb", "dgc", "fp16_allreduce", "sharding")
+         "adaptive_localsgd", "lars", "lamb", "dgc", "pipeline", "fp16_allreduce", "sharding")
 
 _CLASSES = {
     "sync_batch_norm": "sync_batch_norm:SyncBatchNorm",
@@ -27,18 +27,24 @@ _CLASSES = {
     "lars": "lars_lamb:LARS",
     "lamb": "lars_lamb:LAMB",
     "dgc": "dgc:DGC",
+    "pipeline": "pipeline:Pipeline",
     "fp16_allreduce": "gradient_allreduce:FP16AllReduce",
     "sharding": "sharding:Sharding",
 }
 
 # Enabled in DistributedStrategy but not trainable here yet: refused, never ignored.
-NOT_AVAILABLE = ("pipeline", "auto")
+NOT_AVAILABLE = ("auto",)
 
 
 def _nested_schedules(averaging):
     return (f"{averaging} averages parameters on its own schedule after begin_step while "
             "gradient_merge communicates only every k_steps-th step; both decide on which "
             "steps the ranks communicate, and the two schedules cannot be nested")
+
+
+def _across_stages(other, what):
+    return (f"{other} {what} over every rank as if each held the whole model, while under "
+            "pipeline a rank holds one stage and only the replicas of that stage share it")
 
 
 def _no_gradient_exchange(averaging):
@@ -77,6 +83,15 @@ CONFLICTS = {
                                                   "enable one",
     frozenset({"localsgd", "gradient_merge"}): _nested_schedules("localsgd"),
     frozenset({"adaptive_localsgd", "gradient_merge"}): _nested_schedules("adaptive_localsgd"),
+    frozenset({"pipeline", "sync_batch_norm"}): "pipeline runs batch norm on one micro-batch "
+                                                "at a time, so there is no whole batch whose "
+                                                "statistics sync_batch_norm could gather",
+    frozenset({"pipeline", "dgc"}): _across_stages("dgc", "exchanges sparse gradients"),
+    frozenset({"pipeline", "localsgd"}): _across_stages("localsgd", "averages parameters"),
+    frozenset({"pipeline", "adaptive_localsgd"}): _across_stages("adaptive_localsgd",
+                                                                 "averages parameters"),
+    frozenset({"pipeline", "sharding"}): _across_stages("sharding", "partitions the optimizer "
+                                                        "state"),
     frozenset({"localsgd", "sharding"}): _sharded_state("localsgd"),
     frozenset({"adaptive_localsgd", "sharding"}): _sharded_state("adaptive_localsgd"),
     frozenset({"dgc", "sharding"}): "dgc keeps momentum and residuals of every parameter on "
@@ -122,10 +137,15 @@ def build_strategies(strategy, optimizer, communicator):
     classes = [strategy_class(name) for name in names]
     for cls in classes:
         cls.check(strategy, optimizer)
-    hooks = [cls(strategy, optimizer, communicator) for cls in classes
-             if cls.name != "fp16_allreduce"]
-    if communicator is not None and communicator.size > 1 and not strategy.sharding:
+    # pipeline is built first: it narrows the optimizer to this rank's stage before the other
+    # strategies see it, and the gradients are averaged over the replicas of that stage only.
+    pipeline = strategy_class("pipeline")(strategy, optimizer, communicator) \
+        if "pipeline" in names else None
+    hooks = [pipeline if cls.name == "pipeline" else cls(strategy, optimizer, communicator)
+             for cls in classes if cls.name != "fp16_allreduce"]
+    replicas = communicator if pipeline is None else pipeline.replica_communicator
+    if replicas is not None and replicas.size > 1 and not strategy.sharding:
         reduction = strategy_class("fp16_allreduce") if strategy.fp16_allreduce \
             else GradientAllreduce
-        hooks.append(reduction(strategy, optimizer, communicator))
+        hooks.append(reduction(strategy, optimizer, replicas))
     return hooks

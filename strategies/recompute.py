@@ -264,6 +264,20 @@ class RecomputedModel:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
+    @property
+    def model(self):
+        """The Sequential this stands in for."""
+        return self._model
+
+    @property
+    def pieces(self):
+        return self._pieces
+
+    @property
+    def host(self):
+        """The host buffers of offloaded checkpoints (None without offload)."""
+        return self._host
+
     def _note_held(self):
         self.peak_bytes = max(self.peak_bytes, self._meter.held(self._inputs))
 

@@ -38,7 +38,7 @@ TOP_LEVEL_DEFAULTS = {
 
 CONFIG_DEFAULTS = {
     "recompute_configs": {"checkpoints": [], "enable_offload": False, "checkpoint_shape": []},
-    "pipeline_configs": {"micro_batch": 1},
+    "pipeline_configs": {"micro_batch": 1, "schedule_mode": "1F1B"},
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
     "lars_configs": {"lars_coeff": 0.001, "lars_weight_decay": 0.0005, "epsilon": 0.0,
                      "exclude_from_weight_decay": []},

@@ -12,6 +12,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import backend
+from ..device_guard import current_stage
 from .flat import flatten
 from .parameter import Parameter
 
@@ -44,7 +45,8 @@ class Layer:
 
     ``op_type`` names the Paddle operator a leaf layer computes (``"matmul"``, ``"conv2d"``,
     ``"relu"``...): what amp's white and black lists refer to. None for containers and for
-    layers without such an operator."""
+    layers without such an operator. ``pipeline_stage``: the stage of the ``device_guard`` the
+    layer was built in (None outside any), given to its parameters too."""
 
     op_type = None
 
@@ -54,10 +56,12 @@ class Layer:
         self._children = OrderedDict()
         self.training = True
         self.dtype = _check_float_dtype(dtype) if dtype is not None else _default_dtype
+        self.pipeline_stage = current_stage()
 
     def create_parameter(self, name, value):
         """Register ``value`` (a host array) as the trainable parameter ``name``."""
         param = Parameter(np.asarray(value, dtype=self.dtype))
+        param.pipeline_stage = self.pipeline_stage
         self._parameters[name] = param
         setattr(self, name, param)
         return param

@@ -14,6 +14,7 @@ class Parameter:
         self.buffer = None
         self.offset = None
         self.name = None
+        self.pipeline_stage = None
 
     def _bind(self, buffer, offset):
         stop = offset + self.size

@@ -1,0 +1,83 @@
+"""Pipeline stages of layers: ``device_guard`` around their construction, or split points.
+
+As in Paddle, the pipeline information comes from the user's program: every layer built inside
+``with fleet.device_guard("stage:1"):`` (or ``"gpu:1"``, Paddle's spelling, read as stage 1)
+belongs to stage 1, and so do its parameters. ``split_stages(model, split_points)`` assigns the
+top-level layers of an ``nn.Sequential`` instead, cutting it before each split point. Every rank
+builds the whole model (one SPMD script); the pipeline strategy then runs on each rank only the
+layers of its own stage.
+"""
+import contextlib
+import numbers
+import re
+
+_STAGE = re.compile(r"(stage|gpu):(\d+)")
+_current = []
+
+
+def parse_stage(device):
+    """The stage index ``device`` names: ``"stage:N"`` or ``"gpu:N"`` with N >= 0."""
+    match = _STAGE.fullmatch(device) if isinstance(device, str) else None
+    if match is None:
+        raise ValueError(f"device_guard({device!r}): a pipeline stage is named 'stage:N' or "
+                         "'gpu:N' with N a stage index 0, 1, 2, ...")
+    return int(match.group(2))
+
+
+@contextlib.contextmanager
+def device_guard(device):
+    """Layers constructed inside belong to the pipeline stage ``device`` names."""
+    _current.append(parse_stage(device))
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def current_stage():
+    """The stage of the innermost open ``device_guard``; None outside any."""
+    return _current[-1] if _current else None
+
+
+def assign_stage(layer, stage):
+    """Put ``layer``, every layer inside it and their parameters on ``stage``."""
+    for member in [layer] + [child for _, child in layer.named_sublayers()]:
+        member.pipeline_stage = stage
+        for parameter in member.own_parameters():
+            parameter.pipeline_stage = stage
+
+
+def split_stages(model, split_points):
+    """Cut the ``nn.Sequential`` ``model`` into stages before each split point: a top-level
+    layer's index or name. ``split_stages(model, [3])`` puts layers 0-2 on stage 0 and the
+    rest on stage 1. Returns the number of stages."""
+    from .nn import Sequential
+
+    if not isinstance(model, Sequential):
+        raise TypeError(f"split_stages cuts an nn.Sequential, not {type(model).__name__}")
+    names = list(model._children)
+    if not isinstance(split_points, (list, tuple)):
+        raise TypeError(f"split_points must be a list of layer indices or names, not "
+                        f"{split_points!r}")
+    starts = []
+    for point in split_points:
+        if isinstance(point, str) and point in names:
+            starts.append(names.index(point))
+        elif isinstance(point, numbers.Integral) and not isinstance(point, bool):
+            starts.append(int(point))
+        else:
+            raise ValueError(f"split point {point!r} is neither a layer index nor one of the "
+                             f"model's top-level layers {names}")
+    stages = len(starts) + 1
+    if len(names) < stages:
+        raise ValueError(f"a model of {len(names)} top-level layers cannot be cut into "
+                         f"{stages} pipeline stages: every stage needs at least one layer")
+    if starts and (starts != sorted(set(starts)) or starts[0] < 1 or starts[-1] >= len(names)):
+        raise ValueError(f"split points {list(split_points)} must be strictly increasing layer "
+                         f"positions in 1..{len(names) - 1}, so that every one of the "
+                         f"{stages} stages gets at least one of the {len(names)} layers")
+    bounds = [0] + starts + [len(names)]
+    for stage in range(stages):
+        for layer in list(model._children.values())[bounds[stage]:bounds[stage + 1]]:
+            assign_stage(layer, stage)
+    return stages
