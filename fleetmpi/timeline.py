@@ -15,7 +15,8 @@ temporary name and renames it, so a reader never sees half a file.
 
 Memory. Events are not kept in memory: each rank appends them, as soon as they are complete and
 at least once a second or every ``SPILL_EVENTS`` events, to its own part file
-``path.json.rank<r>.part`` (one JSON array per line) beside the output, and ``flush()`` streams
+``path.json.rank<r>.part`` beside the output (a header line, then per write one line holding a
+JSON array of ``[name, lane, start_ns, duration_ns, args]`` records), and ``flush()`` streams
 the part files to rank 0 in chunks of ``CHUNK_BYTES``. Memory stays bounded however long the run;
 the disk holds the trace (about 120 bytes per event). ``flush()`` removes the part files.
 
@@ -163,9 +164,9 @@ class Recorder:
                 if record[3] < 0:
                     done = i
                     break
-        lines = [json.dumps(r, separators=(",", ":")) for r in self.pending[:done] if r[3] >= 0]
-        if lines:
-            self.part.write("\n".join(lines) + "\n")
+        records = [r for r in self.pending[:done] if r[3] >= 0]
+        if records:
+            self.part.write(json.dumps(records, separators=(",", ":")) + "\n")
             self.part.flush()
         del self.pending[:done]
         self.last_spill = time.perf_counter_ns()
@@ -236,8 +237,11 @@ def _read_part(filename):
     def records():
         with f:
             for line in f:
-                if line.strip():
-                    yield json.loads(line)
+                try:
+                    chunk = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the end of its process
+                    continue
+                yield from chunk
     return header, records()
 
 
