@@ -163,7 +163,7 @@ SCRIPT = textwrap.dedent("""
     if os.environ.get("SPILL_EVERY_EVENT"):
         timeline.SPILL_SECONDS = 0
     train(make_strategy(fuse_grad_size_in_TFLOPS=1), steps={steps})
-    print(f"active {timeline.active()}", flush=True)
+    print("active " + str(timeline.active()), flush=True)
     if os.environ.get("DIE"):
         os._exit(3)
 """)
