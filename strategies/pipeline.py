@@ -26,6 +26,8 @@ scaling wrap the whole schedule, which runs innermost in the step.
 Without a communicator (``local=True``, or a world of one) all stages run in this process, one
 after the other: the single-process math the ranks must match.
 """
+import time
+
 import numpy as np
 
 from .. import backend
@@ -236,12 +238,22 @@ class _NoLossGradient:
         return None
 
 
+def _elapsed(started):
+    """Seconds since ``started``, once the device has finished what was queued."""
+    if backend.on_gpu():
+        backend.array_module().cuda.get_current_stream().synchronize()
+    return time.perf_counter() - started
+
+
 # -- the strategy -----------------------------------------------------------------------------
 
 class Pipeline(Strategy):
     """``pipeline`` (module docstring). ``layout`` tells this rank's stage and replica;
     ``replica_communicator`` averages the stage's gradients over its replicas (None with one
-    replica); ``pipeline_communicator`` joins the stages of this rank's replica."""
+    replica); ``pipeline_communicator`` joins the stages of this rank's replica.
+    ``compute_seconds``: the time the last step spent computing this stage's forward and
+    backward passes (the loss included), without the waits and transfers; the rest of the
+    step is the bubble and the communication."""
 
     name = "pipeline"
 
@@ -266,6 +278,7 @@ class Pipeline(Strategy):
                                                           layout.replica)
                                          if layout.replicas > 1 else None)
         self._parameters = sorted(optimizer.parameters(), key=lambda p: (id(p.buffer), p.offset))
+        self.compute_seconds = 0.0
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -329,8 +342,8 @@ class Pipeline(Strategy):
         position = 0
 
         def flush(until=None):
-            """Issue the messages to the next stage in its order: sends of finished forwards,
-            and receives up to the gradient ``until``."""
+            """Issue the messages to the next stage in its order: receives up to the gradient
+            ``until``, and the sends of finished forwards, as far as they go."""
             nonlocal position
             while position < len(right):
                 kind, k = right[position]
@@ -346,15 +359,16 @@ class Pipeline(Strategy):
                 else:
                     grads[k] = recv_array(comm, following)
                     if k == until:
-                        position += 1
-                        return
+                        until = None
                 position += 1
 
         accumulated = None
+        busy = 0.0
         order = compute_order(self.schedule_mode, layout.stages, m, layout.stage)
         for kind, k in order:
             if kind == FORWARD:
                 x = xs[k] if layout.first else recv_array(comm, previous)
+                started = time.perf_counter()
                 runners[k] = make_runner()
                 y = runners[k].forward(x)
                 if layout.last:
@@ -363,21 +377,28 @@ class Pipeline(Strategy):
                 else:
                     outputs[k] = y
                 caches[k] = _Caches(layers)
+                busy += _elapsed(started)
                 forwarded.add(k)
                 flush()
             else:
                 if not layout.last and k not in grads:
                     flush(until=k)
+                started = time.perf_counter()
                 caches.pop(k).restore()
                 dx = runners.pop(k).backward(grads.pop(k), None, input_grad=False)
                 drop_activations(layers)
                 accumulated = self._accumulate(accumulated, m)
+                busy += _elapsed(started)
                 if not layout.first:
                     send_array(comm, dx, previous)
                 flush()
+        if position != len(right):
+            raise RuntimeError(f"pipeline schedule: stage {layout.stage} left "
+                               f"{len(right) - position} messages to stage {following} unsent")
         if accumulated is not None:
             for (_, grad), total in zip(self.optimizer.flat_runs(), accumulated):
                 grad[...] = total
+        self.compute_seconds = busy
         return self._loss(losses)
 
     def _accumulate(self, accumulated, m):
