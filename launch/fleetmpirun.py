@@ -7,6 +7,7 @@
     fleetmpirun --server_num 1 --worker_num 2 train.py
     fleetmpirun --dry-run --np 2 train.py            # print the mpiexec command only
     fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
+    fleetmpirun --slurm train.py                     # in an sbatch script: srun starts the ranks
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from . import mpi_command, rank_main
+from . import mpi_command, rank_main, slurm
 
 
 def parse_list(text):
@@ -91,6 +92,9 @@ def parser():
                         "(may be repeated)")
     p.add_argument("--mpiexec", help="the mpiexec/mpirun to use (default: the one beside "
                                      "this Python, else on PATH)")
+    p.add_argument("--slurm", action="store_true",
+                   help="inside a Slurm allocation (sbatch, salloc): start the ranks with srun "
+                        "(-n from --np, else the allocation's tasks); --mpi_args go to srun")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print the command instead of running it")
     p.add_argument("script", help="the training script")
@@ -287,8 +291,14 @@ def main(argv=None):
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_inputs(args)
+        if args.slurm:
+            slurm.require_allocation(os.environ)
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
-        cmd = launch_command(args, mpi_command.detect_flavour(mpiexec), mpiexec)
+        flavour = mpi_command.detect_flavour(mpiexec)
+        if args.slurm:
+            cmd = slurm.launch_command(args, rank_program(args), flavour)
+        else:
+            cmd = launch_command(args, flavour, mpiexec)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         p.error(str(error))
     if args.dry_run:
