@@ -36,7 +36,7 @@ from ..nn.containers import backward_steps, forward_steps
 from ..optimizer import Optimizer
 from ..optimizer.clip import ClipGradByGlobalNorm
 from .base import Strategy
-from .pipeline_schedule import BACKWARD, FORWARD, check_schedule_mode, compute_order, \
+from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order, \
     messages_with_previous
 from .recompute import Piece, RecomputedModel, _layer_tree, activation_arrays, drop_activations
 
