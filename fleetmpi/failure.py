@@ -18,6 +18,9 @@ import time
 import traceback
 
 ABORT_ENV = "FLEETMPI_ABORT_ON_ERROR"
+# Seconds between writing a report and aborting: Hydra's proxy forwards a rank's output
+# asynchronously, and an abort that comes first can lose the report (seen in about 1 job of 40).
+REPORT_LINGER = 0.2
 
 
 def abort_on_error_enabled(environ=os.environ):
@@ -66,7 +69,7 @@ def install(rank, size, node):
 
     if sys.excepthook is sys.__excepthook__:
         def excepthook(exc_type, exc_value, exc_tb):
-            abort(_report(place, exc_type, exc_value, exc_tb))
+            abort(_report(place, exc_type, exc_value, exc_tb), linger=REPORT_LINGER)
 
         sys.excepthook = excepthook
         installed.append("sys")
@@ -76,7 +79,8 @@ def install(rank, size, node):
             if args.exc_type is SystemExit:
                 return
             name = None if args.thread is None else args.thread.name
-            abort(_report(place, args.exc_type, args.exc_value, args.exc_traceback, name))
+            abort(_report(place, args.exc_type, args.exc_value, args.exc_traceback, name),
+                  linger=REPORT_LINGER)
 
         threading.excepthook = thread_excepthook
         installed.append("threading")
