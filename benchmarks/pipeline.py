@@ -4,15 +4,19 @@
                                   [--batch 512] [--steps 6] [--schedule-mode 1F1B]
 
 Starts ``mpiexec -n 2`` itself (``--worker`` is the per-rank part). The model is two stages of
-equal cost: each holds ``--layers`` Linear(width, width)+Tanh layers (the last stage's last
-Linear maps to 10 classes, a negligible difference). The mini-batch of ``--batch`` samples is
-split into ``micro_batch`` micro-batches; ``OMP_NUM_THREADS=1`` keeps each rank on one core.
+equal cost: each holds ``--layers`` Linear(width, width)+Tanh layers; the last stage also
+holds the Linear(width, 10) head (1/width of one layer's work more), and the first stage starts
+with a Tanh, so the input gradient it need not compute is that cheap layer's, not a Linear's.
+The mini-batch of ``--batch`` samples is split into ``micro_batch`` micro-batches;
+``OMP_NUM_THREADS=1`` keeps each rank on one core.
 
 For each micro_batch, after a warm-up step, every rank times ``--steps`` steps (each after a
 barrier) and reads the strategy's ``compute_seconds`` (time spent in its own forward and
-backward passes). The bubble of a rank in a step is ``1 - compute_seconds / step time``: the
-share of the step it spends waiting for its neighbour or moving activations; the table gives
-the median over the steps of the mean over the two ranks, next to the formula
+backward passes) and ``schedule_seconds`` (the wall time of those passes with the waits and
+transfers between them; the optimizer update after them is not part of the pipeline). The
+bubble of a rank in a step is ``1 - compute_seconds / schedule_seconds``: the share of the
+schedule it spends waiting for its neighbour or moving activations; the table gives the median
+over the steps of the mean over the two ranks, next to the formula
 ``(stages - 1) / (micro_batch + stages - 1)`` for equal-cost stages and free communication.
 """
 import argparse
@@ -34,12 +38,13 @@ def staged_model(width, layers):
     parts = []
     for stage in range(STAGES):
         with fleet.device_guard(f"stage:{stage}"):
+            if stage == 0:
+                parts.append(("input_act", nn.Tanh()))
             for i in range(layers):
-                last = stage == STAGES - 1 and i == layers - 1
-                name = f"s{stage}_{i}"
-                parts.append((f"fc_{name}", nn.Linear(width, CLASSES if last else width)))
-                if not last:
-                    parts.append((f"act_{name}", nn.Tanh()))
+                parts.append((f"fc_s{stage}_{i}", nn.Linear(width, width)))
+                parts.append((f"act_s{stage}_{i}", nn.Tanh()))
+            if stage == STAGES - 1:
+                parts.append(("head", nn.Linear(width, CLASSES)))
     return nn.Sequential(*parts)
 
 
@@ -72,7 +77,8 @@ def worker(args):
             start = time.perf_counter()
             opt.minimize(model, loss_fn, x, y)
             elapsed = time.perf_counter() - start
-            both = comm.allgather(np.array([elapsed, 1 - pipeline.compute_seconds / elapsed]))
+            bubble = 1 - pipeline.compute_seconds / pipeline.schedule_seconds
+            both = comm.allgather(np.array([elapsed, bubble]))
             times.append(both[:, 0].max())
             bubbles.append(both[:, 1].mean())
         rows.append((micro_batch, float(np.median(times)), float(np.median(bubbles))))

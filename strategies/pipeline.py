@@ -252,8 +252,10 @@ class Pipeline(Strategy):
     ``replica_communicator`` averages the stage's gradients over its replicas (None with one
     replica); ``pipeline_communicator`` joins the stages of this rank's replica.
     ``compute_seconds``: the time the last step spent computing this stage's forward and
-    backward passes (the loss included), without the waits and transfers; the rest of the
-    step is the bubble and the communication."""
+    backward passes (the loss included), without the waits and transfers;
+    ``schedule_seconds``: the wall time of the last step's schedule, those passes with the
+    waits and transfers between them (the optimizer update and the replica averaging come
+    after it), so ``1 - compute_seconds / schedule_seconds`` is the step's bubble."""
 
     name = "pipeline"
 
@@ -279,6 +281,7 @@ class Pipeline(Strategy):
                                          if layout.replicas > 1 else None)
         self._parameters = sorted(optimizer.parameters(), key=lambda p: (id(p.buffer), p.offset))
         self.compute_seconds = 0.0
+        self.schedule_seconds = 0.0
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -329,6 +332,7 @@ class Pipeline(Strategy):
         return layers, lambda: _StageSteps(steps, first)
 
     def _run_schedule(self, ctx):
+        schedule_started = time.perf_counter()
         layout, m = self.layout, self.micro_batch
         xs = self._micro_batches(ctx.x, "input")
         ys = self._micro_batches(ctx.y, "labels")
@@ -398,8 +402,10 @@ class Pipeline(Strategy):
         if accumulated is not None:
             for (_, grad), total in zip(self.optimizer.flat_runs(), accumulated):
                 grad[...] = total
+        loss = self._loss(losses)
         self.compute_seconds = busy
-        return self._loss(losses)
+        self.schedule_seconds = _elapsed(schedule_started)
+        return loss
 
     def _accumulate(self, accumulated, m):
         """The stage's gradients summed over the micro-batches so far (None with one
