@@ -46,11 +46,11 @@ def group_size(configs, world_size):
                            size, world_size)
         return world_size
     if world_size % size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(f"sharding_configs['sharding_group_size']={size} must divide the "
                          f"world size {world_size} (hybrid_dp trains world size / "
                          f"sharding_group_size data-parallel replicas of a sharding group); "
-                         f"allowed here: "
-                         f"{', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)}")
+                         f"allowed here: {', '.join(str(d) for d in divisors)}")
     return size
 
 
@@ -121,17 +121,21 @@ class Sharding(Strategy):
         return proceed(ctx)
 
     def _reduce_scatter_gradients(self):
+        if self.group is None:
+            # A group of one rank: its shard is the whole space, the gradients stay in place.
+            if self.replicas is not None:
+                for run in self.optimizer._runs:
+                    self.replicas.allreduce(run.grad, op="mean", compression=self.compression,
+                                            out=run.grad)
+            return
         xp = backend.array_module()
         grads = [run.grad for run in self.optimizer._runs]
         flat = grads[0] if len(grads) == 1 else xp.concatenate(grads)
         start, stop = self.shard
-        if self.group is None:
-            block = flat[start:stop].copy()
-        else:
-            # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
-            native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
-            block = self.group.reduce_scatter(flat, op="mean", compression=self.compression,
-                                              algorithm="native" if native else None)
+        # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
+        native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
+        block = self.group.reduce_scatter(flat, op="mean", compression=self.compression,
+                                          algorithm="native" if native else None)
         if self.replicas is not None and block.size:
             self.replicas.allreduce(block, op="mean", compression=self.compression, out=block)
         for run, (low, high) in zip(self.optimizer._runs, self.optimizer._run_spans):
