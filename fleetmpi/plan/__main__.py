@@ -1,0 +1,140 @@
+"""Predict step time, communication share and scaling efficiency of data-parallel training.
+
+    python -m fleetmpi.plan --model resnet50 --compute-ms 160 --batch 32 --gpus-per-node 4 \\
+        --intra nvlink --inter ib100 eth25 --png plan.png
+
+The model's gradient buckets come from the trainer's own bucketing (``--fuse-grad-size-in-MB``,
+``--fuse-grad-size-in-TFLOPS``); its compute time per step is ``--compute-ms`` or, without it,
+measured by a one-rank job on this machine. ``--inter local`` (with ``--intra local``) is this
+machine as calibrated by a short two-rank job. Links are presets or explicit
+``--intra-bandwidth``/``--intra-latency`` and ``--inter-bandwidth``/``--inter-latency``
+(GB/s and microseconds). Prints one table per inter-node link and draws every curve into
+``--png``.
+"""
+import argparse
+import sys
+
+from ..distributed_strategy import DistributedStrategy
+from .buckets import gradient_buckets, model_from_spec
+from .links import LOCAL, PRESETS, Link, preset
+from .predict import ALGORITHMS, GPU, OVERLAPS, Cluster, Workload, powers_of_two, scaling
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m fleetmpi.plan",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet50",
+                        help="resnet50, resnet101, resnet20 or mlp:SIZES (default resnet50)")
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch (default 32)")
+    parser.add_argument("--compute-ms", type=float,
+                        help="compute time per step on one rank; measured here when left out")
+    parser.add_argument("--backward-fraction", type=float, default=2 / 3)
+    parser.add_argument("--fuse-grad-size-in-MB", type=float, default=32)
+    parser.add_argument("--fuse-grad-size-in-TFLOPS", type=int, default=20)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--intra", default="nvlink",
+                        help=f"intra-node link: {', '.join(sorted(PRESETS))} or {LOCAL}")
+    parser.add_argument("--inter", nargs="+", default=["ib100", "eth25"],
+                        help=f"inter-node link(s): {', '.join(sorted(PRESETS))} or {LOCAL}")
+    for level in ("intra", "inter"):
+        parser.add_argument(f"--{level}-bandwidth", type=float, help="GB/s (replaces the preset)")
+        parser.add_argument(f"--{level}-latency", type=float, help="microseconds")
+    parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS))
+    parser.add_argument("--overlap", choices=OVERLAPS, default="none")
+    parser.add_argument("--sparsity", type=float, default=0.999, help="dgc's final sparsity")
+    parser.add_argument("--max-ranks", type=int, default=4096)
+    parser.add_argument("--png", default="plan.png")
+    return parser.parse_args(argv)
+
+
+def _link(level, name, args):
+    bandwidth = getattr(args, f"{level}_bandwidth")
+    latency = getattr(args, f"{level}_latency")
+    if bandwidth is None and latency is None:
+        return preset(name)
+    base = preset(name)
+    return Link.from_bandwidth(f"{level} {bandwidth or base.bandwidth / 1e9:g} GB/s",
+                               base.alpha if latency is None else latency * 1e-6,
+                               base.bandwidth if bandwidth is None else bandwidth * 1e9)
+
+
+def _check(args):
+    for algorithm in args.algorithms:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm {algorithm!r} is not known; allowed: "
+                             f"{', '.join(ALGORITHMS)}")
+    if args.max_ranks < 1:
+        raise ValueError(f"--max-ranks={args.max_ranks} must be at least 1")
+    if args.compute_ms is not None and args.compute_ms <= 0:
+        raise ValueError(f"--compute-ms={args.compute_ms} must be positive")
+    if (LOCAL in args.inter) != (args.intra == LOCAL) or (LOCAL in args.inter
+                                                          and len(args.inter) > 1):
+        raise ValueError(f"{LOCAL!r} describes this machine as a whole: use --intra {LOCAL} "
+                         f"--inter {LOCAL} together and alone")
+    if args.intra != LOCAL:
+        _link("intra", args.intra, args)
+        for name in args.inter:
+            _link("inter", name, args)
+
+
+def clusters(args):
+    """``{label: Cluster}`` for each inter-node link asked for."""
+    if args.intra == LOCAL:
+        from .calibrate import calibrate
+
+        local = calibrate(local_ranks=args.gpus_per_node)
+        return {f"this machine (calibrated), {args.gpus_per_node} ranks per node": local}
+    intra = _link("intra", args.intra, args)
+    result = {}
+    for name in args.inter:
+        inter = _link("inter", name, args)
+        cluster = Cluster(args.gpus_per_node, intra, inter, GPU)
+        result[f"{args.gpus_per_node} x {intra.describe()}, {inter.describe()}"] = cluster
+    return result
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        _check(args)
+        strategy = DistributedStrategy()
+        strategy.fuse_grad_size_in_MB = args.fuse_grad_size_in_MB
+        strategy.fuse_grad_size_in_TFLOPS = args.fuse_grad_size_in_TFLOPS
+        buckets = gradient_buckets(model_from_spec(args.model), strategy)
+        compute_s = args.compute_ms / 1e3 if args.compute_ms is not None else None
+        if compute_s is None:
+            from .measure import measure_step
+
+            compute_s = measure_step(args.model, args.batch, 1)
+        workload = Workload(buckets, compute_s, args.batch, args.backward_fraction)
+        ranks = powers_of_two(1, args.max_ranks)
+        curves = {}
+        for label, cluster in clusters(args).items():
+            curves[label] = {a: scaling(workload, cluster, ranks, a, args.overlap, args.sparsity)
+                             for a in args.algorithms}
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{args.model}: {len(buckets.nbytes)} gradient bucket(s), "
+          f"{buckets.total_bytes / 2 ** 20:.1f} MiB; compute {compute_s * 1e3:.2f} ms per step "
+          f"at batch {args.batch} per rank; overlap {args.overlap}")
+    for label, by_algorithm in curves.items():
+        print()
+        print(label)
+        print("| algorithm | ranks | nodes | step (ms) | comm (ms) | comm share | efficiency |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for algorithm, predictions in by_algorithm.items():
+            for p in predictions:
+                print(f"| {algorithm} | {p.ranks} | {p.nodes} | {p.step_s * 1e3:.2f} | "
+                      f"{p.comm_s * 1e3:.2f} | {100 * p.comm_share:.1f}% | "
+                      f"{100 * p.efficiency:.1f}% |")
+    from .plot import plot_scaling
+
+    plot_scaling(curves, args.png, f"{args.model}, batch {args.batch} per rank, "
+                                   f"compute {compute_s * 1e3:.1f} ms, overlap {args.overlap}")
+    print(f"\nscaling curves: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""A model's gradient buckets as the data-parallel step forms them, and published models.
+
+``gradient_buckets`` builds the same ``plan_gradient_buckets`` the ``gradient_allreduce``
+strategy builds from a ``DistributedStrategy``'s fusion fields (``fuse_all_reduce_ops``,
+``fuse_grad_size_in_MB``, ``fuse_grad_size_in_TFLOPS`` as a layer count), over the optimizer's
+runs of the model's flat parameter buffers, and returns each bucket's bytes in buffer order,
+which is the order backward completes them (``nn.flat`` lays parameters out last layer first).
+"""
+import dataclasses
+
+from .. import nn
+from ..distributed_strategy import DistributedStrategy
+from ..optimizer import SGD
+from ..strategies.gradient_allreduce import plan_gradient_buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Bytes of each gradient bucket in buffer order, and each parameter tensor's element
+    count (dgc selects per tensor)."""
+
+    nbytes: tuple
+    tensor_sizes: tuple
+
+    @property
+    def total_bytes(self):
+        return sum(self.nbytes)
+
+
+def gradient_buckets(model, strategy=None):
+    """The ``Buckets`` of ``model`` under ``strategy``'s fusion fields (Paddle's defaults when
+    None)."""
+    strategy = DistributedStrategy() if strategy is None else strategy
+    opt = SGD(learning_rate=0.0, parameters=model.parameters())
+    bucket_bytes = (int(strategy.fuse_grad_size_in_MB * 2 ** 20)
+                    if strategy.fuse_all_reduce_ops else None)
+    max_layers = strategy.fuse_grad_size_in_TFLOPS if strategy.fuse_all_reduce_ops else None
+    planned = plan_gradient_buckets(opt._runs, bucket_bytes, max_layers)
+    return Buckets(tuple(int(b.grad.nbytes) for b in planned),
+                   tuple(int(p.size) for run in opt._runs for p in run.parameters))
+
+
+def resnet101(num_classes=1000):
+    """ResNet-101 for 224x224 images: ResNet-50's layout with 23 blocks in stage 3."""
+    from ..nn.conv import GlobalAvgPool, MaxPool2D
+    from ..nn.models import bottleneck_block, conv_bn
+
+    layers = [(f"stem_{name}", layer) for name, layer in conv_bn(3, 64, 7, 2, True, None)]
+    layers.append(("stem_pool", MaxPool2D(3, 2, 1)))
+    channels = 64
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 23, 3))):
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            layers.append((f"stage{stage + 1}_block{block}",
+                           bottleneck_block(channels, width, stride)))
+            channels = 4 * width
+    return nn.Sequential(*layers, ("pool", GlobalAvgPool()),
+                         ("fc", nn.Linear(channels, num_classes)))
+
+
+MODELS = {
+    "resnet50": nn.resnet50,
+    "resnet101": resnet101,
+    "resnet20": nn.resnet20,
+}
+
+
+def model_from_spec(spec):
+    """A model from a short spec: ``resnet50``, ``resnet101``, ``resnet20`` or
+    ``mlp:784,1024,10`` (the ``nn.MLP`` sizes)."""
+    if spec in MODELS:
+        return MODELS[spec]()
+    if spec.startswith("mlp:"):
+        try:
+            sizes = [int(s) for s in spec[4:].split(",")]
+        except ValueError:
+            sizes = None
+        if sizes and len(sizes) >= 2 and all(s > 0 for s in sizes):
+            return nn.MLP(sizes)
+    raise ValueError(f"model {spec!r} is not known; allowed: {', '.join(sorted(MODELS))}, or "
+                     f"mlp:SIZES with at least two positive sizes (mlp:784,1024,10)")

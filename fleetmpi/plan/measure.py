@@ -1,0 +1,80 @@
+"""Measured step time of data-parallel training, for checking the planner against.
+
+    mpiexec -n 2 python -m fleetmpi.plan.measure --model mlp:64,256,256,10 --batch 64
+
+trains the model with ``fleet.distributed_optimizer`` (Momentum, the strategy of
+``--algorithm``) on synthetic data and reports the median, over ``--windows`` windows of
+``--steps`` steps, of the slowest rank's seconds per step. At one rank this is the compute time
+per step the planner takes as its input.
+"""
+import argparse
+import time
+
+import numpy as np
+
+from . import jobs
+
+STRATEGY_FLAGS = {"ring": {}, "hierarchical": {"use_hierarchical_allreduce": True},
+                  "fp16": {"fp16_allreduce": True}}
+
+
+def measure_step(spec, batch, ranks, algorithm="ring", steps=10, windows=5, timeout=300):
+    """Seconds per step of ``spec`` (see ``buckets.model_from_spec``) on ``ranks`` ranks."""
+    result = jobs.run("fleetmpi.plan.measure", ranks,
+                      ["--model", spec, "--batch", batch, "--algorithm", algorithm,
+                       "--steps", steps, "--windows", windows], timeout=timeout)
+    return result["step_s"]
+
+
+def _input_shape(model, spec):
+    if spec.startswith("mlp:"):
+        return (int(spec[4:].split(",")[0]),)
+    return (3, 32, 32) if spec == "resnet20" else (3, 224, 224)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--algorithm", choices=sorted(STRATEGY_FLAGS), default="ring")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=5)
+    args = parser.parse_args()
+
+    import fleetmpi as fleet
+    from fleetmpi import nn, optimizer
+    from mpi4py import MPI
+
+    from .buckets import model_from_spec
+
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(model_from_spec(args.model))
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_all_optimizer_ops = True
+    for field, value in STRATEGY_FLAGS[args.algorithm].items():
+        setattr(strategy, field, value)
+    opt = fleet.distributed_optimizer(optimizer.Momentum(
+        learning_rate=0.01, momentum=0.9, parameters=model.parameters()), strategy)
+    loss_fn = nn.SoftmaxCrossEntropy()
+    world = MPI.COMM_WORLD
+    rng = np.random.default_rng(world.Get_rank())
+    classes = model.forward(np.zeros((1,) + _input_shape(model, args.model),
+                                     np.float32)).shape[1]
+    x = rng.standard_normal((args.batch,) + _input_shape(model, args.model), dtype=np.float32)
+    y = rng.integers(0, classes, args.batch)
+    for _ in range(2):
+        opt.minimize(model, loss_fn, x, y)
+    per_window = []
+    for _ in range(args.windows):
+        world.Barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            opt.minimize(model, loss_fn, x, y)
+        world.Barrier()
+        per_window.append((time.perf_counter() - start) / args.steps)
+    if world.Get_rank() == 0:
+        jobs.report({"step_s": float(np.median(per_window))})
+
+
+if __name__ == "__main__":
+    main()
