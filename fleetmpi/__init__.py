@@ -8,7 +8,7 @@ from . import nn, optimizer
 from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
-from .parallel import distributed_model, distributed_optimizer
+from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
-    "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "barrier_worker", "device_guard",
-    "distributed_model", "distributed_optimizer", "init", "init_server", "init_worker",
-    "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn", "node_index",
-    "node_num", "optimizer", "run_server", "save_persistables", "server_index", "server_num",
-    "split_stages", "stop_worker", "worker_index", "worker_num",
+    "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "applied_strategy", "barrier_worker",
+    "device_guard", "distributed_model", "distributed_optimizer", "init", "init_server",
+    "init_worker", "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn",
+    "node_index", "node_num", "optimizer", "run_server", "save_persistables", "server_index",
+    "server_num", "split_stages", "stop_worker", "worker_index", "worker_num",
 ]

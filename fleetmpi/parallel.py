@@ -5,13 +5,29 @@ start identical (one fused broadcast of the flat buffers from rank 0), and after
 gradients are averaged over the ranks, bucket by bucket as backward completes them, so with equal
 per-rank batches every rank applies the gradient of the mean loss over the global batch.
 """
-from . import world
+import copy
+
+from . import backend, world
 from .distributed_strategy import DistributedStrategy
 from .optimizer import Optimizer, StepContext, run_step
+from .strategies import applied
 from .strategies.compose import build_strategies
-from .strategies.inert_fields import report_inert_fields
 
 _STRATEGY_STATE = "strategy."
+_applied = None
+
+
+def applied_strategy():
+    """The ``AppliedStrategy`` of the most recent ``distributed_optimizer``: the strategy that
+    runs (``auto`` resolved into what its calibration chose, so it can be saved with
+    ``save_to_prototxt`` and reused without calibrating), ``active`` (the strategies whose
+    hooks run), ``not_applied`` (every field set that changes nothing here, and why) and
+    ``calibration`` (auto's measurements, or None). Under ``auto`` it exists after the first
+    ``minimize`` call, which calibrates."""
+    if _applied is None:
+        raise RuntimeError("no strategy is applied yet: call fleet.distributed_optimizer first "
+                           "(with strategy.auto, also one minimize call, which calibrates)")
+    return _applied
 
 
 def _world_communicator(communicator):
@@ -62,7 +78,8 @@ class DistributedOptimizer:
     the wrapped optimizer's. ``strategies`` maps each enabled strategy's name to its object,
     where its state can be observed (amp's loss scaling, adaptive_localsgd's current k)."""
 
-    def __init__(self, optimizer, strategy=None, communicator=None, local=False):
+    def __init__(self, optimizer, strategy=None, communicator=None, local=False,
+                 auto_seconds=None, auto_allow=None, auto_memory_MB=None):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"distributed_optimizer wraps a fleetmpi.optimizer optimizer, "
                             f"not {type(optimizer).__name__}")
@@ -70,21 +87,58 @@ class DistributedOptimizer:
         if not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"strategy must be a fleetmpi.DistributedStrategy, not "
                             f"{type(strategy).__name__}")
+        knobs = (auto_seconds, auto_allow, auto_memory_MB)
+        self._calibration = None
+        if strategy.auto:
+            from .strategies.auto_knobs import auto_knobs
+
+            knobs = auto_knobs(*knobs)
+        elif any(value is not None for value in knobs):
+            raise ValueError("auto_seconds, auto_allow and auto_memory_MB configure "
+                             "strategy.auto, which is off")
+        self.inner = optimizer
+        self._local = local
         if local:
             communicator = None
         elif world.worker_num() > 1 or communicator is not None:
             communicator = communicator or strategy_communicator(strategy)
         self.communicator = communicator
-        self.hooks = build_strategies(strategy, optimizer, communicator)
-        report_inert_fields(strategy)
-        self.inner = optimizer
+        self.step_count = 0
+        self._configured = set()
+        if strategy.auto:
+            from .strategies.auto import Calibration
+
+            self._calibration = Calibration(strategy, knobs, optimizer, communicator,
+                                            strategy_communicator, _local_size(local))
+            strategy = _without_auto(strategy)
+        self._apply(strategy)
+
+    def _apply(self, strategy, calibration=None):
+        """Build the step hooks of ``strategy`` and report what it applies."""
+        global _applied
+        self.hooks = build_strategies(strategy, self.inner, self.communicator)
         self.strategy = strategy
         self.strategies = {hook.name: hook for hook in self.hooks}
-        self.step_count = 0
         build = strategy.build_strategy
-        optimizer.fuse_all_optimizer_ops = bool(build.fuse_all_optimizer_ops)
+        self.inner.fuse_all_optimizer_ops = bool(build.fuse_all_optimizer_ops)
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
-        self._configured = set()
+        reasons = applied.not_applied(strategy, self.communicator, backend.on_gpu())
+        self.applied_strategy = applied.AppliedStrategy.of(
+            strategy, [hook.name for hook in self.hooks], reasons, calibration)
+        if self._calibration is None:
+            _applied = self.applied_strategy
+            applied.report(self.applied_strategy)
+
+    def _calibrate(self, model, loss_fn, x, y):
+        """Run auto's calibration on this batch and apply the strategy it chose."""
+        calibration, self._calibration = self._calibration, None
+        strategy, report = calibration.run(model, loss_fn, x, y)
+        self.communicator = calibration.communicator_for(strategy)
+        calibration.release(keep=self.communicator)
+        self._configured.clear()
+        self._apply(strategy, report)
+        if world.worker_index() == 0:
+            print(report.text(), flush=True)
 
     def add_hook(self, hook, first=False):
         """Put ``hook`` into the step chain (outermost when ``first``)."""
@@ -94,7 +148,13 @@ class DistributedOptimizer:
             self.hooks.append(hook)
 
     def minimize(self, model, loss_fn, x, y):
-        """One training step; returns this rank's mean loss as a 0-d array."""
+        """One training step; returns this rank's mean loss as a 0-d array. Under
+        ``strategy.auto`` the first call calibrates on its batch first (module
+        ``fleetmpi.strategies.auto``), leaving parameters and optimizer state as they were."""
+        if self._calibration is not None:
+            if id(model) not in self._configured:
+                model.configure_fusion(*self._fusion)
+            self._calibrate(model, loss_fn, x, y)
         if id(model) not in self._configured:
             model.configure_fusion(*self._fusion)
             self._configured.add(id(model))
@@ -127,10 +187,27 @@ class DistributedOptimizer:
         return getattr(self.inner, name)
 
 
-def distributed_optimizer(optimizer, strategy=None, communicator=None, local=False):
+def _local_size(local):
+    return 1 if local else world.local_size()
+
+
+def _without_auto(strategy):
+    strategy = copy.deepcopy(strategy)
+    strategy.auto = False
+    return strategy
+
+
+def distributed_optimizer(optimizer, strategy=None, communicator=None, local=False,
+                          auto_seconds=None, auto_allow=None, auto_memory_MB=None):
     """Wrap ``optimizer`` for distributed training under ``strategy`` (the default
     ``DistributedStrategy`` when None). ``local=True`` runs the strategies on this process
     alone, with no communication: the single-process math a multi-rank run must match.
+
+    ``strategy.auto = True`` chooses the strategy by measuring it on the first ``minimize``
+    call; ``auto_seconds``, ``auto_allow`` and ``auto_memory_MB`` bound the calibration's time,
+    admit strategies that change the arithmetic, and set the activation memory budget (each
+    also an environment variable; ``fleetmpi.strategies.auto_knobs``). ``applied_strategy()``
+    then returns what was chosen, and for every strategy what runs and what does not.
 
     In parameter-server mode (``fleet.init(is_collective=False)``) it returns a
     ``ParameterServerOptimizer``: ``a_sync`` and ``a_sync_configs`` choose synchronous,
@@ -138,5 +215,10 @@ def distributed_optimizer(optimizer, strategy=None, communicator=None, local=Fal
     if not local and world.roles() is not None:
         from .strategies.ps.runtime import make_optimizer
 
+        if strategy is not None and strategy.auto:
+            raise NotImplementedError("strategy.auto calibrates collective training; in "
+                                      "parameter-server mode set a_sync and a_sync_configs")
+
         return make_optimizer(optimizer, DistributedStrategy() if strategy is None else strategy)
-    return DistributedOptimizer(optimizer, strategy, communicator, local)
+    return DistributedOptimizer(optimizer, strategy, communicator, local, auto_seconds,
+                                auto_allow, auto_memory_MB)

@@ -32,8 +32,9 @@ _CLASSES = {
     "sharding": "sharding:Sharding",
 }
 
-# Enabled in DistributedStrategy but not trainable here yet: refused, never ignored.
-NOT_AVAILABLE = ("auto",)
+# Not a strategy with hooks of its own: distributed_optimizer replaces it by the strategy its
+# calibration measures best (fleetmpi.strategies.auto).
+SEARCHED = ("auto",)
 
 
 def _nested_schedules(averaging):
@@ -127,11 +128,10 @@ def build_strategies(strategy, optimizer, communicator):
     refuses what cannot work before building anything."""
     from .gradient_allreduce import GradientAllreduce
 
-    unavailable = [name for name in NOT_AVAILABLE if getattr(strategy, name)]
-    if unavailable:
-        raise NotImplementedError(
-            f"strategy {', '.join(unavailable)} is enabled but this version of the trainer "
-            "does not provide it; set it to False")
+    if strategy.auto:
+        raise ValueError("strategy.auto is resolved by fleet.distributed_optimizer, which "
+                         "measures the candidates; build the strategies of the result "
+                         "(fleet.applied_strategy()) instead")
     names = enabled_strategies(strategy)
     check_combination(names)
     classes = [strategy_class(name) for name in names]

@@ -4,7 +4,7 @@ import itertools
 import os
 import sys
 
-from .compose import CONFLICTS, NOT_AVAILABLE, ORDER
+from .compose import CONFLICTS, ORDER, SEARCHED
 
 
 def pair_table():
@@ -18,8 +18,10 @@ def pair_table():
     for a, b in itertools.combinations(ORDER, 2):
         reason = CONFLICTS.get(frozenset({a, b}))
         lines.append(f"| `{a}` | `{b}` | {'works' if reason is None else 'refused: ' + reason} |")
-    lines += ["", "Not available in this version (refused when enabled): "
-              + ", ".join(f"`{name}`" for name in NOT_AVAILABLE) + ".", ""]
+    lines += ["", "Searched, not combined: "
+              + ", ".join(f"`{name}`" for name in SEARCHED)
+              + " is replaced by the strategy its calibration measures fastest, which obeys "
+                "this table (see `docs/auto.md`).", ""]
     return "\n".join(lines)
 
 

@@ -141,7 +141,7 @@ def test_every_strategy_field_is_implemented_refused_or_reported():
             fields += [f"{field.name}.{sub.name}" for sub in field.message_type.fields]
         else:
             fields.append(field.name)
-    strategies = set(compose.ORDER) | set(compose.NOT_AVAILABLE)
+    strategies = set(compose.ORDER) | set(compose.SEARCHED)
     handled = (strategies | {f"{name}_configs" for name in strategies}
                | set(inert_fields.EFFECTIVE) | set(inert_fields.NO_EFFECT))
     assert not set(inert_fields.EFFECTIVE) & set(inert_fields.NO_EFFECT)

@@ -4,7 +4,6 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
-from fleetmpi.strategies.compose import NOT_AVAILABLE
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 
 GLOBAL_BATCH = 24
@@ -101,18 +100,6 @@ def test_n_ranks_match_one_process(opt_name, strategy_name):
                                    err_msg=f"{name} on rank {rank} of {size}")
         everywhere = world_gather(value)
         assert all(np.array_equal(everywhere[0], other) for other in everywhere[1:]), name
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("name", NOT_AVAILABLE)
-def test_unavailable_strategy_is_refused(name):
-    fleet.init(is_collective=True)
-    backend.manual_seed(0)
-    model = make_model()
-    strategy = fleet.DistributedStrategy()
-    setattr(strategy, name, True)
-    with pytest.raises(NotImplementedError, match=f"{name} is enabled"):
-        fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()), strategy)
 
 
 def test_single_process_runs_without_communication():

@@ -1,0 +1,121 @@
+"""What a ``DistributedStrategy`` turns into in one job: the strategies that run, and, for every
+field a user set that changes nothing here, why.
+
+``fleet.applied_strategy()`` returns an ``AppliedStrategy``: the strategy that runs (with
+``auto`` resolved into the fields its calibration chose), saved and loaded like any other, plus
+``active`` (the step hooks, outermost first), ``not_applied`` (field path: why) and, after
+``auto``, ``calibration`` (the measurements that decided it). The startup log shows the same:
+the active strategies at INFO, every field that is not applied as a warning on the first worker.
+"""
+import types
+
+from .. import world
+from ..distributed_strategy import DistributedStrategy
+from ..log import logger
+from .compose import ORDER
+from .inert_fields import NO_EFFECT, inert_fields_set, report_once
+
+# Fields that only shape how gradients travel between ranks.
+COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS",
+                        "nccl_comm_num", "use_hierarchical_allreduce",
+                        "hierarchical_allreduce_inter_nranks")
+_ALONE = "this process trains alone ({}), so there are no gradients to exchange"
+
+
+def _changed(strategy, default, name):
+    value, base = getattr(strategy, name), getattr(default, name)
+    if hasattr(value, "keys"):
+        return dict(value) != dict(base)
+    return value != base
+
+
+def not_applied(strategy, communicator, on_gpu):
+    """``{field path: why}`` for every field of ``strategy`` set away from its default that
+    changes nothing in a job with ``communicator`` (None: one process) on a GPU or not."""
+    default = DistributedStrategy()
+    reasons = {path: NO_EFFECT[path] for path in inert_fields_set(strategy)}
+    for name in ORDER:
+        configs = f"{name}_configs"
+        if hasattr(default, configs) and not getattr(strategy, name) \
+                and _changed(strategy, default, configs):
+            reasons[configs] = f"strategy {name} is off, so its configs are not used"
+    if communicator is None or communicator.size == 1:
+        alone = _ALONE.format("local=True" if communicator is None else "one rank")
+        for name in COMMUNICATION_FIELDS:
+            if _changed(strategy, default, name):
+                reasons[name] = alone
+        if strategy.fp16_allreduce:
+            reasons["fp16_allreduce"] = alone
+        return _with_cpu_reasons(strategy, on_gpu, reasons)
+    if not strategy.fuse_all_reduce_ops:
+        for name in ("fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS"):
+            if _changed(strategy, default, name):
+                reasons[name] = "fuse_all_reduce_ops is off: one allreduce per parameter"
+    if not strategy.use_hierarchical_allreduce \
+            and _changed(strategy, default, "hierarchical_allreduce_inter_nranks"):
+        reasons["hierarchical_allreduce_inter_nranks"] = "use_hierarchical_allreduce is off"
+    return _with_cpu_reasons(strategy, on_gpu, reasons)
+
+
+def _with_cpu_reasons(strategy, on_gpu, reasons):
+    if strategy.recompute and not on_gpu and strategy.recompute_configs["enable_offload"]:
+        reasons["recompute_configs.enable_offload"] = (
+            "on CPU host and device memory are the same: checkpoints are copied to host "
+            "buffers, but no device memory is freed")
+    return reasons
+
+
+class AppliedStrategy(DistributedStrategy):
+    """The ``DistributedStrategy`` a job runs, with ``active``, ``not_applied`` and
+    ``calibration`` (see the module docstring). It equals any ``DistributedStrategy`` with the
+    same fields, so a copy saved with ``save_to_prototxt`` and loaded again compares equal."""
+
+    active = ()
+    not_applied = types.MappingProxyType({})
+    calibration = None
+
+    @classmethod
+    def of(cls, strategy, active, reasons, calibration=None):
+        applied = cls()
+        applied._message.CopyFrom(strategy._message)
+        object.__setattr__(applied, "active", tuple(active))
+        object.__setattr__(applied, "not_applied", types.MappingProxyType(dict(reasons)))
+        object.__setattr__(applied, "calibration", calibration)
+        return applied
+
+    def __eq__(self, other):
+        return isinstance(other, DistributedStrategy) and other._message == self._message
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = None
+
+    def __deepcopy__(self, memo):
+        copy = DistributedStrategy.__deepcopy__(self, memo)
+        for name in ("active", "not_applied", "calibration"):
+            object.__setattr__(copy, name, getattr(self, name))
+        return copy
+
+    def summary(self):
+        """The active strategies and every field that is not applied, one line each."""
+        lines = [f"active: {', '.join(self.active) if self.active else 'none (one process)'}"]
+        lines += [f"not applied: {path}: {why}" for path, why in self.not_applied.items()]
+        return "\n".join(lines)
+
+    def __str__(self):
+        text = DistributedStrategy.__str__(self).replace("DistributedStrategy", "AppliedStrategy",
+                                                         1)
+        return f"{text}\n{self.summary()}"
+
+    __repr__ = __str__
+
+
+def report(applied):
+    """Log what ``applied`` runs (INFO) and warn about each field it does not apply (first
+    worker only, once per field and process)."""
+    first = world.worker_index() == 0
+    if first:
+        logger.info("strategies active: %s", ", ".join(applied.active) or "none")
+    for path, why in applied.not_applied.items():
+        report_once(path, why, first)
