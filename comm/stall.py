@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from ..knobs import env_seconds
+
 STALL_ENV = "FLEETMPI_STALL_TIMEOUT"
 DEFAULT_STALL_SECONDS = 600.0
 ROW_TAG = 101
@@ -43,16 +45,8 @@ _keyval = None
 
 def stall_seconds(environ=os.environ):
     """``FLEETMPI_STALL_TIMEOUT`` in seconds: 600 when unset, ``inf`` for ``0`` (no limit)."""
-    text = environ.get(STALL_ENV, "")
-    if text == "":
-        return DEFAULT_STALL_SECONDS
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0 or math.isinf(seconds):
-        raise ValueError(f"{STALL_ENV}={text!r} must be a number of seconds >= 0 "
-                         f"(0: no limit; unset: {DEFAULT_STALL_SECONDS:g})")
+    seconds = env_seconds(STALL_ENV, DEFAULT_STALL_SECONDS, zero_means="no limit",
+                          environ=environ)
     return math.inf if seconds == 0 else seconds
 
 

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from ...knobs import env_seconds
 from ...log import logger
 from . import wire
 from .mode import SYNC
@@ -34,16 +35,7 @@ class WorkerLostError(RuntimeError):
 
 def timeout_seconds(environ=os.environ):
     """``FLEETMPI_PS_TIMEOUT``: seconds a synchronous step may wait for missing pushes."""
-    text = environ.get(TIMEOUT_ENV, "")
-    if text == "":
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds")
-    return value
+    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT, environ=environ)
 
 
 class Server:
