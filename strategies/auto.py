@@ -12,7 +12,9 @@ On the first ``minimize`` call (the batch it gets is the one calibration trains 
    fusion sizes giving other bucket counts, fp16_allreduce, amp (GPU only), the hierarchical
    allreduce, and, where allowed, gradient_merge (when communication is a large share of the
    step), dgc, localsgd and adaptive_localsgd; then the best of each kind together;
-4. picks the fastest, if it beats the default by more than ``MARGIN`` (below that the
+   every measured candidate is timed again in rounds (each in turn, ``MAX_ROUNDS`` at most)
+   while the bound leaves room, so a machine whose speed drifts slows all of them alike;
+4. picks the fastest median, if it beats the default by more than ``MARGIN`` (below that the
    difference is noise), and puts parameters, optimizer state and the random generator back
    as they were, so the training that follows is that of the chosen strategy set by hand.
 
@@ -23,6 +25,7 @@ same strategy. Only strategies ``auto_allow`` admits may change the arithmetic (
 import copy
 import math
 import os
+import statistics
 
 from .. import backend, nn
 from ..distributed_strategy import DistributedStrategy
@@ -33,7 +36,7 @@ from .recompute import drop_activations, held_activation_bytes
 
 MARGIN = 0.03
 COMM_SHARE = 0.25
-MAX_WINDOWS = 5
+MAX_ROUNDS = 5
 MAX_COMM_SIZES = 4
 MAX_FUSION_CANDIDATES = 3
 MERGE_COMM_SHARE = 0.1
@@ -52,8 +55,10 @@ class Candidate:
         self.kind = kind
         self.period = period
         self.seconds = None
+        self.samples = []
         self.steps = 0
         self.note = ""
+        self.hooks = None
 
 
 class AutoReport:
@@ -79,7 +84,8 @@ class AutoReport:
             for nbytes, times in self.comm:
                 cells = "".join(f"{_ms(times.get(a)):>14}" for a in self.comm_algorithms)
                 lines.append(f"  {_size(nbytes):>10}{cells}")
-        lines.append("training step, ms per step (median, slowest rank):")
+        lines.append("training step, ms per step (slowest rank; after an untimed step, median "
+                     "of rounds that time every candidate in turn):")
         base = self.candidates[0].seconds
         width = max(len(c.name) for c in self.candidates)
         for c in self.candidates:
@@ -87,7 +93,8 @@ class AutoReport:
                 lines.append(f"  {c.name:<{width}}  not measured: {c.note}")
             else:
                 lines.append(f"  {c.name:<{width}}  {c.seconds * 1e3:9.3f}  "
-                             f"{base / c.seconds:5.2f}x  ({c.steps} steps)")
+                             f"{base / c.seconds:5.2f}x  (median of {len(c.samples)}, "
+                             f"{c.steps} steps)")
         lines += [f"not a candidate: {name}: {why}" for name, why in self.skipped]
         lines += [f"note: {note}" for note in self.notes]
         chosen = self.chosen
@@ -260,8 +267,9 @@ class Calibration:
 
     # -- communication ----------------------------------------------------------------------
     def _time_communication(self, clock, fusion):
-        """Time the allreduce algorithms at the bucket sizes; returns the seconds of one
-        default-fusion step's buckets per algorithm (None: not measured)."""
+        """Time the allreduce algorithms at the bucket sizes, within ``COMM_SHARE`` of the
+        bound; returns the seconds of one default-fusion step's buckets per algorithm (None:
+        not measured)."""
         algorithms = [("ring", None), ("native", None)]
         if self.communicator.topology.num_nodes > 1:
             algorithms.append(("hierarchical", None))
@@ -272,10 +280,11 @@ class Calibration:
         sizes = self._bucket_sizes(fusion)
         share = self.knobs.seconds * COMM_SHARE / (len(sizes) * len(algorithms))
         measured = {}
+        stop = clock.elapsed() + self.knobs.seconds * COMM_SHARE
         for nbytes in sizes:
             times = {}
             for label, (algorithm, compression) in zip(labels, algorithms):
-                if clock.elapsed() > self.knobs.seconds * COMM_SHARE:
+                if clock.elapsed() > stop:
                     break
                 times[label] = time_allreduce(self.communicator, self.agreement, nbytes,
                                               algorithm, compression, share)
@@ -400,24 +409,39 @@ class Calibration:
             self._communicators[key] = self.make_communicator(strategy)
         return self._communicators[key]
 
-    def _measure(self, candidate, timer, state, clock, left_to_measure, estimate):
-        """Time ``candidate``'s steps, unless the bound leaves no room; ``estimate``: the
-        default's per-step seconds (None while measuring the default itself)."""
-        left = clock.left()
-        if estimate is not None and left < estimate * (1 + candidate.period):
-            candidate.note = f"the {self.knobs.seconds:g} s bound was reached"
-            return
+    def _sample(self, candidate, timer, state):
+        """One more timing of ``candidate``: from the saved training state, one untimed step
+        then one window of ``period`` timed steps; the slowest rank's seconds per step."""
         state.restore()
-        trial = resolved(self.strategy, candidate.overlay)
-        hooks = build_strategies(trial, self.optimizer, self.communicator_for(trial))
-        warm = float(self.agreement.max([timer.run(hooks, 0, 1)])[0])
-        share = (left - warm) / max(left_to_measure, 1)
-        windows = int(min(MAX_WINDOWS, max(1, share // (warm * candidate.period))))
-        times = [timer.run(hooks, 1 + w * candidate.period, candidate.period) / candidate.period
-                 for w in range(windows)]
-        agreed = sorted(self.agreement.max(times))
-        candidate.seconds = float(agreed[len(agreed) // 2])
-        candidate.steps = 1 + windows * candidate.period
+        if candidate.hooks is None:
+            trial = resolved(self.strategy, candidate.overlay)
+            candidate.hooks = build_strategies(trial, self.optimizer, self.communicator_for(trial))
+        timer.run(candidate.hooks, candidate.steps, 1)
+        seconds = timer.run(candidate.hooks, candidate.steps + 1, candidate.period)
+        candidate.steps += 1 + candidate.period
+        candidate.samples.append(float(self.agreement.max([seconds / candidate.period])[0]))
+        candidate.seconds = statistics.median(candidate.samples)
+
+    def _first_samples(self, candidates, timer, state, clock):
+        """A first timing of each of ``candidates`` in turn while the bound leaves room for
+        it; the rest are marked as not measured."""
+        for candidate in candidates:
+            cost = self.report.candidates[0].seconds * (1 + candidate.period)
+            if clock.left() < cost:
+                candidate.note = f"the {self.knobs.seconds:g} s bound was reached"
+                continue
+            self._sample(candidate, timer, state)
+
+    def _more_rounds(self, timer, state, clock):
+        """Further timings of every measured candidate, a round at a time, each round in the
+        same order, so a machine whose speed drifts slows every candidate alike."""
+        measured = [c for c in self.report.candidates if c.seconds is not None]
+        cost = sum(c.seconds * (1 + c.period) for c in measured)
+        rounds = 1
+        while rounds < MAX_ROUNDS and clock.left() >= cost:
+            for candidate in measured:
+                self._sample(candidate, timer, state)
+            rounds += 1
 
     def _combined(self, measured, base_seconds):
         best = {}
@@ -449,7 +473,7 @@ class Calibration:
         base = Candidate("default + recompute" if recompute else "default", dict(recompute),
                          "default")
         self.report.candidates.append(base)
-        self._measure(base, timer, state, clock, 1 + len(fusion) + 2, None)
+        self._sample(base, timer, state)
         singles = [c for c in fusion if self._admit(c)]
         singles += [c for c in self._comm_candidates(per_step) if self._admit(c)] \
             if self.world > 1 else []
@@ -460,18 +484,20 @@ class Calibration:
         for c in singles:
             c.overlay = {**recompute, **c.overlay}
         self.report.candidates += singles
-        for index, c in enumerate(singles):
-            self._measure(c, timer, state, clock, len(singles) - index + 1, base.seconds)
+        self._first_samples(singles, timer, state, clock)
         combined = self._combined(singles, base.seconds)
         if combined is not None and self._admit(combined):
             self.report.candidates.append(combined)
-            self._measure(combined, timer, state, clock, 1, base.seconds)
+            self._first_samples([combined], timer, state, clock)
+        self._more_rounds(timer, state, clock)
         fastest = min((c for c in self.report.candidates if c.seconds is not None),
                       key=lambda c: c.seconds)
         chosen = fastest if fastest.seconds < base.seconds * (1 - MARGIN) else base
         index = self.agreement.from_rank0(self.report.candidates.index(chosen))
         self.report.chosen = self.report.candidates[index]
         state.restore()
+        for candidate in self.report.candidates:
+            candidate.hooks = None
         self.report.seconds = clock.elapsed()
         return resolved(self.strategy, self.report.chosen.overlay), self.report
 

@@ -1,6 +1,7 @@
 """strategy.auto (calibration in the job, one choice on every rank, training that of the chosen
 strategy set by hand) and fleet.applied_strategy (what runs and why a requested field does not)."""
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -28,7 +29,8 @@ def batch(step, size=24, features=6, classes=4):
             rng.integers(0, classes, size))
 
 
-def train(strategy, steps=STEPS, sizes=(6, 16, 12, 4), global_batch=24, local=False, **knobs):
+def train(strategy, steps=STEPS, sizes=(6, 16, 12, 4), global_batch=24, local=False,
+          loss_fn=None, **knobs):
     """Train a float32 MLP (same seed everywhere) for ``steps`` steps, each rank on its shard
     (on the whole batch when ``local``); returns ``(model, distributed optimizer)``."""
     fleet.init(is_collective=True)
@@ -40,7 +42,8 @@ def train(strategy, steps=STEPS, sizes=(6, 16, 12, 4), global_batch=24, local=Fa
     rank, size = (0, 1) if local else (fleet.worker_index(), fleet.worker_num())
     for step in range(steps):
         x, y = batch(step, global_batch, sizes[0], sizes[-1])
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+        opt.minimize(model, loss_fn or nn.SoftmaxCrossEntropy(), shard(x, rank, size),
+                     shard(y, rank, size))
     return model, opt
 
 
@@ -227,6 +230,30 @@ def test_auto_picks_the_same_strategy_on_every_rank(capsys):
         assert "fleetmpi auto" not in printed
     params = world_gather({k: v.tobytes() for k, v in model.state_dict().items()})
     assert all(p == params[0] for p in params[1:])
+
+
+class _SlowerOnSomeSteps(nn.SoftmaxCrossEntropy):
+    """The loss, after a pause drawn from a generator seeded by the rank: every rank measures
+    other step times."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.rng = np.random.default_rng(rank)
+
+    def forward(self, logits, labels):
+        time.sleep(self.rng.uniform(0, 0.004))
+        return super().forward(logits, labels)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_measure_differently_still_apply_one_choice():
+    fleet.init(is_collective=True)
+    train(auto_strategy(), sizes=(32, 64, 64, 8), global_batch=48, auto_seconds=1,
+          loss_fn=_SlowerOnSomeSteps(fleet.worker_index()))
+    report = fleet.applied_strategy().calibration
+    measured = [(c.name, c.seconds) for c in report.candidates]
+    assert world_gather(measured) == [measured] * fleet.worker_num()
+    assert world_gather(report.chosen.name) == [report.chosen.name] * fleet.worker_num()
 
 
 @pytest.mark.mpi(min_size=2)
