@@ -24,7 +24,7 @@ import numpy as np
 MODELS = {
     # name: (layer widths, batch per rank, batch norm)
     "digits MLP 64-256-256-10, batch norm": ((64, 256, 256, 10), 32, True),
-    "MLP 1024-2048-2048-2048-10": ((1024, 2048, 2048, 2048, 10), 64, False),
+    "MLP 512-1024-1024-1024-10": ((512, 1024, 1024, 1024, 10), 64, False),
 }
 
 

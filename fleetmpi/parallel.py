@@ -137,7 +137,7 @@ class DistributedOptimizer:
         calibration.release(keep=self.communicator)
         self._configured.clear()
         self._apply(strategy, report)
-        if world.worker_index() == 0:
+        if self.communicator is None or self.communicator.rank == 0:
             print(report.text(), flush=True)
 
     def add_hook(self, hook, first=False):
@@ -188,7 +188,8 @@ class DistributedOptimizer:
 
 
 def _local_size(local):
-    return 1 if local else world.local_size()
+    """The ranks sharing this node's memory: 1 for a process training alone."""
+    return 1 if local or world.worker_num() == 1 else world.local_size()
 
 
 def _without_auto(strategy):

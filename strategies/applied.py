@@ -114,7 +114,10 @@ class AppliedStrategy(DistributedStrategy):
 def report(applied):
     """Log what ``applied`` runs (INFO) and warn about each field it does not apply (first
     worker only, once per field and process)."""
-    first = world.worker_index() == 0
+    try:
+        first = world.worker_index() == 0
+    except RuntimeError:  # local=True before fleet.init(): a process on its own
+        first = True
     if first:
         logger.info("strategies active: %s", ", ".join(applied.active) or "none")
     for path, why in applied.not_applied.items():

@@ -47,13 +47,15 @@ class Candidate:
     """One setting auto may choose: ``overlay`` (field: value) on top of the user's strategy.
     ``kind`` groups the alternatives of one decision; ``period`` is how many steps make one
     repeating unit (k_steps for gradient_merge, whose steps differ within a window). After
-    calibration ``seconds`` is the per-step time (None: not measured, ``note`` says why)."""
+    calibration ``seconds`` is the per-step time (None: not measured, ``note`` says why).
+    ``plan``: a fusion candidate's (megabytes, layers) per bucket."""
 
-    def __init__(self, name, overlay, kind, period=1):
+    def __init__(self, name, overlay, kind, period=1, plan=None):
         self.name = name
         self.overlay = overlay
         self.kind = kind
         self.period = period
+        self.plan = plan
         self.seconds = None
         self.samples = []
         self.steps = 0
@@ -95,7 +97,10 @@ class AutoReport:
                 lines.append(f"  {c.name:<{width}}  {c.seconds * 1e3:9.3f}  "
                              f"{base / c.seconds:5.2f}x  (median of {len(c.samples)}, "
                              f"{c.steps} steps)")
-        lines += [f"not a candidate: {name}: {why}" for name, why in self.skipped]
+        grouped = {}
+        for name, why in self.skipped:
+            grouped.setdefault(why, []).append(name)
+        lines += [f"not a candidate: {', '.join(names)}: {why}" for why, names in grouped.items()]
         lines += [f"note: {note}" for note in self.notes]
         chosen = self.chosen
         if len(self.candidates) == 1:
@@ -209,11 +214,11 @@ class Calibration:
             return False
         return True
 
-    def _allowed(self, name, why_needed=""):
+    def _allowed(self, name):
         if name in self.knobs.allow:
             return True
-        self.report.skipped.append((name, f"changes the training's arithmetic; allow it with "
-                                          f"auto_allow / FLEETMPI_AUTO_ALLOW{why_needed}"))
+        self.report.skipped.append((name, "not in auto_allow / FLEETMPI_AUTO_ALLOW, as it "
+                                          "changes the training's arithmetic"))
         return False
 
     def _plan(self, megabytes, layers):
@@ -247,10 +252,9 @@ class Calibration:
             found = [found[i] for i in sorted(picks)]
         candidates = []
         for count, (field, value, plan) in found:
-            candidate = Candidate(f"{field}={value} ({count} buckets)",
-                                  {"fuse_all_reduce_ops": True, field: value}, "fusion")
-            candidate.plan = plan
-            candidates.append(candidate)
+            candidates.append(Candidate(f"{field}={value} ({count} buckets)",
+                                        {"fuse_all_reduce_ops": True, field: value}, "fusion",
+                                        plan=plan))
         return candidates
 
     def _bucket_sizes(self, fusion):
@@ -340,9 +344,12 @@ class Calibration:
                         {"gradient_merge": True,
                          "gradient_merge_configs": {"k_steps": k, "avg": True}},
                         "gradient_merge", period=k))
+            elif share is None:
+                self.report.skipped.append(("gradient_merge", "the collectives were not timed "
+                                                              "within the bound"))
             else:
                 self.report.skipped.append(("gradient_merge",
-                                            f"communication is {_share(share)} of the step, "
+                                            f"communication is {share:.0%} of the step, "
                                             f"under {MERGE_COMM_SHARE:.0%}: the batch keeps "
                                             "the device busy"))
         if self._allowed("dgc"):
@@ -515,7 +522,3 @@ def _powers_of_two(limit):
     while powers[-1] < limit:
         powers.append(powers[-1] * 2)
     return powers
-
-
-def _share(share):
-    return "unknown" if share is None else f"{share:.0%}"

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, parallel
+from fleetmpi import backend, nn, optimizer, parallel
 from fleetmpi.log import logger
 from fleetmpi.strategies import inert_fields
 from fleetmpi.strategies.auto_knobs import ALLOW_ENV, CONVERGENCE, MEMORY_ENV, SECONDS_ENV
@@ -266,6 +266,23 @@ def test_auto_never_chooses_what_changes_the_arithmetic_unless_allowed():
     for name in ARITHMETIC:
         assert "auto_allow / FLEETMPI_AUTO_ALLOW" in skipped[name], skipped
     assert world_gather(str(applied)) == [str(applied)] * fleet.worker_num()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_candidate_the_optimizer_refuses_is_reported_with_the_reason():
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = fleet.distributed_model(make_mlp(dtype="float32"))
+    opt = fleet.distributed_optimizer(optimizer.Adam(parameters=model.parameters()),
+                                      auto_strategy(), auto_seconds=1, auto_allow="dgc")
+    x, y = batch(0)
+    rank, size = fleet.worker_index(), fleet.worker_num()
+    opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+    applied = fleet.applied_strategy()
+    skipped = dict(applied.calibration.skipped)
+    assert skipped["dgc=True"] == "strategy dgc works with a Momentum optimizer, not Adam"
+    assert not applied.dgc and "not a candidate: dgc=True: strategy dgc works" in \
+        applied.calibration.text()
 
 
 @pytest.mark.mpi(min_size=2)
