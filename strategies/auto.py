@@ -14,7 +14,8 @@ On the first ``minimize`` call (the batch it gets is the one calibration trains 
    step), dgc, localsgd and adaptive_localsgd; then the best of each kind together;
    every measured candidate is timed again in rounds (each in turn, ``MAX_ROUNDS`` at most)
    while the bound leaves room, so a machine whose speed drifts slows all of them alike;
-4. picks the fastest median, if it beats the default by more than ``MARGIN`` (below that the
+4. picks the fastest median, if it beats the default by more than ``margin``: ``MARGIN`` or
+   half the spread of the default's own timings, whichever is larger (below that the
    difference is noise), and puts parameters, optimizer state and the random generator back
    as they were, so the training that follows is that of the chosen strategy set by hand.
 
@@ -75,6 +76,7 @@ class AutoReport:
         self.skipped = []
         self.notes = []
         self.chosen = None
+        self.margin = MARGIN
 
     def text(self):
         lines = [f"fleetmpi auto: calibrated in {self.seconds:.2f} s of its {self.bound:g} s "
@@ -106,8 +108,9 @@ class AutoReport:
         if len(self.candidates) == 1:
             lines.append(f"chosen: {chosen.name} (the only candidate)")
         elif chosen is self.candidates[0]:
-            lines.append(f"chosen: {chosen.name} (no candidate was more than {MARGIN:.0%} "
-                         "faster)")
+            lines.append(f"chosen: {chosen.name} (no candidate was more than {self.margin:.0%} "
+                         "faster: the larger of 3% and half the spread of the default's "
+                         "timings)")
         else:
             lines.append(f"chosen: {chosen.name} ({chosen.seconds * 1e3:.3f} ms per step "
                          f"against {base * 1e3:.3f} ms, {base / chosen.seconds:.2f}x)")
@@ -450,10 +453,17 @@ class Calibration:
                 self._sample(candidate, timer, state)
             rounds += 1
 
+    def _margin(self):
+        """How much faster than the default a candidate must be: ``MARGIN``, or half the
+        spread of the default's timings relative to their median when that is larger."""
+        samples = self.report.candidates[0].samples
+        spread = (max(samples) - min(samples)) / statistics.median(samples) / 2
+        return max(MARGIN, spread)
+
     def _combined(self, measured, base_seconds):
         best = {}
         for c in measured:
-            if c.seconds is not None and c.seconds < base_seconds * (1 - MARGIN):
+            if c.seconds is not None and c.seconds < base_seconds * (1 - self._margin()):
                 if c.kind not in best or c.seconds < best[c.kind].seconds:
                     best[c.kind] = c
         if len(best) < 2:
@@ -499,7 +509,8 @@ class Calibration:
         self._more_rounds(timer, state, clock)
         fastest = min((c for c in self.report.candidates if c.seconds is not None),
                       key=lambda c: c.seconds)
-        chosen = fastest if fastest.seconds < base.seconds * (1 - MARGIN) else base
+        self.report.margin = self._margin()
+        chosen = fastest if fastest.seconds < base.seconds * (1 - self.report.margin) else base
         index = self.agreement.from_rank0(self.report.candidates.index(chosen))
         self.report.chosen = self.report.candidates[index]
         state.restore()
