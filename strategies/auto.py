@@ -14,10 +14,11 @@ On the first ``minimize`` call (the batch it gets is the one calibration trains 
    step), dgc, localsgd and adaptive_localsgd; then the best of each kind together;
    every measured candidate is timed again in rounds (each in turn, ``MAX_ROUNDS`` at most)
    while the bound leaves room, so a machine whose speed drifts slows all of them alike;
-4. picks the fastest median, if it beats the default by more than ``margin``: ``MARGIN`` or
-   half the spread of the default's own timings, whichever is larger (below that the
-   difference is noise), and puts parameters, optimizer state and the random generator back
-   as they were, so the training that follows is that of the chosen strategy set by hand.
+4. picks the fastest median among the candidates timed at least ``MIN_SAMPLES`` times, if
+   it beats the default (timed as often) by more than ``MARGIN`` or half the spread of the
+   default's own timings, whichever is larger (below that the difference is noise);
+5. puts parameters, optimizer state and the random generator back as they were, so the
+   training that follows is that of the chosen strategy set by hand.
 
 Every timing is the slowest rank's; rank 0's choice is broadcast, so every rank applies the
 same strategy. Only strategies ``auto_allow`` admits may change the arithmetic (see
@@ -36,6 +37,7 @@ from .gradient_allreduce import layer_of, plan_gradient_buckets
 from .recompute import drop_activations, held_activation_bytes
 
 MARGIN = 0.03
+MIN_SAMPLES = 2
 COMM_SHARE = 0.25
 MAX_ROUNDS = 5
 MAX_COMM_SIZES = 4
@@ -107,10 +109,13 @@ class AutoReport:
         chosen = self.chosen
         if len(self.candidates) == 1:
             lines.append(f"chosen: {chosen.name} (the only candidate)")
+        elif chosen is self.candidates[0] and self.margin is None:
+            lines.append(f"chosen: {chosen.name} (the bound left room to time it only once, "
+                         "too few to tell a faster candidate from noise)")
         elif chosen is self.candidates[0]:
-            lines.append(f"chosen: {chosen.name} (no candidate was more than {self.margin:.0%} "
-                         "faster: the larger of 3% and half the spread of the default's "
-                         "timings)")
+            lines.append(f"chosen: {chosen.name} (no candidate beat it by the margin of "
+                         f"{self.margin:.0%}, the larger of {MARGIN:.0%} and half the spread "
+                         "of the default's timings)")
         else:
             lines.append(f"chosen: {chosen.name} ({chosen.seconds * 1e3:.3f} ms per step "
                          f"against {base * 1e3:.3f} ms, {base / chosen.seconds:.2f}x)")
@@ -220,8 +225,9 @@ class Calibration:
     def _allowed(self, name):
         if name in self.knobs.allow:
             return True
-        self.report.skipped.append((name, "not in auto_allow / FLEETMPI_AUTO_ALLOW, as it "
-                                          "changes the training's arithmetic"))
+        self.report.skipped.append((name, "not listed in auto_allow / FLEETMPI_AUTO_ALLOW, "
+                                          "which admits what changes the training's "
+                                          "arithmetic"))
         return False
 
     def _plan(self, megabytes, layers):
@@ -507,10 +513,15 @@ class Calibration:
             self.report.candidates.append(combined)
             self._first_samples([combined], timer, state, clock)
         self._more_rounds(timer, state, clock)
-        fastest = min((c for c in self.report.candidates if c.seconds is not None),
-                      key=lambda c: c.seconds)
-        self.report.margin = self._margin()
-        chosen = fastest if fastest.seconds < base.seconds * (1 - self.report.margin) else base
+        chosen = base
+        timed_twice = [c for c in self.report.candidates if len(c.samples) >= MIN_SAMPLES]
+        if base in timed_twice:
+            self.report.margin = self._margin()
+            fastest = min(timed_twice, key=lambda c: c.seconds)
+            if fastest.seconds < base.seconds * (1 - self.report.margin):
+                chosen = fastest
+        else:
+            self.report.margin = None
         index = self.agreement.from_rank0(self.report.candidates.index(chosen))
         self.report.chosen = self.report.candidates[index]
         state.restore()
