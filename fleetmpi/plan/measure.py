@@ -3,7 +3,9 @@
     mpiexec -n 2 python -m fleetmpi.plan.measure --model mlp:64,256,256,10 --batch 64
 
 trains the model with ``fleet.distributed_optimizer`` (Momentum, the strategy of
-``--algorithm``) on synthetic data and reports the median, over ``--windows`` windows of
+``--algorithm``) on synthetic data, cycling through ``BATCHES`` different batches so that the
+gradients keep the size they have in training (on one repeated batch they shrink towards zero,
+and NumPy's float16 conversion of tiny values is many times slower), and reports the median, over ``--windows`` windows of
 ``--steps`` steps, of the slowest rank's seconds per step. At one rank this is the compute time
 per step the planner takes as its input.
 """
@@ -14,6 +16,7 @@ import numpy as np
 
 from . import jobs
 
+BATCHES = 8
 STRATEGY_FLAGS = {"ring": {}, "hierarchical": {"use_hierarchical_allreduce": True},
                   "fp16": {"fp16_allreduce": True}}
 
@@ -26,7 +29,7 @@ def measure_step(spec, batch, ranks, algorithm="ring", steps=10, windows=5, time
     return result["step_s"]
 
 
-def _input_shape(model, spec):
+def _input_shape(spec):
     if spec.startswith("mlp:"):
         return (int(spec[4:].split(",")[0]),)
     return (3, 32, 32) if spec == "resnet20" else (3, 224, 224)
@@ -58,18 +61,19 @@ def main():
     loss_fn = nn.SoftmaxCrossEntropy()
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(world.Get_rank())
-    classes = model.forward(np.zeros((1,) + _input_shape(model, args.model),
+    classes = model.forward(np.zeros((1,) + _input_shape(args.model),
                                      np.float32)).shape[1]
-    x = rng.standard_normal((args.batch,) + _input_shape(model, args.model), dtype=np.float32)
-    y = rng.integers(0, classes, args.batch)
-    for _ in range(2):
-        opt.minimize(model, loss_fn, x, y)
+    xs = rng.standard_normal((BATCHES, args.batch) + _input_shape(args.model),
+                             dtype=np.float32)
+    ys = rng.integers(0, classes, (BATCHES, args.batch))
+    for i in range(2):
+        opt.minimize(model, loss_fn, xs[i], ys[i])
     per_window = []
     for _ in range(args.windows):
         world.Barrier()
         start = time.perf_counter()
-        for _ in range(args.steps):
-            opt.minimize(model, loss_fn, x, y)
+        for i in range(args.steps):
+            opt.minimize(model, loss_fn, xs[i % BATCHES], ys[i % BATCHES])
         world.Barrier()
         per_window.append((time.perf_counter() - start) / args.steps)
     if world.Get_rank() == 0:
