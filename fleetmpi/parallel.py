@@ -93,11 +93,16 @@ class DistributedOptimizer:
             from .strategies.auto_knobs import auto_knobs
 
             knobs = auto_knobs(*knobs)
+            narrowing = [name for name in ("pipeline", "sharding") if getattr(strategy, name)]
+            if narrowing:
+                raise ValueError(f"strategy.auto cannot be combined with {narrowing[0]}, which "
+                                 "narrows the optimizer to this rank's part for good, while "
+                                 "auto builds every candidate on the whole optimizer; set the "
+                                 "strategy by hand")
         elif any(value is not None for value in knobs):
             raise ValueError("auto_seconds, auto_allow and auto_memory_MB configure "
                              "strategy.auto, which is off")
         self.inner = optimizer
-        self._local = local
         if local:
             communicator = None
         elif world.worker_num() > 1 or communicator is not None:

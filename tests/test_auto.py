@@ -113,6 +113,15 @@ def test_bad_environment_values_are_refused_by_name(monkeypatch, env, value):
         fleet.distributed_optimizer(momentum(model.parameters()), auto_strategy())
 
 
+@pytest.mark.parametrize("name", ["pipeline", "sharding"])
+def test_auto_with_a_strategy_that_narrows_the_optimizer_is_refused(name):
+    fleet.init(is_collective=True)
+    model = make_mlp(dtype="float32")
+    with pytest.raises(ValueError, match=f"strategy.auto cannot be combined with {name}"):
+        fleet.distributed_optimizer(momentum(model.parameters()),
+                                    make_strategy(auto=True, **{name: True}))
+
+
 def test_auto_knobs_without_auto_are_refused():
     fleet.init(is_collective=True)
     model = make_mlp(dtype="float32")
