@@ -9,6 +9,7 @@ model's step time on one rank (the planner's compute input) and at 2, 3 and 4 ra
 prediction next to the measurement with the error. Only the one-rank time and the two-rank
 calibration go into the prediction; 3 and 4 ranks are extrapolated (on a machine of fewer
 cores the ranks share them, which the planner models as compute slowing by ranks / cores).
+The load average is printed: on a shared machine other jobs' load shows up as error.
 
 Part 2 predicts two published results from the inputs listed with them: Horovod's ResNet-101 on
 128 servers x 4 Pascal GPUs over 25 Gbit/s RoCE (Sergeev and Del Balso 2018, about 90%
@@ -62,7 +63,8 @@ def local_validation(steps, windows):
           f"shared memory {1 / max(cluster.shm.copy_beta, 1e-15) / 1e9:.2f} GB/s copy, "
           f"call overhead {cluster.device.call_overhead * 1e6:.0f} us, reduction "
           f"{1 / cluster.device.gamma / 1e9:.1f} GB/s, fp16 cast {cluster.device.cast * 1e9:.2f} "
-          f"ns/B; load average {os.getloadavg()[0]:.2f}")
+          f"ns/B, compute {cluster.concurrent_slowdown:.2f}x slower beside another rank; "
+          f"load average {os.getloadavg()[0]:.2f}")
     print()
     print("| model | algorithm | ranks | compute, 1 rank (ms) | predicted step (ms) | "
           "measured step (ms) | error | allreduce per bucket |")

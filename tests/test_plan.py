@@ -262,16 +262,19 @@ def test_predict_bad_arguments():
 
 def test_prediction_at_two_ranks_is_within_a_factor_of_two_of_the_measurement():
     """Calibrate this machine, measure one rank's step (the planner's compute input) and two
-    ranks' step in the same run, and compare. Tolerance: a factor of 2 either way, which holds
-    on a loaded 2-core machine (docs/plan.md has the measured errors, typically 10-20%)."""
+    ranks' step in the same run, and compare. Both steps are the fastest of their timed windows
+    (the calibration takes lower quartiles), so load from other jobs on a shared machine moves
+    them least. Tolerance: a factor of 2 either way. The model errs low (docs/plan.md: -9% to
+    -41% for the larger MLP at 2 ranks); this model's prediction stayed within 0.6-1.05 of the
+    measurement in repeated runs, with two busy processes loading both cores included."""
     from fleetmpi.plan import calibrate
     from fleetmpi.plan.measure import measure_step
 
     spec, batch = "mlp:784,1024,1024,10", 64
     cluster = calibrate(repeats=7)
-    compute = measure_step(spec, batch, 1, steps=5, windows=3)
+    compute = measure_step(spec, batch, 1, steps=5, windows=3, statistic="best")
     workload = Workload(gradient_buckets(model_from_spec(spec)), compute, batch)
     predicted = predict(workload, cluster, 2)
-    measured = measure_step(spec, batch, 2, steps=5, windows=3)
+    measured = measure_step(spec, batch, 2, steps=5, windows=3, statistic="best")
     assert predicted.bucket_algorithms == ("shm",)
     assert 0.5 <= predicted.step_s / measured <= 2.0, (predicted, measured)

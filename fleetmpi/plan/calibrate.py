@@ -9,6 +9,8 @@ included), on one node:
 * our ring at 256 KiB to 16 MiB: ``beta`` by least squares over the ring's cost formula;
 * the library's allreduce at 16 to 512 KiB: its own ``beta``;
 * the shared-memory allreduce at 1 to 16 MiB: its barrier latency and copy cost;
+* the slowdown of a rank's compute (float32 matrix products) while the other rank computes
+  too, against computing alone (cores share caches and memory bandwidth);
 
 and on rank 0 alone the arithmetic the algorithms do: a float32 add into an accumulator
 (``gamma``), the float32 to float16 cast, dgc's top-k selection and its scatter-add. Each time is
@@ -149,6 +151,27 @@ def _arithmetic():
     }
 
 
+def _compute_alone_and_together(world, repeats):
+    """Rank 0's seconds for a fixed block of matrix products alone (rank 1 sleeps) and with
+    rank 1 running the same block at the same time."""
+    a = np.random.default_rng(0).standard_normal((384, 384), dtype=np.float32)
+
+    def work():
+        for _ in range(10):
+            a @ a
+
+    alone = None
+    if world.Get_rank() == 0:
+        alone = _per_unit(work, 1, repeats)
+        world.send(None, dest=1, tag=77)
+    else:
+        while not world.Iprobe(source=0, tag=77):
+            time.sleep(1e-3)
+        world.recv(source=0, tag=77)
+    together = _quartile_slowest(work, world, repeats)
+    return alone, together
+
+
 def main():
     import argparse
 
@@ -181,6 +204,7 @@ def main():
     result["ring"] = [timed(n, "ring") for n in RING_SIZES]
     result["native"] = [timed(n, "native") for n in NATIVE_SIZES]
     result["shm"] = [timed(n, "shm") for n in SHM_SIZES]
+    result["alone"], result["together"] = _compute_alone_and_together(world, args.repeats)
     if comm.rank == 0:
         result.update(_arithmetic())
         jobs.report(result)

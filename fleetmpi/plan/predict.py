@@ -81,7 +81,8 @@ class Cluster:
     ``transport`` (``"nccl"``, or ``"mpi"`` where the shared-memory allreduce exists on one
     node); ``native``: the library allreduce's own link where it differs from ours; ``shm``;
     ``cores``: when set, the ranks share that many cores (this machine) and compute slows by
-    ``ranks / cores`` once they outnumber them."""
+    ``ranks / cores`` once they outnumber them; ``concurrent_slowdown``: how much slower a
+    rank computes while other ranks of its node compute too (measured on this machine)."""
 
     gpus_per_node: int
     intra: Link
@@ -91,6 +92,7 @@ class Cluster:
     native: Link = None
     shm: SharedMemory = None
     cores: int = None
+    concurrent_slowdown: float = 1.0
 
     def __post_init__(self):
         _check_count("gpus_per_node", self.gpus_per_node)
@@ -234,6 +236,8 @@ def predict(workload, cluster, ranks, algorithm="ring", overlap="none", sparsity
         raise ValueError(f"sparsity={sparsity!r} must lie in [0, 1)")
     _, nodes = cluster.layout(ranks)
     compute = workload.compute_s
+    if ranks > 1:
+        compute *= cluster.concurrent_slowdown
     if cluster.cores is not None:
         compute *= max(1.0, ranks / cluster.cores)
     if algorithm == "dgc":
