@@ -5,11 +5,11 @@
 
 The model's gradient buckets come from the trainer's own bucketing (``--fuse-grad-size-in-MB``,
 ``--fuse-grad-size-in-TFLOPS``); its compute time per step is ``--compute-ms`` or, without it,
-measured by a one-rank job on this machine. ``--inter local`` (with ``--intra local``) is this
-machine as calibrated by a short two-rank job. Links are presets or explicit
-``--intra-bandwidth``/``--intra-latency`` and ``--inter-bandwidth``/``--inter-latency``
-(GB/s and microseconds). Prints one table per inter-node link and draws every curve into
-``--png``.
+measured by a one-rank job on this machine (minutes for an ImageNet model on a CPU).
+``--inter local`` (with ``--intra local``) is this machine as calibrated by a short two-rank
+job. Links are presets or explicit ``--intra-bandwidth``/``--intra-latency`` and
+``--inter-bandwidth``/``--inter-latency`` (GB/s and microseconds). Prints one table per
+inter-node link and draws every curve into ``--png``.
 """
 import argparse
 import sys
@@ -105,7 +105,8 @@ def main(argv=None):
         if compute_s is None:
             from .measure import measure_step
 
-            compute_s = measure_step(args.model, args.batch, 1)
+            compute_s = measure_step(args.model, args.batch, 1, steps=5, windows=3,
+                                     timeout=1800)
         workload = Workload(buckets, compute_s, args.batch, args.backward_fraction)
         ranks = powers_of_two(1, args.max_ranks)
         curves = {}
