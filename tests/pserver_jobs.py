@@ -23,6 +23,13 @@ FEATURES, CLASSES, HIDDEN = 64, 4, 160   # fc0 has 64 * 160 > 8192 elements: spl
 ROWS, DIM = 1000, 8
 
 
+def say(line):
+    """One line in one write: under PYTHONUNBUFFERED a print's text and newline are two, and
+    the launcher interleaves the ranks' output between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def parse():
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
@@ -61,7 +68,7 @@ def serve(args):
     fleet.init_server(args.load)
     report = fleet.run_server(save_dirname=args.out if args.scenario == "restart" else None)
     report.pop("staleness")
-    print(f"report {fleet.server_index()} {json.dumps(report)}", flush=True)
+    say(f"report {fleet.server_index()} {json.dumps(report)}")
 
 
 # -- sync equals data parallel, with uneven batch counts, and a restart in the middle --------
@@ -121,7 +128,7 @@ def scenario_sync(args):
     # worker w's last answer came after its own last step, 6 - w
     for got, want in zip(model.parameters(), reference_parameters(n, 6 - w)):
         np.testing.assert_allclose(backend.to_numpy(got.data), want, rtol=1e-10, atol=1e-12)
-    print(f"ok sync worker {w}: {6 - w} steps, parameters equal one process", flush=True)
+    say(f"ok sync worker {w}: {6 - w} steps, parameters equal one process")
 
 
 def scenario_restart(args):
@@ -137,7 +144,7 @@ def scenario_restart(args):
         for got, want in zip(model.parameters(), reference_parameters(n, 6 - w)):
             np.testing.assert_allclose(backend.to_numpy(got.data), want, rtol=1e-10,
                                        atol=1e-12)
-    print(f"ok restart worker {w} ({'first' if first else 'resumed'} job)", flush=True)
+    say(f"ok restart worker {w} ({'first' if first else 'resumed'} job)")
 
 
 # -- async and GEO on digits ------------------------------------------------------------------
@@ -152,7 +159,7 @@ def scenario_digits(args):
     fleet.init_worker()
     train, test = data.load_digits()
     sampler = data.DistributedSampler(len(train), 32)
-    for epoch in range(10):
+    for epoch in range(20):
         sampler.set_epoch(epoch)
         for x, y in train.batches(sampler):
             opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
@@ -162,8 +169,8 @@ def scenario_digits(args):
     accuracy = float((predicted == test.labels).mean())
     stale = opt.staleness if args.mode == "async" else []
     assert accuracy >= 0.95, f"{args.mode}: test accuracy {accuracy:.4f} < 0.95"
-    print(f"ok digits {args.mode} worker {fleet.worker_index()}: accuracy {accuracy:.4f}, "
-          f"staleness mean {np.mean(stale) if stale else 0:.2f}", flush=True)
+    say(f"ok digits {args.mode} worker {fleet.worker_index()}: accuracy {accuracy:.4f}, "
+        f"staleness mean {np.mean(stale) if stale else 0:.2f}")
 
 
 # -- sparse rows -------------------------------------------------------------------------------
@@ -226,8 +233,7 @@ def scenario_sparse(args):
     if args.mode == "sync":
         check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n)
     fleet.stop_worker()
-    print(f"ok sparse {args.mode} worker {w}: pulled and pushed exactly the touched rows",
-          flush=True)
+    say(f"ok sparse {args.mode} worker {w}: pulled and pushed exactly the touched rows")
 
 
 def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
@@ -261,12 +267,12 @@ def scenario_leave(args):
         elif w == 1 and step == 2:
             if args.mode == "sync":
                 raise ValueError("worker 1 fails on purpose")
-            print("worker 1 exits without stop_worker", flush=True)
+            say("worker 1 exits without stop_worker")
             return
         parts, _ = step_batches(0, n, step)
         opt.minimize(model, nn.SoftmaxCrossEntropy(), *parts[0])
     fleet.stop_worker()
-    print(f"ok leave {args.mode} worker {w}", flush=True)
+    say(f"ok leave {args.mode} worker {w}")
 
 
 def main():
