@@ -6,7 +6,7 @@ from .flat import FlatBuffer, flatten
 from .layer import Layer, get_default_dtype, set_default_dtype
 from .layers import GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Tanh
 from .loss import SoftmaxCrossEntropy
-from .models import MLP, basic_block, bottleneck_block, resnet20, resnet50
+from .models import MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
 from .norm import BatchNorm, BatchNorm1D, BatchNorm2D
 from .parameter import Parameter
 
@@ -15,5 +15,5 @@ __all__ = [
     "Embedding", "FlatBuffer", "Flatten", "GELU", "GlobalAvgPool", "Layer", "Linear", "MLP",
     "MaxPool2D", "Parameter", "ReLU", "ResidualBlock", "SoftmaxCrossEntropy", "Sequential",
     "Tanh", "basic_block", "bottleneck_block", "flatten", "get_default_dtype", "resnet20",
-    "resnet50", "set_default_dtype",
+    "resnet50", "resnet101", "set_default_dtype",
 ]

@@ -86,17 +86,27 @@ def resnet20(num_classes=10, in_channels=3, dtype=None):
     return Sequential(*layers, *_head(channels, num_classes, dtype))
 
 
-def resnet50(num_classes=1000, in_channels=3, dtype=None):
-    """ResNet-50 for 224x224 images: a 7x7/2 stem and 3x3/2 max pool, stages of 3, 4, 6, 3
-    bottleneck blocks (widths 64 to 512), global pooling, a linear head."""
+def _bottleneck_resnet(blocks_per_stage, num_classes, in_channels, dtype):
+    """A 7x7/2 stem and 3x3/2 max pool, four stages of bottleneck blocks (widths 64 to 512,
+    ``blocks_per_stage`` blocks each), global pooling, a linear head."""
     layers = [(f"stem_{name}", layer) for name, layer in conv_bn(in_channels, 64, 7, 2, True,
                                                                   dtype)]
     layers.append(("stem_pool", MaxPool2D(3, 2, 1)))
     channels = 64
-    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), blocks_per_stage)):
         for block in range(blocks):
             stride = 2 if stage > 0 and block == 0 else 1
             layers.append((f"stage{stage + 1}_block{block}",
                            bottleneck_block(channels, width, stride, dtype)))
             channels = 4 * width
     return Sequential(*layers, *_head(channels, num_classes, dtype))
+
+
+def resnet50(num_classes=1000, in_channels=3, dtype=None):
+    """ResNet-50 for 224x224 images: stages of 3, 4, 6, 3 bottleneck blocks."""
+    return _bottleneck_resnet((3, 4, 6, 3), num_classes, in_channels, dtype)
+
+
+def resnet101(num_classes=1000, in_channels=3, dtype=None):
+    """ResNet-101 for 224x224 images: stages of 3, 4, 23, 3 bottleneck blocks."""
+    return _bottleneck_resnet((3, 4, 23, 3), num_classes, in_channels, dtype)

@@ -40,27 +40,9 @@ def gradient_buckets(model, strategy=None):
                    tuple(int(p.size) for run in opt._runs for p in run.parameters))
 
 
-def resnet101(num_classes=1000):
-    """ResNet-101 for 224x224 images: ResNet-50's layout with 23 blocks in stage 3."""
-    from ..nn.conv import GlobalAvgPool, MaxPool2D
-    from ..nn.models import bottleneck_block, conv_bn
-
-    layers = [(f"stem_{name}", layer) for name, layer in conv_bn(3, 64, 7, 2, True, None)]
-    layers.append(("stem_pool", MaxPool2D(3, 2, 1)))
-    channels = 64
-    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 23, 3))):
-        for block in range(blocks):
-            stride = 2 if stage > 0 and block == 0 else 1
-            layers.append((f"stage{stage + 1}_block{block}",
-                           bottleneck_block(channels, width, stride)))
-            channels = 4 * width
-    return nn.Sequential(*layers, ("pool", GlobalAvgPool()),
-                         ("fc", nn.Linear(channels, num_classes)))
-
-
 MODELS = {
     "resnet50": nn.resnet50,
-    "resnet101": resnet101,
+    "resnet101": nn.resnet101,
     "resnet20": nn.resnet20,
 }
 
