@@ -2,6 +2,10 @@
 import numpy as np
 import pytest
 
+import fleetmpi as fleet
+from fleetmpi.comm import Communicator
+from fleetmpi.comm.communicator import NATIVE_BELOW_BYTES
+
 from comm_support import (all_data, close, equal, ok, raises, rank_data,
                           single_process, small_chunks, tolerance, world)
 
@@ -69,6 +73,26 @@ def test_allreduce_default_algorithm_on_large_and_small_arrays():
         stack = all_data(comm.size, n, np.float64, case=n)
         got = comm.allreduce(stack[comm.rank])
         close(got, stack.sum(axis=0), rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.mpi
+def test_single_node_pick_is_measured_once_and_the_same_on_every_rank():
+    fleet.init()
+    comm = Communicator(fleet.world.topology())
+    large = NATIVE_BELOW_BYTES
+    if comm.size == 1 or comm.topology.local_size != comm.size:
+        ok(comm.allreduce_algorithm(large) == "ring")
+        return
+    ok(comm.allreduce_algorithm(large - 1) == "native")
+    pick = comm.allreduce_algorithm(large)
+    ok(pick in ("ring", "shm"), pick)
+    everyone = comm.allgather(np.array([pick == "shm"], np.int64), algorithm="native")
+    equal(everyone.reshape(-1), np.full(comm.size, everyone.reshape(-1)[0]))
+    # Decided once for every size above the threshold; a default allreduce of that size is right.
+    ok(comm.allreduce_algorithm(64 * large) == pick)
+    stack = all_data(comm.size, large // 8, np.float64, case=3)
+    close(comm.allreduce(stack[comm.rank]), stack.sum(axis=0), rtol=1e-12, atol=1e-9)
+    comm.free()
 
 
 @pytest.mark.mpi

@@ -276,5 +276,5 @@ def test_prediction_at_two_ranks_is_within_a_factor_of_two_of_the_measurement():
     workload = Workload(gradient_buckets(model_from_spec(spec)), compute, batch)
     predicted = predict(workload, cluster, 2)
     measured = measure_step(spec, batch, 2, steps=5, windows=3, statistic="best")
-    assert predicted.bucket_algorithms == ("shm",)
+    assert predicted.bucket_algorithms in (("shm",), ("ring",))
     assert 0.5 <= predicted.step_s / measured <= 2.0, (predicted, measured)

@@ -164,7 +164,8 @@ def _check_count(name, value):
 
 def pick_allreduce(nbytes, algorithm, cluster, ranks, nodes):
     """The allreduce the communicator runs for a bucket of ``nbytes`` (``Communicator.
-    _pick_allreduce`` with the strategy's flags)."""
+    _pick_allreduce`` with the strategy's flags); ``"shm"`` stands for the communicator's
+    measured choice between shm and ring on one node, which ``bucket_seconds`` makes by cost."""
     if algorithm == "hierarchical":
         return "hierarchical"
     if algorithm == "fp16":
@@ -189,8 +190,11 @@ def bucket_seconds(nbytes, algorithm, cluster, ranks):
         native = cluster.native if cluster.native is not None and nodes == 1 else link
         return call + costs.native_allreduce(nbytes, ranks, native, dev.gamma), picked
     if picked == "shm":
-        return call + costs.shm_allreduce(nbytes, ranks, cluster.shm.barrier_alpha,
-                                          cluster.shm.copy_beta, dev.gamma), picked
+        shm = call + costs.shm_allreduce(nbytes, ranks, cluster.shm.barrier_alpha,
+                                         cluster.shm.copy_beta, dev.gamma)
+        ring = call + costs.ring_allreduce(nbytes, ranks, link, dev.gamma, dev.cast, dev.widen,
+                                           compression)
+        return (shm, "shm") if shm < ring else (ring, "ring")
     if picked == "hierarchical":
         return call + costs.hierarchical_allreduce(nbytes, local, nodes, cluster.intra,
                                                    cluster.inter, dev.gamma, dev.cast,
