@@ -26,14 +26,6 @@ PER_RANK_BATCH = 64
 CLASSES = 10
 
 
-def synchronize(backend):
-    """Wait for the device to finish the step (nothing to wait for on the host)."""
-    if backend.on_gpu():
-        import cupy
-
-        cupy.cuda.Device().synchronize()
-
-
 def worker(width, layers, steps):
     import fleetmpi as fleet
     from fleetmpi import backend, nn, optimizer
@@ -75,7 +67,7 @@ def worker(width, layers, steps):
                 MPI.COMM_WORLD.Barrier()
                 start = time.perf_counter()
                 opt.minimize(model, loss_fn, x, y)
-                synchronize(backend)
+                backend.synchronize()
                 times[sharded].append(time.perf_counter() - start)
         result = {}
         for sharded, (model, opt) in runs.items():

@@ -128,6 +128,13 @@ def on_gpu():
     return array_module() is not np
 
 
+def synchronize():
+    """Wait for the device to finish what was queued (timings of GPU work need it; nothing to
+    wait for on the host)."""
+    if on_gpu():
+        array_module().cuda.get_current_stream().synchronize()
+
+
 def to_numpy(array):
     """A host NumPy copy (or the array itself when it already lives on the host)."""
     if isinstance(array, np.ndarray) or np.isscalar(array):

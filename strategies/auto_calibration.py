@@ -37,12 +37,6 @@ class TrainingState:
         backend.restore_rank_rng(self.rng)
 
 
-def synchronize():
-    """Wait for the device to finish what was queued (nothing to wait for on CPU)."""
-    if backend.on_gpu():
-        backend.array_module().cuda.get_current_stream().synchronize()
-
-
 class Agreement:
     """Numbers every rank agrees on: the maximum over the ranks, or rank 0's choice."""
 
@@ -87,11 +81,11 @@ def time_allreduce(communicator, agreement, nbytes, algorithm, compression, shar
     buffer = xp.zeros(max(nbytes // 4, 1), dtype=np.float32)
 
     def once():
-        synchronize()
+        backend.synchronize()
         begin = time.perf_counter()
         communicator.allreduce(buffer, op="mean", algorithm=algorithm, compression=compression,
                                out=buffer)
-        synchronize()
+        backend.synchronize()
         return time.perf_counter() - begin
 
     first = float(agreement.max([once()])[0])
@@ -112,10 +106,10 @@ class StepTimer:
 
     def run(self, hooks, first, count):
         """This rank's seconds for ``count`` steps through ``hooks``, numbered from ``first``."""
-        synchronize()
+        backend.synchronize()
         begin = time.perf_counter()
         for index in range(first, first + count):
             run_step(hooks, StepContext(self.model, self.loss_fn, self.x, self.y,
                                         self.optimizer, step=index))
-        synchronize()
+        backend.synchronize()
         return time.perf_counter() - begin

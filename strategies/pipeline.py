@@ -240,8 +240,7 @@ class _NoLossGradient:
 
 def _elapsed(started):
     """Seconds since ``started``, once the device has finished what was queued."""
-    if backend.on_gpu():
-        backend.array_module().cuda.get_current_stream().synchronize()
+    backend.synchronize()
     return time.perf_counter() - started
 
 

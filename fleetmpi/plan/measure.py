@@ -51,7 +51,7 @@ def main():
     args = parser.parse_args()
 
     import fleetmpi as fleet
-    from fleetmpi import nn, optimizer
+    from fleetmpi import backend, nn, optimizer
     from mpi4py import MPI
 
     from .buckets import model_from_spec
@@ -80,6 +80,7 @@ def main():
         start = time.perf_counter()
         for i in range(args.steps):
             opt.minimize(model, loss_fn, xs[i % BATCHES], ys[i % BATCHES])
+        backend.synchronize()
         world.Barrier()
         per_window.append((time.perf_counter() - start) / args.steps)
     if world.Get_rank() == 0:
