@@ -5,8 +5,6 @@ start identical (one fused broadcast of the flat buffers from rank 0), and after
 gradients are averaged over the ranks, bucket by bucket as backward completes them, so with equal
 per-rank batches every rank applies the gradient of the mean loss over the global batch.
 """
-import copy
-
 from . import backend, world
 from .distributed_strategy import DistributedStrategy
 from .optimizer import Optimizer, StepContext, run_step
@@ -111,11 +109,11 @@ class DistributedOptimizer:
         self.step_count = 0
         self._configured = set()
         if strategy.auto:
-            from .strategies.auto import Calibration
+            from .strategies.auto import Calibration, resolved
 
             self._calibration = Calibration(strategy, knobs, optimizer, communicator,
                                             strategy_communicator, _local_size(local))
-            strategy = _without_auto(strategy)
+            strategy = resolved(strategy, {})
         self._apply(strategy)
 
     def _apply(self, strategy, calibration=None):
@@ -195,12 +193,6 @@ class DistributedOptimizer:
 def _local_size(local):
     """The ranks sharing this node's memory: 1 for a process training alone."""
     return 1 if local or world.worker_num() == 1 else world.local_size()
-
-
-def _without_auto(strategy):
-    strategy = copy.deepcopy(strategy)
-    strategy.auto = False
-    return strategy
 
 
 def distributed_optimizer(optimizer, strategy=None, communicator=None, local=False,

@@ -22,7 +22,8 @@ COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_gra
 _ALONE = "this process trains alone ({}), so there are no gradients to exchange"
 
 
-def _changed(strategy, default, name):
+def changed(strategy, default, name):
+    """Whether top-level field ``name`` of ``strategy`` differs from ``default``'s."""
     value, base = getattr(strategy, name), getattr(default, name)
     if hasattr(value, "keys"):
         return dict(value) != dict(base)
@@ -37,22 +38,22 @@ def not_applied(strategy, communicator, on_gpu):
     for name in ORDER:
         configs = f"{name}_configs"
         if hasattr(default, configs) and not getattr(strategy, name) \
-                and _changed(strategy, default, configs):
+                and changed(strategy, default, configs):
             reasons[configs] = f"strategy {name} is off, so its configs are not used"
     if communicator is None or communicator.size == 1:
         alone = _ALONE.format("local=True" if communicator is None else "one rank")
         for name in COMMUNICATION_FIELDS:
-            if _changed(strategy, default, name):
+            if changed(strategy, default, name):
                 reasons[name] = alone
         if strategy.fp16_allreduce:
             reasons["fp16_allreduce"] = alone
         return _with_cpu_reasons(strategy, on_gpu, reasons)
     if not strategy.fuse_all_reduce_ops:
         for name in ("fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS"):
-            if _changed(strategy, default, name):
+            if changed(strategy, default, name):
                 reasons[name] = "fuse_all_reduce_ops is off: one allreduce per parameter"
     if not strategy.use_hierarchical_allreduce \
-            and _changed(strategy, default, "hierarchical_allreduce_inter_nranks"):
+            and changed(strategy, default, "hierarchical_allreduce_inter_nranks"):
         reasons["hierarchical_allreduce_inter_nranks"] = "use_hierarchical_allreduce is off"
     return _with_cpu_reasons(strategy, on_gpu, reasons)
 

@@ -31,6 +31,7 @@ import statistics
 
 from .. import backend, nn
 from ..distributed_strategy import DistributedStrategy
+from .applied import changed
 from .auto_calibration import Agreement, Clock, StepTimer, TrainingState, time_allreduce
 from .compose import build_strategies, check_combination, enabled_strategies, strategy_class
 from .gradient_allreduce import layer_of, plan_gradient_buckets
@@ -146,16 +147,8 @@ def resolved(strategy, overlay):
 def _user_fields(strategy):
     """The top-level fields the user set away from their defaults (``auto`` aside)."""
     default = DistributedStrategy()
-    fields = []
-    for name in strategy._message.DESCRIPTOR.fields_by_name:
-        if name == "auto":
-            continue
-        value, base = getattr(strategy, name), getattr(default, name)
-        if hasattr(value, "keys"):
-            value, base = dict(value), dict(base)
-        if value != base:
-            fields.append(name)
-    return set(fields)
+    return {name for name in strategy._message.DESCRIPTOR.fields_by_name
+            if name != "auto" and changed(strategy, default, name)}
 
 
 def default_memory_budget(local_size):
