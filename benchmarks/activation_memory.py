@@ -105,7 +105,7 @@ def measure(args, checkpoints, offload):
     rng = np.random.default_rng(0)
     x = backend.asarray(rng.standard_normal((args.batch, args.width)).astype(args.dtype))
     y = backend.asarray(rng.integers(0, CLASSES, args.batch))
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     opt.minimize(model, loss_fn, x, y)
     drop_activations([model])
     losses = []

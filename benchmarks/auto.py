@@ -89,7 +89,7 @@ def run_model(name, args, digits):
             optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters()),
             strategy, **({"auto_seconds": args.auto_seconds} if strategy.auto else {}))
         stream = batches(widths, batch, fleet.worker_index(), digits if batch_norm else None)
-        copies[label] = (opt, model, nn.SoftmaxCrossEntropy(), stream)
+        copies[label] = (opt, model, nn.CrossEntropyLoss(), stream)
     block(*copies["auto"], 1)
     report = fleet.applied_strategy().calibration
     block(*copies["default"], 1)

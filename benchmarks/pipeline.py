@@ -69,7 +69,7 @@ def worker(args):
         rng = np.random.default_rng(0)
         x = rng.standard_normal((args.batch, args.width)).astype(np.float32)
         y = rng.integers(0, CLASSES, args.batch)
-        loss_fn = nn.SoftmaxCrossEntropy()
+        loss_fn = nn.CrossEntropyLoss()
         opt.minimize(model, loss_fn, x, y)
         times, bubbles = [], []
         for _ in range(args.steps):

@@ -74,7 +74,7 @@ def job(args):
     else:
         batches = [(rng.integers(0, args.rows, (batch, IDS)), rng.integers(0, 10, batch))
                    for _ in range(16)]
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     warmup = 10
     for step in range(args.steps + warmup):
         if step == warmup:

@@ -56,7 +56,7 @@ def worker(width, layers, steps):
         MPI.COMM_WORLD.Allreduce(value, result, op=op)
         return result
 
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     rows = []
     for name, make in makers.items():
         runs = {sharded: build(make, sharded) for sharded in (False, True)}

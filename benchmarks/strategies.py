@@ -104,7 +104,7 @@ def worker(args):
     for label, settings in configurations(batches_per_epoch).items():
         backend.manual_seed(args.seed)
         model, opt = build(settings, args.learning_rate)
-        loss_fn = nn.SoftmaxCrossEntropy()
+        loss_fn = nn.CrossEntropyLoss()
         fleet.barrier_worker()
         start = time.perf_counter()
         steps = 0

@@ -68,7 +68,7 @@ def main():
     opt = fleet.distributed_optimizer(
         optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters()),
         fleet.DistributedStrategy())
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     sampler = data.DistributedSampler(len(train), args.batch_size)
     batches = list(train.batches(sampler))
     per_step_seconds(opt, model, loss_fn, batches, 20)

@@ -53,7 +53,7 @@ def run_ours(model_name, steps):
     strategy.fuse_bn_act_ops = True
     opt = fleet.distributed_optimizer(optimizer.Momentum(
         learning_rate=0.01, momentum=0.9, parameters=model.parameters()), strategy)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     warmup = MODELS[model_name][3]
     x, y = _data(model_name, warmup + steps)
 

@@ -53,7 +53,7 @@ def main():
     opt = fleet.distributed_optimizer(
         optimizer.Momentum(learning_rate=schedule, momentum=0.9, parameters=model.parameters(),
                            use_nesterov=True, weight_decay=1e-4), strategy)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     sampler = data.DistributedSampler(len(train), args.batch_size)
 
     start = time.perf_counter()

@@ -39,7 +39,7 @@ def main():
     opt = fleet.distributed_optimizer(optimizer.Momentum(
         learning_rate=0.1, momentum=0.9, parameters=model.parameters(), weight_decay=1e-4),
         strategy)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     images = data.synthetic_images(args.batch_size * 4, shape, classes, dtype=args.dtype,
                                    seed=fleet.worker_index())
     sampler = data.DistributedSampler(len(images), args.batch_size, num_replicas=1, rank=0)

@@ -4,7 +4,11 @@
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
 """
-from . import nn, optimizer
+from . import autograd, nn, optimizer
+from .autograd import (Function, Tensor, concat, enable_grad, exp, is_grad_enabled, log, matmul,
+                       max, mean, no_grad, reshape, sigmoid, split, sqrt, stack, sum, tanh,
+                       to_tensor, transpose)
+from .backend import manual_seed as seed
 from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
@@ -18,6 +22,9 @@ from .world import (barrier_worker, init, is_first_worker, local_rank, local_siz
 __version__ = "0.1.0"
 
 __all__ = [
+    "Function", "Tensor", "autograd", "concat", "enable_grad", "exp", "is_grad_enabled", "log",
+    "matmul", "max", "mean", "no_grad", "reshape", "seed", "sigmoid", "split", "sqrt", "stack",
+    "sum", "tanh", "to_tensor", "transpose",
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
     "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "applied_strategy", "barrier_worker",
     "device_guard", "distributed_model", "distributed_optimizer", "init", "init_server",

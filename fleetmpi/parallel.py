@@ -4,15 +4,33 @@ Every rank holds the whole model and trains on its own shard of each global batc
 start identical (one fused broadcast of the flat buffers from rank 0), and after backward the
 gradients are averaged over the ranks, bucket by bucket as backward completes them, so with equal
 per-rank batches every rank applies the gradient of the mean loss over the global batch.
+
+Two ways to train, with the same strategies:
+
+* ``opt.minimize(model, loss_fn, x, y)``: one whole step.
+* Paddle dygraph's ``loss = loss_fn(model(x), y); loss.backward(); opt.step();
+  opt.clear_grad()``. A model from ``distributed_model`` opens a step of the optimizer that
+  owns its parameters when it is called (training, recording on): the strategies' forward
+  stages run around the model's forward, ``loss.backward()`` runs their backward stages with
+  the gradient hooks that start each bucket's reduction, and ``opt.step()`` reduces what is
+  left, updates and closes the step. Gradients accumulate until ``clear_grad()``, as in Paddle.
 """
+import weakref
+
 from . import backend, world
+from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
 from .optimizer import Optimizer, StepContext, run_step
+from .optimizer.step import (backward_pass, finish_step, run_backward_stage, run_forward,
+                             step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
 
 _STRATEGY_STATE = "strategy."
 _applied = None
+# id(parameter) -> the DistributedOptimizer built last over it, whose step a call of a model
+# holding the parameter opens.
+_owners = weakref.WeakValueDictionary()
 
 
 def applied_strategy():
@@ -59,6 +77,11 @@ def distributed_model(model, communicator=None):
         from .strategies.ps.runtime import register_model
 
         return register_model(model)
+    if not model.parameters():
+        raise ValueError(f"distributed_model got a {type(model).__name__} with no parameters: a "
+                         "Layer registers the sublayers and parameters assigned to its "
+                         "attributes after super().__init__(); check that its __init__ assigns "
+                         "them there")
     comm = _world_communicator(communicator)
     flats = [buffer.data for buffer in model.flat_buffers()]
     if flats:
@@ -66,7 +89,29 @@ def distributed_model(model, communicator=None):
     states = [b for _, b in model.named_buffers()]
     if states:
         comm.broadcast_many(states, root=0)
+    if not isinstance(model.__dict__.get("forward"), _StepForward):
+        model.forward = _StepForward(model, model.forward)
     return model
+
+
+class _StepForward:
+    """The forward of a model from ``distributed_model``: opens a step of the distributed
+    optimizer that owns the model's parameters, when called outside ``minimize`` while
+    training with recording on (module docstring); otherwise the model's own forward."""
+
+    def __init__(self, model, forward):
+        self._model = weakref.ref(model)
+        self._forward = forward
+
+    def __call__(self, *inputs, **kwargs):
+        model = self._model()
+        owner = None
+        if model is not None and model.training and is_grad_enabled() and not step_running():
+            params = model.parameters()
+            owner = _owners.get(id(params[0])) if params else None
+        if owner is None:
+            return self._forward(*inputs, **kwargs)
+        return owner.open_step(model, lambda: self._forward(*inputs, **kwargs))
 
 
 class DistributedOptimizer:
@@ -108,6 +153,10 @@ class DistributedOptimizer:
         self.communicator = communicator
         self.step_count = 0
         self._configured = set()
+        self._open = None
+        self._backward_done = False
+        for p in optimizer.parameters():
+            _owners[id(p)] = self
         if strategy.auto:
             from .strategies.auto import Calibration, resolved
 
@@ -150,10 +199,23 @@ class DistributedOptimizer:
         else:
             self.hooks.append(hook)
 
-    def minimize(self, model, loss_fn, x, y):
-        """One training step; returns this rank's mean loss as a 0-d array. Under
-        ``strategy.auto`` the first call calibrates on its batch first (module
+    def minimize(self, *args):
+        """``minimize(loss)``: ``loss.backward()`` and ``step()``. ``minimize(model, loss_fn,
+        x, y)``: one training step; returns this rank's mean loss as a 0-d array. Under
+        ``strategy.auto`` the first such call calibrates on its batch first (module
         ``fleetmpi.strategies.auto``), leaving parameters and optimizer state as they were."""
+        if len(args) == 1:
+            if not self._backward_done:
+                args[0].backward()
+            self.step()
+            return None
+        if len(args) != 4:
+            raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
+                            f"{len(args)} arguments")
+        if self._open is not None:
+            raise RuntimeError("minimize(model, loss_fn, x, y) while a step opened by calling "
+                               "the model is not finished; call opt.step() first")
+        model, loss_fn, x, y = args
         if self._calibration is not None:
             if id(model) not in self._configured:
                 model.configure_fusion(*self._fusion)
@@ -165,6 +227,84 @@ class DistributedOptimizer:
         loss = run_step(self.hooks, ctx)
         self.step_count += 1
         return loss
+
+    # -- Paddle dygraph's idiom: model(x), loss.backward(), step(), clear_grad() -------------
+    def _refuse_dygraph(self):
+        if self._calibration is not None:
+            raise RuntimeError("strategy.auto calibrates on a whole step: train the first step "
+                               "with opt.minimize(model, loss_fn, x, y), which calibrates, "
+                               "then either idiom")
+        if "pipeline" in self.strategies:
+            raise RuntimeError("pipeline runs its micro-batch schedule itself: train with "
+                               "opt.minimize(model, loss_fn, x, y)")
+
+    def open_step(self, model, forward):
+        """Run ``forward()`` (the model's) as the forward stage of a new step, or of the open
+        one when backward has not run yet (several forwards feeding one loss)."""
+        if self._open is not None and not self._backward_done:
+            return forward()
+        if self._open is not None:
+            raise RuntimeError("the model was called again after loss.backward() without "
+                               "opt.step() in between; call opt.step() (and opt.clear_grad()) "
+                               "each step, or merge gradients with strategy.gradient_merge")
+        self._refuse_dygraph()
+        if id(model) not in self._configured:
+            model.configure_fusion(*self._fusion)
+            self._configured.add(id(model))
+        ctx = StepContext(model, None, None, None, self.inner, step=self.step_count)
+
+        def run(ctx):
+            ctx.output = forward()
+        run_forward(self.hooks, ctx, run)
+        self._open, self._backward_done = ctx, False
+        engine.set_step_driver(self._backward)
+        return ctx.output
+
+    def _backward(self, loss, grad):
+        """``loss.backward(grad)`` inside the open step: the strategies' backward stages and
+        the gradient hooks."""
+        ctx = self._open
+        if self._backward_done:
+            raise RuntimeError("a second backward() in one step of the distributed optimizer: "
+                               "call opt.step() between backwards, or merge gradients over "
+                               "steps with strategy.gradient_merge")
+        if grad is not None:
+            raise ValueError("loss.backward(grad) with an explicit grad is not supported in a "
+                             "distributed step; backward a one-element loss")
+        ctx.loss = loss
+        run_backward_stage(self.hooks, ctx, lambda ctx: backward_pass(self.hooks, ctx))
+        self._backward_done = True
+
+    def _late_step(self):
+        """A step whose backward ran outside any open step (the model was not passed through
+        distributed_model): the strategies' forward stages with nothing to run, and every
+        parameter reported as final at once, in buffer order."""
+        self._refuse_dygraph()
+        ctx = StepContext(None, None, None, None, self.inner, step=self.step_count)
+        run_forward(self.hooks, ctx, lambda ctx: None)
+
+        def report(ctx):
+            for hook in self.hooks:
+                for p in self.inner.parameters():
+                    hook.on_gradient(ctx, [p])
+        run_backward_stage(self.hooks, ctx, report)
+        return ctx
+
+    def step(self):
+        """Finish the open step: reduce the gradients not reduced yet, update, after-step."""
+        if self._open is not None and not self._backward_done:
+            raise RuntimeError("opt.step() before loss.backward(): the step's forward ran but "
+                               "its backward did not")
+        ctx = self._open if self._open is not None else self._late_step()
+        self._open = None
+        engine.set_step_driver(None)
+        finish_step(self.hooks, ctx)
+        self.step_count += 1
+
+    def clear_grad(self):
+        self.inner.clear_grad()
+
+    clear_gradients = clear_grad
 
     def state_dict(self):
         """The wrapped optimizer's state, the step counter, and each strategy's state under

@@ -99,7 +99,7 @@ def reference_parameters(worker_num, steps):
     opt = fleet.distributed_optimizer(adam(model.parameters()), local=True)
     for step in range(steps):
         _, (x, y) = step_batches(0, worker_num, step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
     return [backend.to_numpy(p.data).copy() for p in model.parameters()]
 
 
@@ -113,7 +113,7 @@ def sync_equals_dp(args, steps_range, save_after=None):
     for step in steps_range:
         parts, _ = step_batches(w, n, step)
         if w in parts:
-            opt.minimize(model, nn.SoftmaxCrossEntropy(), *parts[w])
+            opt.minimize(model, nn.CrossEntropyLoss(), *parts[w])
         if step == save_after and fleet.is_first_worker():
             fleet.save_persistables(os.path.join(args.out, "on-request"))
     fleet.stop_worker()
@@ -162,7 +162,7 @@ def scenario_digits(args):
     for epoch in range(20):
         sampler.set_epoch(epoch)
         for x, y in train.batches(sampler):
-            opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+            opt.minimize(model, nn.CrossEntropyLoss(), x, y)
     fleet.stop_worker()
     model.eval()
     predicted = backend.to_numpy(model.forward(backend.asarray(test.features))).argmax(axis=1)
@@ -216,7 +216,7 @@ def scenario_sparse(args):
     for step in range(steps):
         ids, y = sparse_batch(step, n)
         mine = slice(4 * w, 4 * w + 4)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), ids[mine], y[mine])
+        opt.minimize(model, nn.CrossEntropyLoss(), ids[mine], y[mine])
         touched = np.unique(ids[mine])
         touched_since_push.append(touched)
         if args.mode == "geo":
@@ -244,7 +244,7 @@ def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
     ref = fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.5,
                                                     parameters=dense.parameters()), local=True)
     for step in range(steps):
-        ref.minimize(dense, nn.SoftmaxCrossEntropy(), *sparse_batch(step, n))
+        ref.minimize(dense, nn.CrossEntropyLoss(), *sparse_batch(step, n))
     np.testing.assert_allclose(table.lookup(np.arange(ROWS)), dense.embedding.weight.data,
                                rtol=1e-10, atol=1e-12)
     for got, want in zip(model.parameters(), dense.fc.parameters()):
@@ -270,7 +270,7 @@ def scenario_leave(args):
             say("worker 1 exits without stop_worker")
             return
         parts, _ = step_batches(0, n, step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *parts[0])
+        opt.minimize(model, nn.CrossEntropyLoss(), *parts[0])
     fleet.stop_worker()
     say(f"ok leave {args.mode} worker {w}")
 

@@ -34,7 +34,7 @@ def train(model, opt, steps):
     rank, size = fleet.worker_index(), fleet.worker_num()
     for step in steps:
         x, y = global_batch(step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+        opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
 
 
 def main(mode, directory, out=None):

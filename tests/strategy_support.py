@@ -58,7 +58,7 @@ def train(strategy, make_optimizer=momentum, steps=4, make_model=make_mlp, batch
         model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(make_optimizer(model.parameters()), strategy,
                                       local=local)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     losses = []
     for step in range(steps):
         x, y = batch(step)

@@ -76,7 +76,7 @@ class RecordingTanh(nn.Tanh):
         return super().forward(x)
 
 
-class RecordingLoss(nn.SoftmaxCrossEntropy):
+class RecordingLoss(nn.CrossEntropyLoss):
     def forward(self, logits, labels):
         self.logits_dtype = logits.dtype
         return super().forward(logits, labels)
@@ -166,7 +166,7 @@ def test_embedding_is_gray_unless_white_listed(white):
     opt = fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),
                                       amp_strategy(**configs), local=True)
     ids = np.random.default_rng(0).integers(0, 10, (5, 4))
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), ids, np.arange(5) % CLASSES)
+    opt.minimize(model, nn.CrossEntropyLoss(), ids, np.arange(5) % CLASSES)
     rows = table[ids]
     assert_same_math(model["probe"].x, rows.astype(F16) if white else rows)
     dy = backend.to_numpy(model["probe"].dy)
@@ -221,7 +221,7 @@ def test_conv2d_computes_in_float16():
     model = conv_model()
     opt = fleet.distributed_optimizer(optimizer.Momentum(parameters=model.parameters()),
                                       amp_strategy(), local=True)
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), *image_batch(0))
+    opt.minimize(model, nn.CrossEntropyLoss(), *image_batch(0))
     assert model["probe"].x.dtype == F16 and model["probe"].dy.dtype == F16
 
 
@@ -246,7 +246,7 @@ def test_casts_are_taken_off_after_each_step():
     model = probed_model()
     opt = fleet.distributed_optimizer(optimizer.Momentum(parameters=model.parameters()),
                                       amp_strategy(), local=True)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     x, y = global_batch(0)
     opt.minimize(model, loss_fn, x, y)
     for _, layer in model.named_sublayers():
@@ -313,7 +313,7 @@ def test_scale_schedule_and_exactly_the_overflowing_steps_skipped(opt_name):
     opt = fleet.distributed_optimizer(OPTIMIZERS[opt_name](model.parameters()),
                                       amp_strategy(**SCHEDULE_CONFIGS), local=True)
     amp = opt.strategies["amp"]
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     batch = overflowing_batch({i for i, row in enumerate(SCHEDULE) if row[0]})
     skipped = 0
     for step, (overflow, scale, good, bad) in enumerate(SCHEDULE):
@@ -340,7 +340,7 @@ def test_a_scale_too_large_for_float16_is_lowered_until_backward_fits():
     updated = []
     for step in range(steps):
         before = opt.inner.step_count
-        loss = float(opt.minimize(model, nn.SoftmaxCrossEntropy(), *global_batch(step)))
+        loss = float(opt.minimize(model, nn.CrossEntropyLoss(), *global_batch(step)))
         assert np.isfinite(loss)      # the forward never overflows, only the scaled backward
         updated.append(opt.inner.step_count > before)
     skipped = amp.skipped_steps
@@ -415,7 +415,7 @@ def test_steps_without_update_are_neither_checked_nor_counted():
     amp = opt.strategies["amp"]
     batch = overflowing_batch({1, 4})      # step 1 would not update anyway, step 4 would
     for step in range(6):
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *batch(step))
+        opt.minimize(model, nn.CrossEntropyLoss(), *batch(step))
     assert (amp.loss_scaling, amp.good_steps, amp.bad_steps, amp.skipped_steps) == \
         (1024, 0, 1, 1)
     assert opt.inner.step_count == 2
@@ -429,7 +429,7 @@ def test_returned_loss_is_not_scaled():
         model = mlp32()
         opt = fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),
                                           amp_strategy(init_loss_scaling=scale), local=True)
-        losses.append(float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)))
+        losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
     assert losses[0] == losses[1] and 0.5 < losses[0] < 5
 
 
@@ -448,7 +448,7 @@ def test_amp_state_resumes_bit_for_bit():
                                                           parameters=resumed.parameters()),
                                        strategy, local=True)
     ropt.set_state_dict(opt_state)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     for step in range(5, 9):
         opt.minimize(model, loss_fn, *batch(step))
         ropt.minimize(resumed, loss_fn, *batch(step))
@@ -503,7 +503,7 @@ def test_known_operators_are_the_ones_the_layers_declare():
     """Every operator amp accepts in a custom list is one some layer or the loss computes."""
     layers = [nn.Linear(2, 2), nn.Conv2D(1, 1, 1), nn.BatchNorm(2), nn.ReLU(), nn.Tanh(),
               nn.GELU(), nn.Dropout(0.1), nn.MaxPool2D(2), nn.AvgPool2D(2), nn.GlobalAvgPool(),
-              nn.Flatten(), nn.Embedding(3, 2), nn.SoftmaxCrossEntropy()]
+              nn.Flatten(), nn.Embedding(3, 2), nn.CrossEntropyLoss()]
     assert sorted({op_type(layer) for layer in layers}) == sorted(OP_TYPES)
     assert op_type(nn.Sequential()) is None
 
@@ -548,7 +548,7 @@ def test_skipped_steps_leave_everything_untouched_under_each_partner(partner):
         if not merging or step % 2 == 0:
             window_start = snapshot(model, opt)
         count = opt.inner.step_count
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *batch(step))
+        opt.minimize(model, nn.CrossEntropyLoss(), *batch(step))
         if step in skipped:
             assert_same(window_start, snapshot(model, opt), same=True)
         updates = 0 if merging and step % 2 == 0 else int(step not in skipped)
@@ -575,7 +575,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(partner):
         make_strategy(amp=True, amp_configs=SCHEDULE_CONFIGS, **fields))
     amp = opt.strategies["amp"]
     batch = overflowing_batch({1}, only_shard=(size - 1, size))
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     for step in range(3):
         before = snapshot(model, opt)
         x, y = batch(step)

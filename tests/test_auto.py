@@ -42,7 +42,7 @@ def train(strategy, steps=STEPS, sizes=(6, 16, 12, 4), global_batch=24, local=Fa
     rank, size = (0, 1) if local else (fleet.worker_index(), fleet.worker_num())
     for step in range(steps):
         x, y = batch(step, global_batch, sizes[0], sizes[-1])
-        opt.minimize(model, loss_fn or nn.SoftmaxCrossEntropy(), shard(x, rank, size),
+        opt.minimize(model, loss_fn or nn.CrossEntropyLoss(), shard(x, rank, size),
                      shard(y, rank, size))
     return model, opt
 
@@ -205,7 +205,7 @@ def test_calibration_leaves_the_training_where_it_was():
                                           **({"auto_seconds": 1} if strategy.auto else {}))
         x, y = batch(0)
         for _ in range(2):
-            opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+            opt.minimize(model, nn.CrossEntropyLoss(), x, y)
         runs.append((model.state_dict(), opt.inner.state_dict()))
     (params, state), (params_by_hand, state_by_hand) = runs
     for name in params:
@@ -241,7 +241,7 @@ def test_auto_picks_the_same_strategy_on_every_rank(capsys):
     assert all(p == params[0] for p in params[1:])
 
 
-class _SlowerOnSomeSteps(nn.SoftmaxCrossEntropy):
+class _SlowerOnSomeSteps(nn.CrossEntropyLoss):
     """The loss, after a pause drawn from a generator seeded by the rank: every rank measures
     other step times."""
 
@@ -286,7 +286,7 @@ def test_a_candidate_the_optimizer_refuses_is_reported_with_the_reason():
                                       auto_strategy(), auto_seconds=1, auto_allow="dgc")
     x, y = batch(0)
     rank, size = fleet.worker_index(), fleet.worker_num()
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+    opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
     applied = fleet.applied_strategy()
     skipped = dict(applied.calibration.skipped)
     assert skipped["dgc=True"] == "strategy dgc works with a Momentum optimizer, not Adam"

@@ -36,7 +36,7 @@ def build(seed, distributed):
 def train(model, opt, steps, rank):
     losses = []
     for step in steps:
-        losses.append(float(opt.minimize(model, nn.SoftmaxCrossEntropy(), *batch(step, rank))))
+        losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), *batch(step, rank))))
         opt._learning_rate.step()
     return losses
 

@@ -38,7 +38,7 @@ def reference_parameters(opt_name, build):
     model = make_model()
     model.configure_fusion(build.get("fuse_elewise_add_act_ops", False))
     opt = OPTIMIZERS[opt_name](model.parameters())
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     for step in range(STEPS):
         opt.minimize(model, loss_fn, *global_batch(step))
     return model.state_dict()
@@ -85,7 +85,7 @@ def test_n_ranks_match_one_process(opt_name, strategy_name):
     model.set_state_dict(wanted_start)
 
     opt = fleet.distributed_optimizer(OPTIMIZERS[opt_name](model.parameters()), strategy)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     share = GLOBAL_BATCH // size
     assert share * size == GLOBAL_BATCH
     for step in range(STEPS):
@@ -111,9 +111,9 @@ def test_single_process_runs_without_communication():
                                                     parameters=model.parameters()))
     assert opt.hooks == []
     x, y = global_batch(0)
-    first = float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y))
+    first = float(opt.minimize(model, nn.CrossEntropyLoss(), x, y))
     for _ in range(20):
-        last = float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y))
+        last = float(opt.minimize(model, nn.CrossEntropyLoss(), x, y))
     assert last < first
 
 

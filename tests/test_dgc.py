@@ -84,7 +84,7 @@ def test_training_follows_the_schedule():
     opt = fleet.distributed_optimizer(momentum()(model.parameters()), strategy, local=True)
     dgc = opt.strategies["dgc"]
     sizes = [p.size for p in model.parameters()]
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     seen, sent = [], []
     for step in range(8):
         opt.minimize(model, loss_fn, *global_batch(step))
@@ -234,7 +234,7 @@ def test_matches_simulation(case, local):
     opt = fleet.distributed_optimizer(make(model.parameters()), strategy, local=local)
     recorder = LocalGradients()
     opt.add_hook(recorder, first=True)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     params_after, grads_after = [], []
     for step in range(steps):
         x, y = global_batch(step)
@@ -286,7 +286,7 @@ def test_only_updates_count():
     opt = fleet.distributed_optimizer(momentum()(model.parameters()), strategy, local=True)
     opt.add_hook(SkipOddSteps(), first=True)
     dgc = opt.strategies["dgc"]
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     seen = []
     for step in range(8):
         before = (flat_parameters(model), dgc.state_dict())
@@ -322,7 +322,7 @@ def test_bytes_per_step_against_dense(local):
     assert (dense, sparse) == (281632, 468)  # 35204 float64 values; 39 pairs
     ok(dgc.dense_bytes == dense, f"dense_bytes {dgc.dense_bytes}")
     size, rank = (1, 0) if local else (fleet.worker_num(), fleet.worker_index())
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     for step in range(3):
         counted = None if local else opt.communicator.payload_bytes
         x, y = global_batch(step)
@@ -342,7 +342,7 @@ def test_bytes_per_step_against_dense(local):
 def test_checkpoint_resumes_bit_for_bit(local):
     fleet.init(is_collective=True)
     size, rank = (1, 0) if local else (fleet.worker_num(), fleet.worker_index())
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
 
     def build():
         backend.manual_seed(0)

@@ -20,7 +20,7 @@ def averaged_gradient(strategy):
     opt = fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.0,
                                                     parameters=model.parameters()), strategy)
     x, y = global_batch(0)
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+    opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
     return model.flat_buffers()[0].grad.copy(), opt.communicator.payload_bytes
 
 
@@ -31,7 +31,7 @@ def local_gradient():
     model = make_mlp()
     opt = optimizer.SGD(learning_rate=0.0, parameters=model.parameters())
     x, y = global_batch(0)
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+    opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
     return model.flat_buffers()[0].grad.copy()
 
 

@@ -23,7 +23,7 @@ def one_step_per_window(windows, learning_rate):
     opt = optimizer.Momentum(learning_rate=learning_rate, momentum=0.9,
                              parameters=model.parameters())
     for window in range(windows):
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *merged_batch(window))
+        opt.minimize(model, nn.CrossEntropyLoss(), *merged_batch(window))
     return model.state_dict()
 
 
@@ -62,7 +62,7 @@ def test_parameters_change_and_gradients_travel_only_every_k_steps():
     for step in range(2 * K):
         sent = opt.communicator.payload_bytes
         x, y = global_batch(step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+        opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
         after = model.state_dict()
         boundary = step % K == K - 1
         changed = any(not np.array_equal(before[n], after[n]) for n in after)
@@ -94,7 +94,7 @@ def test_state_round_trips_through_the_optimizer_state_dict():
     again.set_state_dict(state)
     for step in range(K + 2, 2 * K):
         x, y = global_batch(step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
-        again.minimize(copy, nn.SoftmaxCrossEntropy(), x, y)
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
+        again.minimize(copy, nn.CrossEntropyLoss(), x, y)
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(value, copy.state_dict()[name], err_msg=name)

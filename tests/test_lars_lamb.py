@@ -186,7 +186,7 @@ def test_minimize_applies_the_rule_with_the_scheduled_learning_rate(name):
     for step in range(5):
         before = {p.name: p.data.copy() for p in model.parameters()}
         rate = LEARNING_RATE * 0.5 ** (step // 2)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *global_batch(step))
+        opt.minimize(model, nn.CrossEntropyLoss(), *global_batch(step))
         # the gradients the step used are still in the buffers
         reference.step({p.name: p.grad.copy() for p in model.parameters()}, rate, before)
         assert_matches(model, reference, step=step)
@@ -374,7 +374,7 @@ def test_resume_from_a_checkpoint_is_bit_for_bit(name):
     model.set_state_dict(saved_model)
     resumed.set_state_dict(saved_opt)
     for step in range(2, 4):
-        resumed.minimize(model, nn.SoftmaxCrossEntropy(), *global_batch(step))
+        resumed.minimize(model, nn.CrossEntropyLoss(), *global_batch(step))
     for key, value in model.state_dict().items():
         np.testing.assert_array_equal(value, straight.state_dict()[key], err_msg=key)
 

@@ -47,7 +47,7 @@ def run_and_watch(strategy, steps, change_lr=None):
             opt.set_lr(change_lr[step])
         sent = opt.communicator.payload_bytes
         x, y = global_batch(step)
-        losses.append(float(opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size),
+        losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size),
                                          shard(y, rank, size))))
         seen.append((identical_everywhere(model), opt.communicator.payload_bytes - sent))
     return opt, seen, losses
@@ -117,7 +117,7 @@ def test_adaptive_period_survives_a_step_whose_loss_is_not_finite():
         x, y = global_batch(step)
         if step in (0, 2):
             x = x * 1e6  # float16 overflows in forward: the loss of this step is not finite
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x.astype(np.float32), rank, size),
+        opt.minimize(model, nn.CrossEntropyLoss(), shard(x.astype(np.float32), rank, size),
                      shard(y, rank, size))
     adaptive = opt.strategies["adaptive_localsgd"]
     ok(adaptive.loss_0 is not None and np.isfinite(adaptive.loss_0), f"{adaptive.loss_0}")

@@ -59,7 +59,7 @@ def test_batchnorm_eval_mode_gradients():
 def test_softmax_cross_entropy_gradient():
     logits = rand(4, 5)
     labels = np.array([0, 4, 2, 2])
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     loss = loss_fn(logits, labels)
     assert loss.shape == ()
     grad = loss_fn.backward()
@@ -212,6 +212,6 @@ def test_bad_configuration_is_named(make, message):
 
 def test_loss_rejects_bad_labels():
     with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\)"):
-        nn.SoftmaxCrossEntropy()(rand(2, 3), np.array([0, 3]))
+        nn.CrossEntropyLoss()(rand(2, 3), np.array([0, 3]))
     with pytest.raises(ValueError, match="integer class labels"):
-        nn.SoftmaxCrossEntropy()(rand(2, 3), np.array([0.0, 1.0]))
+        nn.CrossEntropyLoss()(rand(2, 3), np.array([0.0, 1.0]))

@@ -104,7 +104,7 @@ def test_minimize_trains_and_returns_a_0d_loss():
     y = (x[:, 0] + x[:, 1] > 0).astype(np.int64)
     model = nn.MLP([5, 16, 2])
     opt = optimizer.Momentum(learning_rate=0.2, momentum=0.9, parameters=model.parameters())
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     losses = [float(opt.minimize(model, loss_fn, x, y)) for _ in range(60)]
     first = opt.minimize(model, loss_fn, x, y)
     assert first.shape == ()

@@ -54,7 +54,7 @@ def train_pipeline(stages, strategy, replicas, local=False, dtype="float64", ste
     for step in range(steps):
         x, y = global_batch(step)
         n = 1 if local else replicas
-        losses.append(float(opt.minimize(model, nn.SoftmaxCrossEntropy(),
+        losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(),
                                          shard(x, replica, n), shard(y, replica, n))))
     return model, opt, losses
 
@@ -66,7 +66,7 @@ def accumulated_reference(replicas, micro_batch, steps=STEPS):
     backend.manual_seed(0)
     model = staged_mlp(1)
     opt = momentum(model.parameters())
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     losses = []
     for step in range(steps):
         x, y = global_batch(step)
@@ -214,7 +214,7 @@ def test_batch_that_does_not_split_into_micro_batches_is_refused_on_every_rank()
     opt = fleet.distributed_optimizer(momentum(model.parameters()), pipeline_strategy(4))
     x, y = global_batch(0, batch=6)
     with raises(ValueError, match="batch of 6 samples .* micro_batch=4"):
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -248,7 +248,7 @@ def test_one_micro_batch_without_stages_is_plain_training_bit_for_bit():
     plain = staged_mlp(1)
     opt = momentum(plain.parameters())
     for step in range(STEPS):
-        opt.minimize(plain, nn.SoftmaxCrossEntropy(), *global_batch(step))
+        opt.minimize(plain, nn.CrossEntropyLoss(), *global_batch(step))
     model, _, _ = train_pipeline(1, pipeline_strategy(1), 1, local=True)
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(value, plain.state_dict()[name], err_msg=name)
@@ -308,7 +308,7 @@ def test_layers_out_of_stage_order_are_refused():
     opt = fleet.distributed_optimizer(momentum(model.parameters()), pipeline_strategy(1),
                                       local=True)
     with pytest.raises(ValueError, match="must rise from 0 to 1"):
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *global_batch(0))
+        opt.minimize(model, nn.CrossEntropyLoss(), *global_batch(0))
 
 
 def test_unknown_schedule_mode_is_refused():

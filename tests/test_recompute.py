@@ -213,7 +213,7 @@ def test_forward_drops_every_activation_but_the_last_piece():
     inspect = Inspect(model)
     opt.add_hook(inspect)
     x, y = global_batch(0)
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+    opt.minimize(model, nn.CrossEntropyLoss(), x, y)
     dropped = ["fc0", "act0", "drop0", "fc1", "bn1", "act1"]
     kept = ["fc2", "act2", "drop2", "fc3"]
     assert all(inspect.cached[name] == [] for name in dropped), inspect.cached
@@ -237,7 +237,7 @@ def test_gradients_are_reported_in_the_order_of_the_run_without_recompute(fuse):
             strategy(fuse, **fields), local=True)
         inspect = Inspect(model)
         opt.add_hook(inspect)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), *global_batch(0))
+        opt.minimize(model, nn.CrossEntropyLoss(), *global_batch(0))
         reported.append(inspect.reported)
     assert reported[0] == reported[1]
     assert [group[0] for group in reported[0]] == ["fc3.weight", "fc2.weight", "bn1.weight",
@@ -310,7 +310,7 @@ def traced_peak(opt, model, x, y):
     gc.collect()
     tracemalloc.start()
     try:
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -333,9 +333,9 @@ def test_measured_peak_activation_memory_falls_for_a_16_layer_mlp():
         opt = fleet.distributed_optimizer(optimizer.Momentum(
             learning_rate=0.01, momentum=0.9, parameters=model.parameters()),
             strategy(**fields), local=True)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
         peaks[label] = traced_peak(opt, model, x, y)
-        losses[label] = float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y))
+        losses[label] = float(opt.minimize(model, nn.CrossEntropyLoss(), x, y))
         if fields:
             held[label] = opt.strategies["recompute"].peak_activation_bytes
         else:
@@ -401,9 +401,9 @@ def test_a_step_that_fails_inside_a_piece_leaves_the_generator_and_model_usable(
                                       strategy(**recompute(["act1"])), local=True)
     x, y = global_batch(0)
     with pytest.raises(ValueError, match="Linear expects 6 features"):
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), x[:, :5], y)
+        opt.minimize(model, nn.CrossEntropyLoss(), x[:, :5], y)
     assert isinstance(backend.rank_rng(), np.random.Generator)
-    assert np.isfinite(float(opt.minimize(model, nn.SoftmaxCrossEntropy(), x, y)))
+    assert np.isfinite(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
 
 
 @pytest.mark.parametrize("checkpoints, match", [
@@ -442,7 +442,7 @@ def test_a_model_that_is_not_a_sequential_is_refused():
                                       strategy(**recompute(["body"])), local=True)
     with pytest.raises(TypeError, match="recompute needs an nn.Sequential model .+ not "
                                         "ResidualBlock"):
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), np.ones((2, 1, 3, 3)), np.zeros(2, int))
+        opt.minimize(model, nn.CrossEntropyLoss(), np.ones((2, 1, 3, 3)), np.zeros(2, int))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -230,7 +230,7 @@ def test_gradient_merge_with_sharding_communicates_only_on_updates():
     for step in range(2 * STEPS):
         sent = opt.communicator.payload_bytes
         x, y = global_batch(step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+        opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
         ok((opt.communicator.payload_bytes > sent) == (step % 2 == 1), f"step {step}")
     expected, _, _ = train(make_strategy(gradient_merge=True, gradient_merge_configs=configs),
                            adam, steps=2 * STEPS, local=True)
@@ -295,7 +295,7 @@ def test_parameters_travel_back_in_messages_of_at_most_fuse_broadcast_mb():
         return broadcast(buf, root, algorithm, index)
     group._broadcast_flat = recording
     x, y = global_batch(0)
-    opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+    opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
     ok(max(nbytes for _, nbytes in messages) <= 200, f"messages {messages}")
     offsets = opt.strategies["sharding"].offsets
     for owner in range(size):
@@ -308,7 +308,7 @@ def test_parameters_travel_back_in_messages_of_at_most_fuse_broadcast_mb():
 def train_from(model, opt, steps, rank=0, size=1):
     for step in steps:
         x, y = global_batch(step)
-        opt.minimize(model, nn.SoftmaxCrossEntropy(), shard(x, rank, size), shard(y, rank, size))
+        opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,19 +1,22 @@
-"""``fleetmpi.nn``: layers with explicit forward and backward on the backend array module,
-parameters and gradients held in flat buffers, and ready-made models."""
-from .containers import ResidualBlock, Sequential
-from .conv import AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
+"""``fleetmpi.nn``: ``Layer`` (models as Paddle dygraph users write them), the built-in layers
+over ``fleetmpi.nn.functional``, parameters held in flat buffers, and ready-made models."""
+from . import functional, initializer
+from .containers import LayerDict, LayerList, ResidualBlock, Sequential
+from .conv import AdaptiveAvgPool2D, AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
 from .flat import FlatBuffer, flatten
 from .layer import Layer, get_default_dtype, set_default_dtype
-from .layers import GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Tanh
-from .loss import SoftmaxCrossEntropy
+from .layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
+                     Softmax, Tanh)
+from .loss import CrossEntropyLoss, MSELoss
 from .models import MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
-from .norm import BatchNorm, BatchNorm1D, BatchNorm2D
+from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm
 from .parameter import Parameter
 
 __all__ = [
-    "Activation", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D", "Conv2D", "Dropout",
-    "Embedding", "FlatBuffer", "Flatten", "GELU", "GlobalAvgPool", "Layer", "Linear", "MLP",
-    "MaxPool2D", "Parameter", "ReLU", "ResidualBlock", "SoftmaxCrossEntropy", "Sequential",
-    "Tanh", "basic_block", "bottleneck_block", "flatten", "get_default_dtype", "resnet20",
-    "resnet50", "resnet101", "set_default_dtype",
+    "Activation", "AdaptiveAvgPool2D", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
+    "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer", "Flatten", "GELU",
+    "GlobalAvgPool", "Layer", "LayerDict", "LayerList", "LayerNorm", "Linear", "MLP", "MSELoss",
+    "MaxPool2D", "Parameter", "ReLU", "ResidualBlock", "Sequential", "Sigmoid", "Softmax",
+    "Tanh", "basic_block", "bottleneck_block", "flatten", "functional", "get_default_dtype",
+    "initializer", "resnet20", "resnet50", "resnet101", "set_default_dtype",
 ]

@@ -1,5 +1,5 @@
-"""Containers: ``Sequential`` (named layers in order, with kernel fusion of adjacent pairs) and
-``ResidualBlock``."""
+"""Containers: ``Sequential`` (named layers in order, with kernel fusion of adjacent pairs),
+``LayerList``, ``LayerDict`` and ``ResidualBlock``."""
 from collections import OrderedDict
 
 from .conv import Conv2D
@@ -77,33 +77,90 @@ class Sequential(Layer):
         return sum(act is not None for _, act in self._plan)
 
     def forward(self, x):
-        return forward_steps(self._plan, x)
-
-    def backward(self, dy, on_gradient=None, input_grad=True):
-        return backward_steps(self._plan, dy, on_gradient, input_grad)
-
-
-def forward_steps(steps, x):
-    """Run plan steps ``(layer, fused activation or None)`` forward."""
-    for layer, act in steps:
-        x = layer.forward_act(x, act) if act else layer.forward(x)
-    return x
+        for layer, act in self._plan:
+            x = layer.forward_act(x, act) if act else layer(x)
+        return x
 
 
-def backward_steps(steps, dy, on_gradient, input_grad, first=0):
-    """Backward through plan steps, last first, reporting each layer's parameters to
-    ``on_gradient`` as they become final. ``first`` is the plan index of ``steps[0]``: the
-    input gradient of the plan's first step is computed only when ``input_grad``."""
-    for index in range(len(steps) - 1, -1, -1):
-        layer, act = steps[index]
-        need = input_grad or first + index > 0
-        if act:
-            dy = layer.backward_act(dy, act, need)
-            if on_gradient is not None:
-                on_gradient(layer.own_parameters())
-        else:
-            dy = layer.backward(dy, on_gradient, need)
-    return dy
+class LayerList(Layer):
+    """Sublayers in a list, registered as ``"0"``, ``"1"``...: index, iterate, ``append``,
+    ``extend``, ``insert``. It has no forward of its own."""
+
+    def __init__(self, sublayers=None):
+        super().__init__()
+        for layer in sublayers or ():
+            self.append(layer)
+
+    def _layers(self):
+        return list(self._children.values())
+
+    def __len__(self):
+        return len(self._children)
+
+    def __iter__(self):
+        return iter(self._layers())
+
+    def __getitem__(self, index):
+        layers = self._layers()
+        if isinstance(index, slice):
+            return LayerList(layers[index])
+        return layers[index]
+
+    def __setitem__(self, index, layer):
+        names = list(self._children)
+        setattr(self, names[index], layer)
+
+    def append(self, layer):
+        self.add_sublayer(str(len(self._children)), layer)
+        return self
+
+    def extend(self, layers):
+        for layer in layers:
+            self.append(layer)
+        return self
+
+    def insert(self, index, layer):
+        layers = self._layers()
+        layers.insert(index, layer)
+        for name in list(self._children):
+            delattr(self, name)
+        self.extend(layers)
+
+
+class LayerDict(Layer):
+    """Sublayers by name, in insertion order, as a dict. It has no forward of its own."""
+
+    def __init__(self, sublayers=None):
+        super().__init__()
+        for name, layer in (dict(sublayers) if sublayers else {}).items():
+            self[name] = layer
+
+    def __getitem__(self, name):
+        return self._children[name]
+
+    def __setitem__(self, name, layer):
+        self.add_sublayer(name, layer)
+
+    def __delitem__(self, name):
+        delattr(self, name)
+
+    def __len__(self):
+        return len(self._children)
+
+    def __iter__(self):
+        return iter(self._children)
+
+    def __contains__(self, name):
+        return name in self._children
+
+    def keys(self):
+        return self._children.keys()
+
+    def values(self):
+        return self._children.values()
+
+    def items(self):
+        return self._children.items()
 
 
 class ResidualBlock(Layer):
@@ -114,18 +171,13 @@ class ResidualBlock(Layer):
 
     def __init__(self, body, shortcut=None):
         super().__init__()
-        self.shortcut = self.add_sublayer("shortcut", shortcut) if shortcut is not None else None
-        self.body = self.add_sublayer("body", body)
-        self.relu = self.add_sublayer("relu", ReLU())
+        if shortcut is not None:
+            self.shortcut = shortcut
+        else:
+            self.shortcut = None
+        self.body = body
+        self.relu = ReLU()
 
     def forward(self, x):
-        skip = x if self.shortcut is None else self.shortcut.forward(x)
-        return self.relu.forward(self.body.forward(x) + skip)
-
-    def backward(self, dy, on_gradient=None, input_grad=True):
-        dz = self.relu.backward(dy)
-        dx = self.body.backward(dz, on_gradient, input_grad)
-        if self.shortcut is None:
-            return dx + dz if input_grad else None
-        dskip = self.shortcut.backward(dz, on_gradient, input_grad)
-        return dx + dskip if input_grad else None
+        skip = x if self.shortcut is None else self.shortcut(x)
+        return self.relu(self.body(x) + skip)

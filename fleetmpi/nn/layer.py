@@ -1,18 +1,19 @@
-"""``Layer``: the base of every layer and model, with explicit ``forward`` and ``backward``.
+"""``Layer``: the base of every layer and model, as Paddle dygraph users write one.
 
-A leaf layer implements ``forward(x)`` (keeping what backward needs) and ``_backward(dy,
-input_grad)`` (setting its parameters' gradients and returning the input gradient, or None when
-``input_grad`` is False and nobody needs it). ``backward(dy, on_gradient, input_grad)`` runs
-``_backward`` and then calls ``on_gradient(parameters)`` with the layer's own parameters, whose
-gradients are now final for this step; gradient reduction hooks in there.
-Gradients are set, not accumulated: every backward overwrites them.
+A model subclasses ``Layer``, assigns its sublayers and parameters as attributes in
+``__init__`` (after ``super().__init__()``) and defines ``forward``; calling the model runs
+``forward`` and the operations it performs are recorded for ``loss.backward()``. Attributes
+are registered in assignment order, and their dotted paths (``"block1.fc.weight"``) name the
+parameters: what recompute checkpoints, lars/lamb exclusion lists and checkpoints refer to.
 """
 from collections import OrderedDict
 
 import numpy as np
 
 from .. import backend
+from ..autograd import as_array
 from ..device_guard import current_stage
+from . import initializer
 from .flat import flatten
 from .parameter import Parameter
 
@@ -40,69 +41,151 @@ def _check_float_dtype(dtype):
     return resolved
 
 
+class HookRemoveHelper:
+    """What ``register_forward_*_hook`` returns: ``remove()`` takes the hook off."""
+
+    def __init__(self, hooks, hook):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self):
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
 class Layer:
-    """Parameters, buffers (non-trained state such as running means) and child layers.
-
-    ``op_type`` names the Paddle operator a leaf layer computes (``"matmul"``, ``"conv2d"``,
-    ``"relu"``...): what amp's white and black lists refer to. None for containers and for
-    layers without such an operator. ``pipeline_stage``: the stage of the ``device_guard`` the
-    layer was built in (None outside any), given to its parameters too."""
-
-    op_type = None
+    """Parameters, buffers (non-trained state such as running means) and sublayers, registered
+    as they are assigned. ``pipeline_stage``: the stage of the ``device_guard`` the layer was
+    built in (None outside any), given to its parameters too."""
 
     def __init__(self, dtype=None):
-        self._parameters = OrderedDict()
-        self._buffers = OrderedDict()
-        self._children = OrderedDict()
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_children", OrderedDict())
+        object.__setattr__(self, "_forward_pre_hooks", [])
+        object.__setattr__(self, "_forward_post_hooks", [])
         self.training = True
         self.dtype = _check_float_dtype(dtype) if dtype is not None else _default_dtype
         self.pipeline_stage = current_stage()
 
-    def create_parameter(self, name, value):
-        """Register ``value`` (a host array) as the trainable parameter ``name``."""
-        param = Parameter(np.asarray(value, dtype=self.dtype))
+    # -- registration -----------------------------------------------------------------------
+    def _registries(self, name):
+        registries = self.__dict__.get("_parameters")
+        if registries is None:
+            raise RuntimeError(f"{type(self).__name__}: assign {name!r} after calling "
+                               "super().__init__() in __init__")
+        return self._parameters, self._children, self._buffers
+
+    def __setattr__(self, name, value):
+        if isinstance(value, (Parameter, Layer)) or name in self.__dict__.get("_parameters", ()) \
+                or name in self.__dict__.get("_children", ()) \
+                or name in self.__dict__.get("_buffers", ()):
+            parameters, children, buffers = self._registries(name)
+            parameters.pop(name, None)
+            children.pop(name, None)
+            if isinstance(value, Parameter):
+                if value.pipeline_stage is None:
+                    value.pipeline_stage = self.pipeline_stage
+                parameters[name] = value
+            elif isinstance(value, Layer):
+                children[name] = value
+            elif name in buffers:
+                value = as_array(value) if value is not None else None
+                if value is None:
+                    del buffers[name]
+                else:
+                    buffers[name] = value
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        for registry in (self._parameters, self._children, self._buffers):
+            registry.pop(name, None)
+        object.__delattr__(self, name)
+
+    def create_parameter(self, shape, attr=None, dtype=None, is_bias=False,
+                         default_initializer=None):
+        """A new Parameter of ``shape`` (Paddle's signature): values from
+        ``default_initializer`` (an initializer of ``fleetmpi.nn.initializer``, any callable
+        of the shape, or an array of that shape), else zeros for a bias and Xavier-uniform for
+        the rest. Assign it to an attribute to register it."""
+        shape = tuple(int(n) for n in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
+        if any(n < 1 for n in shape):
+            raise ValueError(f"create_parameter shape {shape} must have sizes >= 1")
+        if default_initializer is None:
+            default_initializer = initializer.Constant(0.0) if is_bias \
+                else initializer.XavierUniform()
+        values = default_initializer(shape) if callable(default_initializer) \
+            else np.asarray(default_initializer)
+        values = np.asarray(backend.to_numpy(as_array(values)))
+        if tuple(values.shape) != shape:
+            raise ValueError(f"create_parameter: the initializer gave shape "
+                             f"{tuple(values.shape)} for a parameter of shape {shape}")
+        dtype = self.dtype if dtype is None else _check_float_dtype(dtype)
+        trainable = getattr(attr, "trainable", True)
+        param = Parameter(values.astype(dtype), trainable=trainable)
         param.pipeline_stage = self.pipeline_stage
-        self._parameters[name] = param
-        setattr(self, name, param)
         return param
 
-    def create_buffer(self, name, value):
-        self._buffers[name] = backend.asarray(np.asarray(value, dtype=self.dtype))
-
-    def buffer(self, name):
-        return self._buffers[name]
+    def add_parameter(self, name, parameter):
+        if not isinstance(parameter, Parameter):
+            raise TypeError(f"add_parameter({name!r}) takes a Parameter, not "
+                            f"{type(parameter).__name__}")
+        setattr(self, name, parameter)
+        return parameter
 
     def add_sublayer(self, name, layer):
         if not isinstance(layer, Layer):
             raise TypeError(f"sublayer {name!r} must be a fleetmpi.nn.Layer, "
                             f"not {type(layer).__name__}")
-        self._children[name] = layer
+        setattr(self, str(name), layer)
         return layer
 
-    def sublayers(self):
+    def register_buffer(self, name, tensor, persistable=True):
+        """Keep ``tensor`` (an array or Tensor; state that is not trained, such as running
+        statistics) as the buffer ``name``: saved in ``state_dict``, broadcast by
+        ``distributed_model``, reachable as an attribute (a backend array)."""
+        self._registries(name)[2][name] = backend.asarray(as_array(tensor))
+        object.__setattr__(self, name, self._buffers[name])
+
+    def buffer(self, name):
+        return self._buffers[name]
+
+    # -- the tree ---------------------------------------------------------------------------
+    def children(self):
         return list(self._children.values())
 
-    def named_sublayers(self, prefix=""):
-        """Every descendant as ``(dotted name, layer)``, parents before children."""
-        result = []
-        for name, child in self._children.items():
-            full = f"{prefix}{name}"
-            result.append((full, child))
-            result.extend(child.named_sublayers(full + "."))
-        return result
+    sublayers = children
+
+    def named_children(self):
+        return list(self._children.items())
+
+    def named_sublayers(self, prefix="", include_self=False):
+        """Every descendant as ``(dotted name, layer)``, parents before children, each layer
+        once (a shared sublayer under its first name)."""
+        return _depth_first(self, prefix, include_self)
+
+    def apply(self, function):
+        """Call ``function(layer)`` on every sublayer, then on this one."""
+        for _, layer in self.named_sublayers():
+            function(layer)
+        function(self)
+        return self
 
     # -- parameters -------------------------------------------------------------------------
     def _named_parameters_unflat(self, prefix=""):
-        result = [(f"{prefix}{name}", p) for name, p in self._parameters.items()]
-        for name, child in self._children.items():
-            result.extend(child._named_parameters_unflat(f"{prefix}{name}."))
+        result, seen = [], set()
+        for layer_path, layer in _depth_first(self, prefix, include_self=True):
+            for name, p in layer._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    result.append((f"{layer_path}.{name}" if layer_path else name, p))
         return result
 
-    def named_parameters(self):
-        """``(dotted name, Parameter)`` in forward order; the parameters are flattened first
-        (one contiguous buffer per dtype, laid out in backward order) unless they already are.
-        The layer that flattens names the parameters (``Parameter.name``) from itself down."""
-        named = self._named_parameters_unflat()
+    def named_parameters(self, prefix=""):
+        """``(dotted name, Parameter)`` in registration order, each parameter once; the
+        parameters are flattened first (one contiguous buffer per dtype, laid out in reverse
+        registration order, which is the order backward usually completes them) unless they
+        already are. The layer that flattens names the parameters (``Parameter.name``)."""
+        named = self._named_parameters_unflat(prefix)
         before = [p.buffer for _, p in named]
         flatten([p for _, p in reversed(named)])
         if any(p.buffer is not old for (_, p), old in zip(named, before)):
@@ -110,25 +193,32 @@ class Layer:
                 p.name = name
         return named
 
-    def parameters(self):
+    def parameters(self, include_sublayers=True):
         return [p for _, p in self.named_parameters()]
 
     def flat_buffers(self):
         """The flat buffers holding this layer's parameters, one per dtype."""
-        params = self.parameters()
         seen = OrderedDict()
-        for p in params:
+        for p in self.parameters():
             seen[id(p.buffer)] = p.buffer
         return list(seen.values())
 
     def own_parameters(self):
-        return list(self._parameters.values())
+        return [p for p in self._parameters.values() if p is not None]
+
+    def clear_gradients(self):
+        for p in self.parameters():
+            p.clear_gradient()
 
     def named_buffers(self, prefix=""):
-        result = [(f"{prefix}{name}", b) for name, b in self._buffers.items()]
-        for name, child in self._children.items():
-            result.extend(child.named_buffers(f"{prefix}{name}."))
+        result = []
+        for layer_path, layer in _depth_first(self, prefix, include_self=True):
+            for name, b in layer._buffers.items():
+                result.append((f"{layer_path}.{name}" if layer_path else name, b))
         return result
+
+    def buffers(self):
+        return [b for _, b in self.named_buffers()]
 
     def state_dict(self):
         """Parameters and buffers by dotted name, as host NumPy copies."""
@@ -141,19 +231,19 @@ class Layer:
     def set_state_dict(self, state):
         """Load what ``state_dict`` returned; every name must be present with its shape."""
         params = dict(self.named_parameters())
-        expected = set(params) | {name for name, _ in self.named_buffers()}
+        buffers = dict(self.named_buffers())
+        expected = set(params) | set(buffers)
         missing = sorted(expected - set(state))
         unexpected = sorted(set(state) - expected)
         if missing or unexpected:
             raise KeyError(f"state dict does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
         for name, p in params.items():
-            p.data[...] = backend.asarray(_checked(name, state[name], p.shape))
-        for layer_prefix, layer in [("", self)] + [(n + ".", l) for n, l in
-                                                   self.named_sublayers()]:
-            for bname, b in layer._buffers.items():
-                b[...] = backend.asarray(_checked(layer_prefix + bname, state[layer_prefix + bname],
-                                                  b.shape))
+            p.data[...] = backend.asarray(_checked(name, as_array(state[name]), p.shape))
+        for name, b in buffers.items():
+            b[...] = backend.asarray(_checked(name, as_array(state[name]), b.shape))
+
+    set_dict = load_dict = set_state_dict
 
     # -- modes ------------------------------------------------------------------------------
     def train(self):
@@ -174,22 +264,32 @@ class Layer:
             child.configure_fusion(fuse_elewise_add_act_ops, fuse_bn_act_ops)
 
     # -- computation ------------------------------------------------------------------------
-    def forward(self, x):
+    def forward(self, *inputs, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} does not define forward")
 
-    def _backward(self, dy, input_grad):
-        raise NotImplementedError(f"{type(self).__name__} does not define backward")
+    def register_forward_pre_hook(self, hook):
+        """``hook(layer, inputs)`` before every forward; a tuple it returns replaces the
+        inputs."""
+        self._forward_pre_hooks.append(hook)
+        return HookRemoveHelper(self._forward_pre_hooks, hook)
 
-    def backward(self, dy, on_gradient=None, input_grad=True):
-        """The input gradient (None if not ``input_grad``); sets the parameters' gradients and
-        reports them to ``on_gradient`` as they become final."""
-        dx = self._backward(dy, input_grad)
-        if on_gradient is not None and self._parameters:
-            on_gradient(self.own_parameters())
-        return dx
+    def register_forward_post_hook(self, hook):
+        """``hook(layer, inputs, output)`` after every forward; a value it returns replaces
+        the output."""
+        self._forward_post_hooks.append(hook)
+        return HookRemoveHelper(self._forward_post_hooks, hook)
 
-    def __call__(self, x):
-        return self.forward(x)
+    def __call__(self, *inputs, **kwargs):
+        for hook in self._forward_pre_hooks:
+            replaced = hook(self, inputs)
+            if replaced is not None:
+                inputs = replaced if isinstance(replaced, tuple) else (replaced,)
+        output = self.forward(*inputs, **kwargs)
+        for hook in self._forward_post_hooks:
+            replaced = hook(self, inputs, output)
+            if replaced is not None:
+                output = replaced
+        return output
 
     def extra_repr(self):
         return ""
@@ -201,6 +301,25 @@ class Layer:
         lines = [f"  ({name}): " + repr(child).replace("\n", "\n  ")
                  for name, child in self._children.items()]
         return f"{type(self).__name__}(\n" + "\n".join(lines) + "\n)"
+
+
+def _depth_first(layer, prefix, include_self):
+    """``(dotted name, layer)`` of ``layer``'s tree, parents before children, depth first in
+    registration order, each layer once."""
+    result = [(prefix, layer)] if include_self else []
+    seen = {id(layer)}
+
+    def visit(path, node):
+        for name, child in node._children.items():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            full = f"{path}.{name}" if path else name
+            result.append((full, child))
+            visit(full, child)
+
+    visit(prefix, layer)
+    return result
 
 
 def _checked(name, value, shape):

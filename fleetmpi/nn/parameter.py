@@ -1,20 +1,30 @@
-"""``Parameter``: a named trainable array and its gradient, both views into flat buffers."""
+"""``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers."""
 import numpy as np
 
 from .. import backend
+from ..autograd import Tensor
 
 
-class Parameter:
-    """A trainable array. ``data`` and ``grad`` are views into the model's flat buffers once the
-    model is flattened; read them afresh rather than keeping references across a repack."""
+class Parameter(Tensor):
+    """A trainable leaf tensor (``stop_gradient=False`` unless ``trainable=False``). ``data``
+    and ``grad`` are views into the model's flat buffers once the model is flattened; read
+    them afresh rather than keeping references across a repack. ``grad`` always exists (zero
+    until a backward adds to it)."""
 
-    def __init__(self, value):
-        self.data = backend.asarray(value)
+    def __init__(self, value, trainable=True):
+        super().__init__(backend.asarray(value), stop_gradient=not trainable)
         self.grad = backend.array_module().zeros_like(self.data)
         self.buffer = None
         self.offset = None
-        self.name = None
         self.pipeline_stage = None
+
+    @property
+    def trainable(self):
+        return not self.stop_gradient
+
+    @trainable.setter
+    def trainable(self, value):
+        self.stop_gradient = not value
 
     def _bind(self, buffer, offset):
         stop = offset + self.size
@@ -24,16 +34,8 @@ class Parameter:
         self.offset = offset
 
     @property
-    def shape(self):
-        return self.data.shape
-
-    @property
-    def dtype(self):
-        return self.data.dtype
-
-    @property
     def size(self):
         return int(np.prod(self.data.shape))
 
     def __repr__(self):
-        return f"Parameter({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"Parameter({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"

@@ -8,6 +8,7 @@ backward leaves the gradient as those same distinct row ids with one summed grad
 import numpy as np
 
 from .. import backend
+from ..autograd import Tensor
 
 
 class SparseTable:
@@ -25,6 +26,10 @@ class SparseTable:
         self.grad_values = None
         self._ids = None
         self._inverse = None
+        # An empty tensor that requires a gradient, so that lookups are recorded for backward
+        # (the rows themselves are not a parameter of this process).
+        self.anchor = Tensor(backend.array_module().zeros(0, dtype=self.dtype),
+                             stop_gradient=False)
 
     def lookup(self, ids):
         """The rows of ``ids`` (any shape), shaped ``ids.shape + (dim,)``."""

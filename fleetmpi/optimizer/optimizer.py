@@ -112,7 +112,10 @@ class Optimizer:
             raise ValueError(f"{type(self).__name__} needs parameters=model.parameters()")
         parameters = list(parameters)
         if not parameters:
-            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+            raise ValueError(f"{type(self).__name__} got an empty parameter list: the model "
+                             "has no parameters. A Layer registers the sublayers and "
+                             "parameters assigned to its attributes after super().__init__(); "
+                             "check that the model's __init__ assigns them there")
         if isinstance(learning_rate, LRScheduler):
             self._learning_rate = learning_rate
         else:
@@ -121,6 +124,7 @@ class Optimizer:
             "weight_decay", weight_decay, 0, np.inf)
         self.grad_clip = check_grad_clip(grad_clip)
         self._parameters = parameters
+        self._parameter_ids = frozenset(map(id, parameters))
         self._runs = _runs(parameters)
         # What step() updates: the whole space, or the pieces of one shard of it, each with
         # its [start, stop) in the space.
@@ -154,9 +158,16 @@ class Optimizer:
         """``(flat data, flat grad)`` of every contiguous run of the parameters."""
         return [(run.data, run.grad) for run in self._runs]
 
+    def owns(self, parameter):
+        """Whether ``parameter`` is one this optimizer updates."""
+        return id(parameter) in self._parameter_ids
+
     def clear_grad(self):
+        """Zero the gradients (Paddle's ``clear_grad``; ``clear_gradients`` is the same)."""
         for run in self._runs:
             run.grad[...] = 0
+
+    clear_gradients = clear_grad
 
     def clipped_grads(self):
         """The flat gradient of every run the update covers, as the update uses it: the
@@ -208,10 +219,19 @@ class Optimizer:
                     views = {name: run.view(flat, p) for name, flat in state.items()}
                     self._reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
 
-    def minimize(self, model, loss_fn, x, y):
-        """One training step on this process alone: forward, backward, update. Returns the mean
-        loss as a 0-d backend array."""
-        return run_step([], StepContext(model, loss_fn, x, y, self))
+    def minimize(self, *args):
+        """``minimize(loss)``: ``loss.backward()`` then ``step()`` (Paddle dygraph); or
+        ``minimize(model, loss_fn, x, y)``: one whole training step on this process alone
+        (gradients zeroed, forward, backward, update), returning the mean loss as a 0-d
+        backend array."""
+        if len(args) == 1:
+            args[0].backward()
+            self.step()
+            return None
+        if len(args) != 4:
+            raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
+                            f"{len(args)} arguments")
+        return run_step([], StepContext(*args, self))
 
     def _fused_update(self, param, grad, state, lr):
         raise NotImplementedError(f"{type(self).__name__} does not define its update")

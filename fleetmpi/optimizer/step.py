@@ -9,8 +9,8 @@ where a reducer can start on a bucket before backward has finished.
 Forward, backward and update (with every hook's part in them) are events of the timeline
 (``fleetmpi.timeline``, lane ``compute``), each with the step's index.
 """
-from .. import timeline
-
+from .. import backend, timeline
+from ..autograd import as_array, run_backward
 
 
 class StepContext:
@@ -33,6 +33,7 @@ class StepContext:
         self.apply_update = True
         self.loss = None
         self.output = None
+        self.loss_scale = 1
 
 
 class StepHook:
@@ -58,17 +59,36 @@ class StepHook:
 
 
 def _forward(ctx):
-    ctx.output = ctx.model.forward(ctx.x)
-    ctx.loss = ctx.loss_fn.forward(ctx.output, ctx.y)
+    ctx.output = ctx.model(ctx.x)
+    ctx.loss = ctx.loss_fn(ctx.output, ctx.y)
+
+
+def gradient_reporter(hooks, ctx):
+    """What the engine calls as each leaf's gradient becomes final: every hook's
+    ``on_gradient`` with the leaf, when it is a parameter of the step's optimizer."""
+    owns = ctx.optimizer.owns
+
+    def report(leaf):
+        if owns(leaf):
+            for hook in hooks:
+                hook.on_gradient(ctx, [leaf])
+    return report
+
+
+def backward_pass(hooks, ctx):
+    """``ctx.loss``'s backward, its gradient scaled by ``ctx.loss_scale`` (amp), reporting
+    each parameter of the optimizer to the hooks as its gradient becomes final."""
+    grad = None
+    if ctx.loss_scale != 1:
+        xp = backend.array_module()
+        grad = xp.full(ctx.loss.data.shape, ctx.loss_scale, dtype=ctx.loss.data.dtype)
+    run_backward([ctx.loss], [grad], gradient_reporter(hooks, ctx) if hooks else None)
 
 
 def _backward_with(hooks):
     def backward(ctx):
-        def report(parameters):
-            for hook in hooks:
-                hook.on_gradient(ctx, parameters)
-
-        ctx.model.backward(ctx.loss_fn.backward(), report if hooks else None, input_grad=False)
+        ctx.optimizer.clear_grad()
+        backward_pass(hooks, ctx)
     return backward
 
 
@@ -90,16 +110,42 @@ def _chain(hooks, stage, innermost):
     return call
 
 
-def run_step(hooks, ctx):
-    """Run one step through ``hooks``; returns the local mean loss (a 0-d backend array)."""
+def run_forward(hooks, ctx, forward=_forward):
     with timeline.span("forward", step=ctx.step):
-        _chain(hooks, "forward", _forward)(ctx)
+        _chain(hooks, "forward", forward)(ctx)
+
+
+def run_backward_stage(hooks, ctx, backward=None):
     with timeline.span("backward", step=ctx.step):
-        _chain(hooks, "backward", _backward_with(hooks))(ctx)
+        _chain(hooks, "backward", backward or _backward_with(hooks))(ctx)
+
+
+def finish_step(hooks, ctx):
+    """The stages after backward: gradient reduction, update, after-step."""
     _chain(hooks, "reduce", _nothing)(ctx)
     with timeline.span("update", step=ctx.step) as event:
         _chain(hooks, "update", _update)(ctx)
         if event:
             event.args["applied"] = bool(ctx.apply_update)
     _chain(hooks, "after_step", _nothing)(ctx)
-    return ctx.loss
+
+
+_running = 0
+
+
+def step_running():
+    """Whether a ``run_step`` is under way (a model called inside it is part of that step)."""
+    return _running > 0
+
+
+def run_step(hooks, ctx):
+    """Run one step through ``hooks``; returns the local mean loss (a 0-d backend array)."""
+    global _running
+    _running += 1
+    try:
+        run_forward(hooks, ctx)
+        run_backward_stage(hooks, ctx)
+        finish_step(hooks, ctx)
+    finally:
+        _running -= 1
+    return as_array(ctx.loss)

@@ -64,7 +64,7 @@ def main():
         setattr(strategy, field, value)
     opt = fleet.distributed_optimizer(optimizer.Momentum(
         learning_rate=0.01, momentum=0.9, parameters=model.parameters()), strategy)
-    loss_fn = nn.SoftmaxCrossEntropy()
+    loss_fn = nn.CrossEntropyLoss()
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(world.Get_rank())
     classes = model.forward(np.zeros((1,) + _input_shape(args.model),

@@ -1,0 +1,132 @@
+"""``Function``: a differentiable operation, with ``forward`` and ``backward`` over arrays.
+
+Subclass it and call ``MyOp.apply(*args)``. ``forward(ctx, *args)`` receives the arrays of the
+Tensor arguments (other arguments as they are) and returns an array or a tuple of arrays;
+``backward(ctx, *grads)`` receives the gradient of each output (None for an output nothing
+used) and returns one gradient per argument of ``forward`` (None where there is none). ``ctx``
+is the recorded call itself: keep what backward needs on it (``ctx.save_for_backward(...)``
+and ``ctx.saved_tensor()``, or plain attributes), and ``ctx.needs_input_grad[i]`` tells
+whether argument ``i`` needs a gradient. This is Chainer's ``FunctionNode``, PyTorch's
+``autograd.Function`` and Paddle's ``PyLayer`` in one form; forward and backward work on
+arrays so that a backward can launch a RawKernel directly.
+
+``op_type`` names the Paddle operator the function computes (``"matmul"``, ``"conv2d"``,
+``"elementwise_add"``...): amp's white and black lists refer to these names
+(``Function.op_types()`` lists every one defined). Under ``autocast`` a function with an
+``op_type`` gets its floating inputs cast to the policy's dtype for it first.
+
+A call is recorded only when recording is on and some Tensor argument requires a gradient;
+otherwise forward runs and its outputs are plain leaves.
+"""
+import itertools
+
+from . import autocast as _autocast
+from . import grad_mode as _grad_mode
+from .tensor import Tensor
+
+_sequence = itertools.count()
+_op_types = set()
+
+
+class Function:
+    """Base of every differentiable operation (module docstring)."""
+
+    op_type = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("op_type"):
+            _op_types.add(cls.op_type)
+
+    @staticmethod
+    def op_types():
+        """Every ``op_type`` a Function defined so far names."""
+        return frozenset(_op_types)
+
+    def save_for_backward(self, *values):
+        self._saved = values
+
+    def saved_tensor(self):
+        return self._saved
+
+    @property
+    def saved_tensors(self):
+        return self._saved
+
+    def forward(self, *args):
+        raise NotImplementedError(f"{type(self).__name__} does not define forward")
+
+    def backward(self, *grads):
+        raise NotImplementedError(f"{type(self).__name__} does not define backward")
+
+    @classmethod
+    def apply(cls, *args, **kwargs):
+        policy = _autocast._policy
+        if policy is not None and cls.op_type is not None:
+            dtype = policy.dtype_for(cls.op_type)
+            if dtype is not None:
+                args = tuple(_cast_input(a, dtype) for a in args)
+        record = _grad_mode._enabled
+        arrays = []
+        inputs = []
+        for position, arg in enumerate(args):
+            if isinstance(arg, Tensor):
+                arrays.append(arg.data)
+                if record and not arg.stop_gradient:
+                    inputs.append((position, arg))
+            else:
+                arrays.append(arg)
+        node = cls.__new__(cls)
+        node._saved = None
+        if inputs:
+            needs = [False] * len(args)
+            for position, _ in inputs:
+                needs[position] = True
+            node.needs_input_grad = tuple(needs)
+        else:
+            node.needs_input_grad = (False,) * len(args)
+        result = cls.forward(node, *arrays, **kwargs)
+        if not inputs:
+            if isinstance(result, tuple):
+                return tuple(Tensor(r) for r in result)
+            return Tensor(result)
+        node._inputs = inputs
+        node._seq = next(_sequence)
+        if isinstance(result, tuple):
+            node._n_outputs = len(result)
+            outputs = []
+            for index, array in enumerate(result):
+                out = Tensor(array, stop_gradient=False)
+                out._node = node
+                out._index = index
+                outputs.append(out)
+            return tuple(outputs)
+        node._n_outputs = 1
+        out = Tensor(result, stop_gradient=False)
+        out._node = node
+        return out
+
+
+class Cast(Function):
+    """``x`` in ``dtype``; the gradient goes back in ``x``'s dtype."""
+
+    op_type = "cast"
+
+    def forward(self, x, dtype):
+        self.source = x.dtype
+        return x.astype(dtype)
+
+    def backward(self, dy):
+        return dy.astype(self.source), None
+
+
+def _cast_input(arg, dtype):
+    """A floating Tensor or array argument in ``dtype`` (Tensors through a recorded cast)."""
+    if isinstance(arg, Tensor):
+        if arg.data.dtype.kind == "f" and arg.data.dtype != dtype:
+            return Cast.apply(arg, dtype)
+        return arg
+    if hasattr(arg, "dtype") and getattr(arg, "ndim", 0) and arg.dtype.kind == "f" \
+            and arg.dtype != dtype:
+        return arg.astype(dtype)
+    return arg

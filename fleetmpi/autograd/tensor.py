@@ -1,0 +1,137 @@
+"""``Tensor``: an array of the backend (NumPy or CuPy) that remembers the operation that made
+it, so ``backward()`` can compute gradients (define-by-run, as Chainer and Paddle dygraph).
+
+``stop_gradient`` is Paddle's flag (``requires_grad`` is its negation, PyTorch's name): a
+tensor made by ``to_tensor`` does not require a gradient unless asked; parameters do; the
+result of an operation requires one when any of its inputs does and recording is on (not
+inside ``no_grad``). ``grad`` is an array of the backend (for a parameter, a view into the
+model's flat gradient buffer). Python operators and methods (``+``, ``@``, ``sum``,
+``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
+"""
+import numpy as np
+
+from .. import backend
+from . import engine
+
+
+class Tensor:
+    """An array and its place in the recorded graph (``_node``: the call that made it, None
+    for a leaf; ``_index``: which of that call's outputs it is)."""
+
+    # NumPy defers to the Tensor's reflected operators (ndarray + Tensor gives a Tensor).
+    __array_ufunc__ = None
+
+    def __init__(self, data, stop_gradient=True):
+        self.data = data
+        self.stop_gradient = stop_gradient
+        self.grad = None
+        self._node = None
+        self._index = 0
+        self.name = None
+
+    # -- what it is -------------------------------------------------------------------------
+    @property
+    def requires_grad(self):
+        return not self.stop_gradient
+
+    @requires_grad.setter
+    def requires_grad(self, value):
+        self.stop_gradient = not value
+
+    @property
+    def shape(self):
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def ndim(self):
+        return self.data.ndim
+
+    @property
+    def size(self):
+        return int(self.data.size)
+
+    @property
+    def is_leaf(self):
+        return self._node is None
+
+    def __len__(self):
+        return len(self.data)
+
+    # -- values -----------------------------------------------------------------------------
+    def numpy(self):
+        """The values as a host NumPy array (a copy from the GPU; the array itself on CPU)."""
+        return backend.to_numpy(self.data)
+
+    def item(self):
+        return self.data.item()
+
+    def __float__(self):
+        return float(self.data)
+
+    def __int__(self):
+        return int(self.data)
+
+    def __bool__(self):
+        return bool(self.data)
+
+    def __array__(self, dtype=None, copy=None):
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def set_value(self, value):
+        """Overwrite the values in place (Paddle's ``set_value``); the shape must match."""
+        value = value.data if isinstance(value, Tensor) else value
+        value = np.asarray(value) if isinstance(value, (list, tuple, float, int)) else value
+        if tuple(value.shape) != self.shape:
+            raise ValueError(f"set_value got shape {tuple(value.shape)} for a tensor of shape "
+                             f"{self.shape}")
+        self.data[...] = backend.asarray(value)
+
+    def detach(self):
+        """The same values, cut from the graph (no gradient flows through)."""
+        return Tensor(self.data, stop_gradient=True)
+
+    # -- gradients --------------------------------------------------------------------------
+    def backward(self, grad=None, retain_graph=False):
+        """Accumulate the gradients of this tensor into the leaves it was computed from.
+        ``grad``: the gradient of what this tensor feeds (implied 1 for a one-element tensor).
+        The graph is freed; ``retain_graph=True`` is not supported."""
+        if retain_graph:
+            raise NotImplementedError("retain_graph=True is not supported: a graph is freed "
+                                      "by its backward; run the forward again")
+        engine.backward(self, grad)
+
+    def clear_gradient(self):
+        """Zero ``grad`` (Paddle's name; ``clear_grad`` is the same)."""
+        if self.grad is not None:
+            self.grad[...] = 0
+
+    clear_grad = clear_gradient
+
+    def __repr__(self):
+        grad = "" if self.stop_gradient else ", stop_gradient=False"
+        return (f"Tensor(shape={list(self.shape)}, dtype={self.dtype}{grad},\n       "
+                f"{np.array2string(self.numpy(), prefix='       ')})")
+
+    # Tensors are compared by identity, so they can be dict keys and set members.
+    __hash__ = object.__hash__
+
+
+def to_tensor(data, dtype=None, stop_gradient=True):
+    """A leaf tensor of ``data`` (a NumPy/CuPy array, a list, a number or a Tensor) on the
+    backend's device; Paddle's ``paddle.to_tensor``."""
+    if isinstance(data, Tensor):
+        data = data.data
+    array = backend.asarray(data, dtype=dtype)
+    return Tensor(array, stop_gradient=stop_gradient)
+
+
+def as_array(value):
+    """The backend array of a Tensor, or of an array-like."""
+    if isinstance(value, Tensor):
+        return value.data
+    return value

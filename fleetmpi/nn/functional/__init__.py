@@ -1,0 +1,15 @@
+"""``fleetmpi.nn.functional``: the differentiable operations layers are built from (Paddle's
+``paddle.nn.functional``). Each takes Tensors or plain NumPy/CuPy arrays and returns a Tensor.
+"""
+from ...autograd.operations import sigmoid, tanh
+from .activation import activation, gelu, log_softmax, relu, softmax
+from .conv import adaptive_avg_pool2d, avg_pool2d, conv2d, global_avg_pool, max_pool2d
+from .common import dropout, embedding, linear, linear_activation
+from .norm import batch_norm, layer_norm
+from .loss import cross_entropy, mse_loss
+
+__all__ = [
+    "activation", "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "layer_norm", "conv2d", "global_avg_pool",
+    "max_pool2d", "cross_entropy", "dropout", "embedding", "gelu", "linear",
+    "linear_activation", "log_softmax", "mse_loss", "relu", "sigmoid", "softmax", "tanh",
+]

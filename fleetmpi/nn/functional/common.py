@@ -1,0 +1,148 @@
+"""Linear (plain and with a fused bias+activation), dropout and embedding."""
+import numpy as np
+
+from ... import backend, kernels
+from ...autograd import Function, Tensor
+from ...autograd.operations import matmul_arrays
+
+
+def _weight_grads(x, weight, dz, needs):
+    """``(dx, dweight, dbias)`` of ``z = x @ weight + bias`` from ``dz``."""
+    dx = matmul_arrays(dz, weight.T) if needs[0] else None
+    dw = db = None
+    if needs[1] or (len(needs) > 2 and needs[2]):
+        dz2 = dz.reshape(-1, dz.shape[-1])
+        if needs[1]:
+            dw = matmul_arrays(x.reshape(-1, x.shape[-1]).T, dz2)
+        if len(needs) > 2 and needs[2]:
+            db = dz2.sum(axis=0)
+    return dx, dw, db
+
+
+class Linear(Function):
+    """``x @ weight + bias`` over the last axis of ``x`` (``weight``: ``(in, out)``, Paddle's
+    layout)."""
+
+    op_type = "matmul"
+
+    def forward(self, x, weight, bias):
+        self.x, self.weight = x, weight
+        y = matmul_arrays(x, weight)
+        if bias is not None:
+            y += bias
+        return y
+
+    def backward(self, dy):
+        return _weight_grads(self.x, self.weight, dy, self.needs_input_grad)
+
+
+class LinearActivation(Function):
+    """``act(x @ weight + bias)`` with the bias and activation in one fused kernel
+    (``fuse_elewise_add_act_ops``); ``x`` is 2-d. Runs in the dtype of the matmul, as the
+    operator it is fused into."""
+
+    op_type = "matmul"
+
+    def forward(self, x, weight, bias, act):
+        self.x, self.weight, self.act = x, weight, act
+        self.y, self.pre = kernels.bias_act_forward(matmul_arrays(x, weight), bias, act)
+        return self.y
+
+    def backward(self, dy):
+        dz = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
+        return _weight_grads(self.x, self.weight, dz, self.needs_input_grad) + (None,)
+
+
+def linear(x, weight, bias=None):
+    return Linear.apply(x, weight, bias)
+
+
+def linear_activation(x, weight, bias, act):
+    return LinearActivation.apply(x, weight, bias, act)
+
+
+class Dropout(Function):
+    """Zero each input with probability ``p`` and scale the rest by ``1 / (1 - p)`` (Paddle's
+    ``upscale_in_train``). The mask comes from the rank generator
+    (``backend.rank_rng``), so it differs between ranks and is reproducible from the seed."""
+
+    op_type = "dropout"
+
+    def forward(self, x, p):
+        keep = backend.rank_rng().random(x.shape) >= p
+        self.scale = keep.astype(x.dtype) * (1.0 / (1.0 - p))
+        return x * self.scale
+
+    def backward(self, dy):
+        return dy * self.scale, None
+
+
+def check_dropout_rate(p):
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p < 1:
+        raise ValueError(f"dropout p must be a number in [0, 1), not {p!r}")
+    return float(p)
+
+
+def dropout(x, p=0.5, training=True):
+    """``x`` with dropout at rate ``p`` while ``training``; the identity otherwise."""
+    p = check_dropout_rate(p)
+    if not training or p == 0:
+        return x if isinstance(x, Tensor) else Tensor(backend.asarray(x))
+    return Dropout.apply(x, p)
+
+
+def check_indices(ids, num_embeddings, what="Embedding"):
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"{what} expects integer indices, got dtype {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
+        raise ValueError(f"{what} indices must lie in [0, {num_embeddings}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+class Embedding(Function):
+    """Rows of ``weight`` picked by integer ``ids``; the gradient of the rows is summed into
+    a dense gradient of ``weight`` (a scatter-add)."""
+
+    op_type = "lookup_table"
+
+    def forward(self, ids, weight):
+        check_indices(ids, weight.shape[0])
+        self.ids, self.shape = backend.array_module().asarray(ids), weight.shape
+        return weight[self.ids]
+
+    def backward(self, dy):
+        xp = backend.array_module()
+        grad = xp.zeros(self.shape, dtype=dy.dtype)
+        rows = self.ids.reshape(-1)
+        values = dy.reshape(-1, self.shape[1])
+        if backend.on_gpu():
+            import cupyx
+
+            cupyx.scatter_add(grad, rows, values)
+        else:
+            np.add.at(grad, rows, values)
+        return None, grad
+
+
+class SparseLookup(Function):
+    """Rows of a parameter-server ``SparseTable``: backward leaves the rows' summed gradient
+    in the table (``grad_ids``/``grad_values``) for the worker to push. ``anchor`` is the
+    table's gradient-requiring empty tensor, which gets the lookup recorded."""
+
+    op_type = "lookup_table"
+
+    def forward(self, ids, anchor, table):
+        self.table = table
+        return table.lookup(ids)
+
+    def backward(self, dy):
+        self.table.backward(dy)
+        return None, None, None
+
+
+def embedding(x, weight, sparse=False):
+    """The rows of ``weight`` at the integer indices ``x``; ``weight`` may be a
+    ``SparseTable`` (``sparse=True`` in parameter-server mode)."""
+    if sparse:
+        return SparseLookup.apply(x, weight.anchor, weight)
+    return Embedding.apply(x, weight)
