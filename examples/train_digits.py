@@ -2,7 +2,8 @@
 
     mpiexec -n 2 python examples/train_digits.py
 
-Every rank trains on its own shard of each epoch (the distributed sampler), gradients are
+The model is a user-defined ``nn.Layer`` with a ``forward``, trained in Paddle dygraph's idiom
+(``loss.backward(); opt.step(); opt.clear_grad()``). Every rank trains on its own shard of each epoch (the distributed sampler), gradients are
 averaged over the ranks after every step, and rank 0 shows a progress bar with the loss, the
 training throughput and the time left (one line per epoch when the output is not a terminal),
 then the test accuracy. Needs scikit-learn (``pip install
@@ -14,8 +15,22 @@ import time
 import numpy as np
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import backend, data, nn, optimizer, progress
 from fleetmpi.optimizer import lr
+
+
+class DigitsNet(nn.Layer):
+    """Two hidden ReLU layers of ``hidden`` units over the 64 pixels, 10 class logits."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(64, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc2(F.relu(self.fc1(x)))))
 
 
 def parse_args():
@@ -32,9 +47,10 @@ def parse_args():
 
 def evaluate(model, dataset):
     model.eval()
-    logits = model.forward(backend.asarray(dataset.features))
+    with fleet.no_grad():
+        logits = model(backend.asarray(dataset.features))
     model.train()
-    predicted = backend.to_numpy(logits.argmax(axis=1))
+    predicted = logits.numpy().argmax(axis=1)
     return float((predicted == dataset.labels).mean())
 
 
@@ -44,16 +60,14 @@ def main():
     backend.manual_seed(args.seed)
     train, test = data.load_digits()
 
-    model = fleet.distributed_model(nn.MLP([64, args.hidden, args.hidden, 10]))
+    model = fleet.distributed_model(DigitsNet(args.hidden))
     schedule = lr.LinearWarmup(lr.CosineAnnealingDecay(args.learning_rate, T_max=args.epochs),
                                warmup_steps=2, start_lr=0.0, end_lr=args.learning_rate)
     strategy = fleet.DistributedStrategy()
     strategy.fuse_all_optimizer_ops = True
-    strategy.fuse_elewise_add_act_ops = True
     opt = fleet.distributed_optimizer(
         optimizer.Momentum(learning_rate=schedule, momentum=0.9, parameters=model.parameters(),
                            use_nesterov=True, weight_decay=1e-4), strategy)
-    loss_fn = nn.CrossEntropyLoss()
     sampler = data.DistributedSampler(len(train), args.batch_size)
 
     start = time.perf_counter()
@@ -62,10 +76,14 @@ def main():
         sampler.set_epoch(epoch)
         losses = []
         for x, y in train.batches(sampler):
-            losses.append(opt.minimize(model, loss_fn, x, y))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(loss.item())
             bar.step(len(x) * fleet.worker_num(), loss=losses[-1])
         schedule.step()
-        bar.end_epoch(loss=float(np.mean([float(loss) for loss in losses])))
+        bar.end_epoch(loss=float(np.mean(losses)))
     bar.close()
     accuracy = evaluate(model, test)
     if fleet.is_first_worker():

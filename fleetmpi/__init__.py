@@ -5,9 +5,8 @@
     strategy = fleet.DistributedStrategy()
 """
 from . import autograd, nn, optimizer
-from .autograd import (Function, Tensor, concat, enable_grad, exp, is_grad_enabled, log, matmul,
-                       max, mean, no_grad, reshape, sigmoid, split, sqrt, stack, sum, tanh,
-                       to_tensor, transpose)
+from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
+                       reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
 from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
@@ -22,9 +21,8 @@ from .world import (barrier_worker, init, is_first_worker, local_rank, local_siz
 __version__ = "0.1.0"
 
 __all__ = [
-    "Function", "Tensor", "autograd", "concat", "enable_grad", "exp", "is_grad_enabled", "log",
-    "matmul", "max", "mean", "no_grad", "reshape", "seed", "sigmoid", "split", "sqrt", "stack",
-    "sum", "tanh", "to_tensor", "transpose",
+    "Function", "Tensor", "autograd", "concat", "enable_grad", "is_grad_enabled", "matmul",
+    "no_grad", "reshape", "seed", "split", "stack", "to_tensor", "transpose",
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
     "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "applied_strategy", "barrier_worker",
     "device_guard", "distributed_model", "distributed_optimizer", "init", "init_server",

@@ -31,6 +31,9 @@ _applied = None
 # id(parameter) -> the DistributedOptimizer built last over it, whose step a call of a model
 # holding the parameter opens.
 _owners = weakref.WeakValueDictionary()
+# Strategies whose forward stage changes how the model computes (casts, recomputation,
+# global batch statistics), so the forward must run inside their step.
+_FORWARD_STRATEGIES = frozenset({"amp", "recompute", "sync_batch_norm"})
 
 
 def applied_strategy():
@@ -280,6 +283,12 @@ class DistributedOptimizer:
         distributed_model): the strategies' forward stages with nothing to run, and every
         parameter reported as final at once, in buffer order."""
         self._refuse_dygraph()
+        during_forward = sorted(set(self.strategies) & _FORWARD_STRATEGIES)
+        if during_forward:
+            raise RuntimeError(f"strategy {', '.join(during_forward)} acts while the model runs "
+                               "forward, but this step's backward ran without a step opened by "
+                               "calling the model: pass the model through "
+                               "fleet.distributed_model(model) before training")
         ctx = StepContext(None, None, None, None, self.inner, step=self.step_count)
         run_forward(self.hooks, ctx, lambda ctx: None)
 

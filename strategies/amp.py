@@ -1,28 +1,28 @@
 """amp: automatic mixed precision with float32 master weights and dynamic loss scaling.
 
-Every leaf layer names the Paddle operator it computes (``Layer.op_type``). Operators on the
-white list (``matmul`` and ``conv2d``, plus ``custom_white_list``) compute in float16, those on
-the black list (``batch_norm`` and ``softmax_with_cross_entropy``, plus ``custom_black_list``)
-in float32, and the rest (gray) in the dtype their input comes in. A custom white-list entry
-takes the operator off the default black list; a custom black-list entry wins over every white
-list. The parameters stay float32 (the master weights): a float16 layer casts them for its math
-and writes its float16 weight gradients into the float32 gradient buffer.
-
-The casts are set on the layer instances for the forward and backward of each step and taken
-off afterwards, so a recompute that re-runs layers one by one keeps them, and the same model
-trains without amp under another optimizer. A fused activation
-(``fuse_elewise_add_act_ops``, ``fuse_bn_act_ops``) runs in the dtype of the layer it is fused
+Every ``Function`` of the trainer names the Paddle operator it computes (``op_type``).
+Operators on the white list (``matmul`` and ``conv2d``, plus ``custom_white_list``) compute in
+float16, those on the black list (``batch_norm`` and ``softmax_with_cross_entropy``, plus
+``custom_black_list``) in float32, and the rest (gray) in the dtype their inputs come in. A
+custom white-list entry takes the operator off the default black list; a custom black-list entry
+wins over every white list. The policy is applied per operator call (``fleetmpi.autograd``'s
+``autocast``) from the step's forward stage to the end of its backward stage, so it covers any
+model, built-in layers or a user's own ``forward``, and the loss computed after the model in the
+dygraph idiom. The casts are recorded operations: the parameters stay float32 (the master
+weights), a float16 operator computes with a float16 copy of them, and the gradient of that copy
+comes back through the cast as float32 into the float32 gradient buffer. A fused activation
+(``fuse_elewise_add_act_ops``, ``fuse_bn_act_ops``) runs in the dtype of the operator it is fused
 into.
 
-Loss scaling: the loss gradient is multiplied by ``loss_scaling`` so that small gradients do not
-flush to zero in float16, and each parameter's gradient is divided by it as backward reports it,
-before gradient_merge and the allreduce see it. After the gradient reduction, on a step that
-would update, the gradients are checked for inf and NaN; the verdict is combined over the ranks
-(so every rank agrees even when gradients were not averaged this step), and a step that
-overflowed anywhere is skipped everywhere: gradients zeroed, no optimizer update, parameters and
-optimizer state untouched, and the layers' buffers (batch-norm running statistics) set back to
-what they were before the forward passes that led to it, so an overflowing forward leaves no
-inf or NaN in them. The scale then follows Paddle's ``update_loss_scaling`` rule, in
+Loss scaling: the loss gradient is ``loss_scaling`` instead of 1 (``StepContext.loss_scale``) so
+that small gradients do not flush to zero in float16, and each parameter's gradient is divided by
+it as backward reports it, before gradient_merge and the allreduce see it. After the gradient
+reduction, on a step that would update, the gradients are checked for inf and NaN; the verdict is
+combined over the ranks (so every rank agrees even when gradients were not averaged this step),
+and a step that overflowed anywhere is skipped everywhere: gradients zeroed, no optimizer update,
+parameters and optimizer state untouched, and the layers' buffers (batch-norm running statistics)
+set back to what they were before the forward passes that led to it, so an overflowing forward
+leaves no inf or NaN in them. The scale then follows Paddle's ``update_loss_scaling`` rule, in
 float32 like Paddle's: after ``decr_every_n_nan_or_inf`` consecutive overflowing steps it is
 multiplied by ``decr_ratio`` (never below 1), after ``incr_every_n_steps`` consecutive finite
 steps by ``incr_ratio`` (kept only while finite), each counter restarting from zero when the
@@ -33,13 +33,12 @@ other kind of step comes or the scale changes. ``use_dynamic_loss_scaling=False`
 import numpy as np
 
 from .. import backend
-from ..nn.layers import MixedPrecisionLayer
+from ..autograd import Function, autocast
 from .base import Strategy
 
-OP_TYPES = ("matmul", "conv2d", "batch_norm", "relu", "tanh", "gelu", "dropout", "pool2d",
-            "flatten", "lookup_table", "softmax_with_cross_entropy")
-# Paddle's other names of the operator a Linear layer computes.
-ALIASES = {"mul": "matmul", "matmul_v2": "matmul"}
+# Paddle's other names of the operators this trainer computes.
+ALIASES = {"mul": "matmul", "matmul_v2": "matmul", "lookup_table_v2": "lookup_table",
+           "elementwise_max": "reduce_max"}
 DEFAULT_WHITE_LIST = frozenset({"matmul", "conv2d"})
 DEFAULT_BLACK_LIST = frozenset({"batch_norm", "softmax_with_cross_entropy"})
 FLOAT16 = np.dtype("float16")
@@ -47,15 +46,15 @@ FLOAT32 = np.dtype("float32")
 _STATE_KEYS = ("loss_scaling", "good_steps", "bad_steps", "skipped_steps")
 
 
-def op_type(obj):
-    """The operator a layer or loss function computes (its ``op_type``), aliases resolved."""
-    declared = getattr(obj, "op_type", None)
-    return ALIASES.get(declared, declared)
+def known_operators():
+    """Every operator name the lists may hold: the ``op_type`` of each Function defined so
+    far (a user's own included) and Paddle's aliases of them."""
+    return (set(Function.op_types()) - {"cast"}) | set(ALIASES)
 
 
 def _operators(key, names):
     """The operators ``names`` (a custom list of amp_configs) refer to, aliases resolved."""
-    known = sorted(set(OP_TYPES) | set(ALIASES))
+    known = sorted(known_operators())
     for name in names:
         if name not in known:
             raise ValueError(f"amp_configs.{key} names {name!r}, which is not an operator of "
@@ -75,71 +74,19 @@ def op_lists(configs):
     return (DEFAULT_WHITE_LIST | white) - black, (DEFAULT_BLACK_LIST - white) | black
 
 
-def _cast(array, dtype):
-    """A floating ``array`` in ``dtype``; anything else (integer indices) as it is."""
-    if array is None or dtype is None or array.dtype.kind != "f" or array.dtype == dtype:
-        return array
-    return array.astype(dtype)
+class CastPolicy:
+    """The autocast policy of amp's lists: float16 for a white-list operator, float32 for a
+    black-list one, None (the inputs' dtype) for the rest."""
 
+    def __init__(self, white_list, black_list):
+        self.white_list, self.black_list = frozenset(white_list), frozenset(black_list)
 
-class _CastLayer:
-    """The instance-level forward and backward methods that make one layer compute in
-    ``dtype``: floating inputs and output gradients cast to it on the way in, the input
-    gradient cast back to the dtype the input came in."""
-
-    METHODS = ("forward", "forward_act", "_backward", "backward_act")
-
-    def __init__(self, layer, dtype):
-        self.dtype = dtype
-        self.input_dtype = None
-        self.inner = {name: getattr(layer, name) for name in self.METHODS
-                      if hasattr(layer, name)}
-
-    def methods(self):
-        return {name: getattr(self, name) for name in self.inner}
-
-    def forward(self, x):
-        self.input_dtype = x.dtype
-        return self.inner["forward"](_cast(x, self.dtype))
-
-    def forward_act(self, x, act):
-        self.input_dtype = x.dtype
-        return self.inner["forward_act"](_cast(x, self.dtype), act)
-
-    def _backward(self, dy, input_grad):
-        dx = self.inner["_backward"](_cast(dy, self.dtype), input_grad)
-        return _cast(dx, self.input_dtype)
-
-    def backward_act(self, dy, act, input_grad=True):
-        # The layer's backward_act ends in its _backward, which is the one above.
-        return self.inner["backward_act"](_cast(dy, self.dtype), act, input_grad)
-
-
-class _ScaledLoss:
-    """The step's loss function under amp: logits cast to ``dtype`` (float32 for the
-    black-listed softmax_with_cross_entropy), the loss gradient multiplied by ``scale`` and
-    returned in the dtype the logits came in. The loss itself is not scaled."""
-
-    def __init__(self, loss_fn, dtype, scale):
-        self.loss_fn = loss_fn
-        self.dtype = dtype
-        self.scale = scale
-        self.logits_dtype = None
-
-    def forward(self, logits, labels):
-        self.logits_dtype = logits.dtype
-        return self.loss_fn.forward(_cast(logits, self.dtype), labels)
-
-    __call__ = forward
-
-    def backward(self, dloss=1.0):
-        return _cast(self.loss_fn.backward(dloss * self.scale), self.logits_dtype)
-
-    def __getattr__(self, name):
-        return getattr(self.loss_fn, name)
-
-
-_MISSING = object()
+    def dtype_for(self, op):
+        if op in self.white_list:
+            return FLOAT16
+        if op in self.black_list:
+            return FLOAT32
+        return None
 
 
 class AMP(Strategy):
@@ -163,9 +110,9 @@ class AMP(Strategy):
         self.good_steps = 0
         self.bad_steps = 0
         self.skipped_steps = 0
+        self.policy = CastPolicy(self.white_list, self.black_list)
         self._inverse = np.float32(1)
-        self._undo = []
-        self._loss_fn = None
+        self._autocast = None
         self._saved_buffers = None
 
     @classmethod
@@ -185,68 +132,33 @@ class AMP(Strategy):
     def compute_dtype(self, op):
         """float16 for a white-list operator, float32 for a black-list one, None (the input's
         dtype) for the rest."""
-        if op in self.white_list:
-            return FLOAT16
-        if op in self.black_list:
-            return FLOAT32
-        return None
+        return self.policy.dtype_for(op)
 
-    # -- casts for one step -----------------------------------------------------------------
-    def _set(self, obj, name, value):
-        """Set ``obj.name`` on the instance for this step, remembering what to restore."""
-        self._undo.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        obj.__dict__[name] = value
-
-    def _restore(self):
-        while self._undo:
-            obj, name, old = self._undo.pop()
-            if old is _MISSING:
-                del obj.__dict__[name]
-            else:
-                obj.__dict__[name] = old
-
-    def _cast_layers(self, model):
-        if not hasattr(model, "named_sublayers"):
-            raise TypeError(f"amp casts the layers of a fleetmpi.nn.Layer model, not of a "
-                            f"{type(model).__name__}")
-        seen = set()
-        for layer in [model] + [layer for _, layer in model.named_sublayers()]:
-            dtype = self.compute_dtype(op_type(layer))
-            if dtype is None or id(layer) in seen:
-                continue
-            seen.add(id(layer))
-            if isinstance(layer, MixedPrecisionLayer):
-                self._set(layer, "compute_dtype", dtype)
-            else:
-                for name, method in _CastLayer(layer, dtype).methods().items():
-                    self._set(layer, name, method)
-
+    # -- the policy for one step ------------------------------------------------------------
     def _enter(self, ctx):
-        self._restore()
+        self._leave()
         self._inverse = np.float32(1) / self._scale
-        self._cast_layers(ctx.model)
-        self._loss_fn = ctx.loss_fn
-        ctx.loss_fn = _ScaledLoss(ctx.loss_fn, self.compute_dtype(op_type(ctx.loss_fn)),
-                                  self._scale)
+        ctx.loss_scale = float(self._scale)
+        self._autocast = autocast(self.policy)
+        self._autocast.__enter__()
 
-    def _leave(self, ctx):
-        self._restore()
-        if self._loss_fn is not None:
-            ctx.loss_fn = self._loss_fn
-            self._loss_fn = None
+    def _leave(self):
+        if self._autocast is not None:
+            self._autocast.__exit__(None, None, None)
+            self._autocast = None
 
     # -- step stages ------------------------------------------------------------------------
     # Overflow to inf or NaN in float16 is expected under loss scaling and handled by skipping
     # the step, so NumPy's overflow warnings are silenced while layers compute.
     def forward(self, ctx, proceed):
         self._enter(ctx)
-        if self._saved_buffers is None:
+        if self._saved_buffers is None and ctx.model is not None:
             self._save_buffers(ctx.model)
         try:
             with np.errstate(over="ignore", invalid="ignore"):
                 return proceed(ctx)
         except BaseException:
-            self._leave(ctx)
+            self._leave()
             raise
 
     def backward(self, ctx, proceed):
@@ -254,7 +166,7 @@ class AMP(Strategy):
             with np.errstate(over="ignore", invalid="ignore"):
                 return proceed(ctx)
         finally:
-            self._leave(ctx)
+            self._leave()
 
     def on_gradient(self, ctx, parameters):
         if self._inverse != 1:
