@@ -65,9 +65,15 @@ def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
 
 class GradientAllreduce(Strategy):
     """Averages the gradients over the ranks, bucket by bucket, on every step whose
-    ``ctx.sync_gradients`` is on. Buckets never reported during backward (parameters that got
-    no gradient this step) are reduced in the reduce stage, in buffer order, so every rank
-    issues the same collectives in the same order."""
+    ``ctx.sync_gradients`` is on.
+
+    Buckets are reduced in their index order only (as PyTorch DDP launches its buckets): a
+    bucket whose parameters are all final waits until every bucket before it has been
+    reduced. A bucket never completed during backward (a parameter that got no gradient this
+    step, a branch not taken on this rank) is reduced in the reduce stage with every bucket
+    after it, still in index order, so every rank issues the same collectives in the same
+    order even when ranks take different branches, and a parameter unused on some ranks gets
+    the average of the gradients (zero where unused) over all ranks."""
 
     name = "gradient_allreduce"
     compression = None
@@ -79,6 +85,7 @@ class GradientAllreduce(Strategy):
         max_layers = strategy.fuse_grad_size_in_TFLOPS if strategy.fuse_all_reduce_ops else None
         self.buckets = plan_gradient_buckets(optimizer._runs, bucket_bytes, max_layers)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
+        self._next = 0
 
     def _reduce(self, bucket):
         grad = bucket.grad
@@ -99,14 +106,16 @@ class GradientAllreduce(Strategy):
             if bucket is None:
                 continue
             bucket.pending -= 1
-            if bucket.pending == 0:
-                self._reduce(bucket)
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._reduce(self.buckets[self._next])
+            self._next += 1
 
     def reduce(self, ctx, proceed):
         for bucket in self.buckets:
             if ctx.sync_gradients and bucket.pending >= 0:
                 self._reduce(bucket)
             bucket.pending = bucket.size
+        self._next = 0
         return proceed(ctx)
 
 
