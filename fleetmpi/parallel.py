@@ -290,6 +290,7 @@ class DistributedOptimizer:
                                "calling the model: pass the model through "
                                "fleet.distributed_model(model) before training")
         ctx = StepContext(None, None, None, None, self.inner, step=self.step_count)
+        self.inner.settle_grads()
         run_forward(self.hooks, ctx, lambda ctx: None)
 
         def report(ctx):

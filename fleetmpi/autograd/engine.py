@@ -110,10 +110,20 @@ def _count_uses(roots):
 
 def _accumulate_leaf(leaf, grad):
     grad = _conformed(_array(grad), leaf.data)
-    if leaf.grad is None:
+    accumulate = getattr(leaf, "accumulate_grad", None)
+    if accumulate is not None:
+        accumulate(grad)
+    elif leaf.grad is None:
         leaf.grad = grad.copy()
     else:
         leaf.grad += grad
+
+
+def _add_pending(pending, node, index, grad):
+    slots = pending.get(node)
+    if slots is None:
+        slots = pending[node] = [None] * node._n_outputs
+    slots[index] = grad if slots[index] is None else slots[index] + grad
 
 
 def run_backward(roots, grads, on_leaf_ready=None):
@@ -125,10 +135,9 @@ def run_backward(roots, grads, on_leaf_ready=None):
             raise RuntimeError("backward() of a tensor that does not require a gradient "
                                "(stop_gradient=True): none of its inputs required one, or it "
                                "was computed under no_grad()")
-    node_uses, leaf_uses, leaves = _count_uses(roots)
+    node_uses, leaf_uses, _ = _count_uses(roots)
     pending = {}
     heap = []
-    nodes = {}
     for root, grad in zip(roots, grads):
         grad = _root_grad(root, grad)
         node = root._node
@@ -137,40 +146,34 @@ def run_backward(roots, grads, on_leaf_ready=None):
             if on_leaf_ready is not None and leaf_uses.get(id(root), 0) == 0:
                 on_leaf_ready(root)
             continue
-        slots = pending.setdefault(id(node), [None] * node._n_outputs)
-        index = root._index
-        slots[index] = grad if slots[index] is None else slots[index] + grad
-        if id(node) not in nodes and node_uses.get(id(node), 0) == 0:
-            nodes[id(node)] = node
-            heapq.heappush(heap, (-node._seq, id(node)))
+        fresh = node not in pending
+        _add_pending(pending, node, root._index, grad)
+        if fresh and node_uses.get(id(node), 0) == 0:
+            heapq.heappush(heap, (-node._seq, node))
     while heap:
-        _, key = heapq.heappop(heap)
-        node = nodes.pop(key)
-        out_grads = pending.pop(key)
-        inputs = node._inputs
-        node._inputs = None
-        in_grads = type(node).backward(node, *out_grads)
+        node = heapq.heappop(heap)[1]
+        in_grads = type(node).backward(node, *pending.pop(node))
         if not isinstance(in_grads, tuple):
             in_grads = (in_grads,)
-        node._saved = None
+        inputs = node._inputs
+        node._inputs = node._saved = None
+        count = len(in_grads)
         for position, tensor in inputs:
-            grad = in_grads[position] if position < len(in_grads) else None
+            grad = in_grads[position] if position < count else None
             child = tensor._node
             if child is None:
                 if grad is not None:
                     _accumulate_leaf(tensor, grad)
-                leaf_uses[id(tensor)] -= 1
-                if leaf_uses[id(tensor)] == 0 and on_leaf_ready is not None:
+                key = id(tensor)
+                leaf_uses[key] -= 1
+                if leaf_uses[key] == 0 and on_leaf_ready is not None:
                     on_leaf_ready(tensor)
                 continue
-            ckey = id(child)
             if grad is not None:
-                grad = _conformed(_array(grad), tensor.data)
-                slots = pending.setdefault(ckey, [None] * child._n_outputs)
-                index = tensor._index
-                slots[index] = grad if slots[index] is None else slots[index] + grad
-            node_uses[ckey] -= 1
-            if node_uses[ckey] == 0:
-                pending.setdefault(ckey, [None] * child._n_outputs)
-                nodes[ckey] = child
-                heapq.heappush(heap, (-child._seq, ckey))
+                _add_pending(pending, child, tensor._index, _conformed(_array(grad), tensor.data))
+            key = id(child)
+            node_uses[key] -= 1
+            if node_uses[key] == 0:
+                if child not in pending:
+                    pending[child] = [None] * child._n_outputs
+                heapq.heappush(heap, (-child._seq, child))

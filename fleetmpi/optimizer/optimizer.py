@@ -163,9 +163,17 @@ class Optimizer:
         return id(parameter) in self._parameter_ids
 
     def clear_grad(self):
-        """Zero the gradients (Paddle's ``clear_grad``; ``clear_gradients`` is the same)."""
-        for run in self._runs:
-            run.grad[...] = 0
+        """Zero the gradients (Paddle's ``clear_grad``; ``clear_gradients`` is the same),
+        lazily: see ``Parameter.clear_gradient``."""
+        for p in self._parameters:
+            p.clear_gradient()
+
+    def settle_grads(self):
+        """Make the flat gradient buffers hold every parameter's gradient (zeros promised by
+        ``clear_grad`` that no backward replaced are written now); anything that reads the
+        buffers directly calls this first."""
+        for p in self._parameters:
+            p.settle_gradient()
 
     clear_gradients = clear_grad
 
@@ -209,6 +217,7 @@ class Optimizer:
     def step(self):
         """Update every parameter (on a shard: the part of it in the shard) from its gradient,
         clipped first by ``grad_clip``."""
+        self.settle_grads()
         self.step_count += 1
         lr = self.get_lr()
         for run, grad, state in zip(self._update_runs, self.clipped_grads(), self._state):

@@ -83,6 +83,7 @@ def backward_pass(hooks, ctx):
         xp = backend.array_module()
         grad = xp.full(ctx.loss.data.shape, ctx.loss_scale, dtype=ctx.loss.data.dtype)
     run_backward([ctx.loss], [grad], gradient_reporter(hooks, ctx) if hooks else None)
+    ctx.optimizer.settle_grads()
 
 
 def _backward_with(hooks):

@@ -6,16 +6,25 @@ from ...autograd import Function, Tensor
 from ...autograd.operations import matmul_arrays
 
 
-def _weight_grads(x, weight, dz, needs):
-    """``(dx, dweight, dbias)`` of ``z = x @ weight + bias`` from ``dz``."""
+def _weight_grads(node, x, weight, dz):
+    """``(dx, dweight, dbias)`` of ``z = x @ weight + bias`` from ``dz``; the parameter
+    gradients go straight into the parameters' gradient memory when it is still zero."""
+    needs = node.needs_input_grad
     dx = matmul_arrays(dz, weight.T) if needs[0] else None
     dw = db = None
-    if needs[1] or (len(needs) > 2 and needs[2]):
+    if needs[1] or needs[2]:
+        xp = backend.array_module()
         dz2 = dz.reshape(-1, dz.shape[-1])
         if needs[1]:
-            dw = matmul_arrays(x.reshape(-1, x.shape[-1]).T, dz2)
-        if len(needs) > 2 and needs[2]:
-            db = dz2.sum(axis=0)
+            x2 = x.reshape(-1, x.shape[-1]).T
+            dw = node.grad_buffer(1, weight)
+            if dw is not None and x2.dtype == dw.dtype and dz2.dtype == dw.dtype:
+                xp.matmul(x2, dz2, out=dw)
+            else:
+                dw = matmul_arrays(x2, dz2)
+        if needs[2]:
+            db = node.grad_buffer(2, dz2[0])
+            db = dz2.sum(axis=0, out=db) if db is not None else dz2.sum(axis=0)
     return dx, dw, db
 
 
@@ -33,7 +42,7 @@ class Linear(Function):
         return y
 
     def backward(self, dy):
-        return _weight_grads(self.x, self.weight, dy, self.needs_input_grad)
+        return _weight_grads(self, self.x, self.weight, dy)
 
 
 class LinearActivation(Function):
@@ -50,7 +59,7 @@ class LinearActivation(Function):
 
     def backward(self, dy):
         dz = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
-        return _weight_grads(self.x, self.weight, dz, self.needs_input_grad) + (None,)
+        return _weight_grads(self, self.x, self.weight, dz) + (None,)
 
 
 def linear(x, weight, bias=None):
