@@ -7,14 +7,15 @@ every ``--every`` Linear+ReLU layers (``act3, act7, act11`` by default); the sam
 ``enable_offload``. For each it prints:
 
 - measured peak: the most bytes allocated at once during one step (forward, backward and
-  update) above what was live before it, starting from a model that holds no activations, after
-  a warm-up step (so optimizer state and offload host buffers already exist). On CPU this is
-  ``tracemalloc`` (NumPy reports its allocations to it); on a GPU a CuPy memory hook counting
-  the bytes taken from and returned to the device memory pool. It includes temporaries such as
-  the gradients flowing backward.
-- held activations: the most bytes held at once by the layers' activation caches and kept
-  checkpoints (the strategy's ``peak_activation_bytes``; without recompute, what the model
-  holds after forward, when backward begins).
+  update) above what was live before it, after a warm-up step (so optimizer state and offload
+  host buffers already exist; the warm-up's recorded graph was freed by its backward). On CPU
+  this is ``tracemalloc`` (NumPy reports its allocations to it); on a GPU a CuPy memory hook
+  counting the bytes taken from and returned to the device memory pool. It includes
+  temporaries such as the gradients flowing backward.
+- held activations: the most bytes held at once by the recorded graph (the arrays its nodes
+  keep for backward) and the kept inputs of recomputed segments (the strategy's
+  ``peak_activation_bytes``; without recompute, what the graph of one forward holds when
+  backward begins, ``held_activation_bytes``).
 - host checkpoints: bytes of the offloaded checkpoints in host memory (page-locked on a GPU).
   On CPU host and device memory are the same, so offload lowers the measured peak only because
   its host buffers were allocated in the warm-up step.
@@ -29,7 +30,7 @@ import numpy as np
 
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
-from fleetmpi.strategies.recompute import drop_activations, held_activation_bytes
+from fleetmpi.strategies.recompute import held_activation_bytes
 
 LAYERS = 16
 CLASSES = 10
@@ -107,16 +108,13 @@ def measure(args, checkpoints, offload):
     y = backend.asarray(rng.integers(0, CLASSES, args.batch))
     loss_fn = nn.CrossEntropyLoss()
     opt.minimize(model, loss_fn, x, y)
-    drop_activations([model])
     losses = []
     peak = measured_peak(lambda: losses.append(float(opt.minimize(model, loss_fn, x, y))))
     if checkpoints:
         hook = opt.strategies["recompute"]
         held, host = hook.peak_activation_bytes, hook.offloaded_bytes
     else:
-        drop_activations([model])
-        model.forward(x)
-        held, host = held_activation_bytes(model), 0
+        held, host = held_activation_bytes(model, model(x)), 0
     return peak, held, host, losses[0]
 
 

@@ -4,7 +4,7 @@
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
 """
-from . import autograd, nn, optimizer
+from . import autograd, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
@@ -28,5 +28,5 @@ __all__ = [
     "device_guard", "distributed_model", "distributed_optimizer", "init", "init_server",
     "init_worker", "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn",
     "node_index", "node_num", "optimizer", "run_server", "save_persistables", "server_index",
-    "server_num", "split_stages", "stop_worker", "worker_index", "worker_num",
+    "server_num", "split_stages", "stop_worker", "utils", "worker_index", "worker_num",
 ]

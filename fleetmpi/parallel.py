@@ -114,7 +114,13 @@ class _StepForward:
             owner = _owners.get(id(params[0])) if params else None
         if owner is None:
             return self._forward(*inputs, **kwargs)
-        return owner.open_step(model, lambda: self._forward(*inputs, **kwargs))
+        return owner.open_step(model, lambda: self._step_forward(model)(*inputs, **kwargs))
+
+    def _step_forward(self, model):
+        """The forward the step runs: one a strategy gave the model for the step's forward
+        stage (recompute's), else the model's own."""
+        current = vars(model).get("forward", self)
+        return self._forward if current is self else current
 
 
 class DistributedOptimizer:

@@ -76,6 +76,11 @@ class Sequential(Layer):
         """How many steps of this container run fused."""
         return sum(act is not None for _, act in self._plan)
 
+    def plan(self):
+        """The ``(layer, fused activation or None)`` steps ``forward`` runs, in order: each
+        step runs ``layer.forward_act(x, act)`` when fused, else ``layer(x)``."""
+        return list(self._plan)
+
     def forward(self, x):
         for layer, act in self._plan:
             x = layer.forward_act(x, act) if act else layer(x)
