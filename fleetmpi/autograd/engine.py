@@ -57,9 +57,10 @@ def _array(value):
     return value.data if hasattr(value, "_node") else value
 
 
-def _conformed(grad, data):
-    grad = sum_to_shape(grad, data.shape)
-    return grad if grad.dtype == data.dtype else grad.astype(data.dtype)
+def _conformed(grad, like):
+    """``grad`` in the shape and dtype of ``like`` (a tensor, or a call's ``Edge`` to one)."""
+    grad = sum_to_shape(grad, like.shape)
+    return grad if grad.dtype == like.dtype else grad.astype(like.dtype)
 
 
 def _root_grad(tensor, grad):
@@ -109,7 +110,7 @@ def _count_uses(roots):
 
 
 def _accumulate_leaf(leaf, grad):
-    grad = _conformed(_array(grad), leaf.data)
+    grad = _conformed(_array(grad), leaf)
     accumulate = getattr(leaf, "accumulate_grad", None)
     if accumulate is not None:
         accumulate(grad)
@@ -170,7 +171,7 @@ def run_backward(roots, grads, on_leaf_ready=None):
                     on_leaf_ready(tensor)
                 continue
             if grad is not None:
-                _add_pending(pending, child, tensor._index, _conformed(_array(grad), tensor.data))
+                _add_pending(pending, child, tensor._index, _conformed(_array(grad), tensor))
             key = id(child)
             node_uses[key] -= 1
             if node_uses[key] == 0:

@@ -28,6 +28,21 @@ _sequence = itertools.count()
 _op_types = set()
 
 
+class Edge:
+    """What a recorded call keeps of an input computed by another call: where its gradient goes
+    (``_node``, ``_index``) and its shape and dtype, not its values, which stay alive only if
+    the call that made it or the user keeps them. (A leaf input, a parameter, is kept as the
+    tensor itself: its gradient accumulates there.)"""
+
+    __slots__ = ("_node", "_index", "shape", "dtype")
+
+    def __init__(self, tensor):
+        self._node = tensor._node
+        self._index = tensor._index
+        self.shape = tuple(tensor.data.shape)
+        self.dtype = tensor.data.dtype
+
+
 class Function:
     """Base of every differentiable operation (module docstring)."""
 
@@ -87,7 +102,7 @@ class Function:
             if isinstance(arg, Tensor):
                 arrays.append(arg.data)
                 if record and not arg.stop_gradient:
-                    inputs.append((position, arg))
+                    inputs.append((position, arg if arg._node is None else Edge(arg)))
             else:
                 arrays.append(arg)
         node = cls.__new__(cls)

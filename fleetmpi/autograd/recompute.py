@@ -221,6 +221,9 @@ class Recomputation(Function):
     def forward(self, *arrays, call):
         self.call = call
         self.n_args = len(call.args)
+        # The function's arguments: what backward runs it on again (a call keeps no values of
+        # its inputs otherwise).
+        self.kept = list(arrays[:self.n_args])
         call.policy = current_policy()
         with grad_mode.no_grad():
             if call.preserve_rng_state:
@@ -235,13 +238,12 @@ class Recomputation(Function):
         call = self.call
         if call is None:
             return []
-        kept = [t.data for position, t in self._inputs or ()
-                if position < self.n_args and position not in call.offloaded]
-        kept += [a.data if isinstance(a, Tensor) else a for a in call.args]
-        return kept
+        return [value for position, value in enumerate(self.kept)
+                if position not in call.offloaded]
 
     def backward(self, *grads):
         call, self.call = self.call, None
+        kept, self.kept = self.kept, []
         if all(grad is None for grad in grads):
             self._report_in_order([])
             return (None,) * self.n_args
@@ -249,7 +251,7 @@ class Recomputation(Function):
         inputs = {}
         for position, tensor in self._inputs:
             if position < self.n_args:
-                data = tensor.data
+                data = kept[position]
                 if position in call.offloaded:
                     data = call.offload.load(call.offloaded.pop(position))
                 inputs[position] = args[position] = Tensor(data, stop_gradient=False)
@@ -284,16 +286,6 @@ class Recomputation(Function):
         self._inputs = [entry for entry in self._inputs if entry[0] < self.n_args] + ordered
 
 
-class _Offloaded(Tensor):
-    """Stands in for a kept input in the node's inputs once its values went to the host: the
-    same place in the graph (``_node``, ``_index``), the host copy as ``data``."""
-
-    def __init__(self, tensor, host):
-        super().__init__(host, stop_gradient=False)
-        self._node = tensor._node
-        self._index = tensor._index
-
-
 def run_recomputed(function, args, kwargs=None, layers=None, offload=None, observe=None,
                    preserve_rng_state=True):
     """``function(*args, **kwargs)``, recomputed in backward (module docstring).
@@ -321,13 +313,12 @@ def run_recomputed(function, args, kwargs=None, layers=None, offload=None, obser
     result = Recomputation.apply(*args, *extra, call=call)
     outputs = result if isinstance(result, tuple) else (result,)
     node = outputs[0]._node
-    for index, (position, tensor) in enumerate(node._inputs):
+    for position, tensor in node._inputs:
         if position < node.n_args:
             call.args[position] = None
             if offload is not None and tensor._node is not None:
-                host = offload.store(position, tensor.data)
-                call.offloaded[position] = host
-                node._inputs[index] = (position, _Offloaded(tensor, host))
+                call.offloaded[position] = offload.store(position, node.kept[position])
+                node.kept[position] = None
     if observe is not None:
         observe(list(outputs))
     return list(result) if call.listed else result
@@ -353,12 +344,12 @@ def _owner(array):
 
 
 def _node_arrays(node):
-    """What ``node`` keeps for backward: its inputs' arrays and the arrays among its
-    attributes (also inside tuples and lists), or what it says it keeps (``kept_arrays``)."""
+    """What ``node`` keeps for backward: the arrays among its attributes (also inside tuples
+    and lists), or what it says it keeps (``kept_arrays``)."""
     kept = getattr(node, "kept_arrays", None)
     if kept is not None:
         return kept()
-    found = [t.data for _, t in node._inputs or ()]
+    found = []
     for name, value in vars(node).items():
         if name == "_inputs":
             continue
@@ -371,8 +362,8 @@ def _node_arrays(node):
 
 class ActivationMeter:
     """Counts the bytes of device memory that recorded graphs hold for backward: the arrays
-    saved on the live nodes below some tensors (their attributes and their inputs' arrays;
-    for a recompute node its kept inputs), each memory block once (a view counts as its
+    saved on the live nodes below some tensors (their attributes; for a recompute node its
+    kept inputs), each memory block once (a view counts as its
     owner), never ``model``'s parameters or buffers."""
 
     def __init__(self, model):
