@@ -16,10 +16,14 @@ arrays so that a backward can launch a RawKernel directly.
 ``op_type`` gets its floating inputs cast to the policy's dtype for it first.
 
 A call is recorded only when recording is on and some Tensor argument requires a gradient;
-otherwise forward runs and its outputs are plain leaves.
+otherwise forward runs and its outputs are plain leaves. On a GPU a NumPy array argument is
+copied to the device first, so a model takes host batches as they come.
 """
 import itertools
 
+import numpy as np
+
+from .. import backend
 from . import autocast as _autocast
 from . import grad_mode as _grad_mode
 from .tensor import Tensor
@@ -103,6 +107,8 @@ class Function:
                 arrays.append(arg.data)
                 if record and not arg.stop_gradient:
                     inputs.append((position, arg if arg._node is None else Edge(arg)))
+            elif type(arg) is np.ndarray and backend.on_gpu():
+                arrays.append(backend.asarray(arg))
             else:
                 arrays.append(arg)
         node = cls.__new__(cls)
