@@ -4,10 +4,10 @@
                                   [--batch 512] [--steps 6] [--schedule-mode 1F1B]
 
 Starts ``mpiexec -n 2`` itself (``--worker`` is the per-rank part). The model is two stages of
-equal cost: each holds ``--layers`` Linear(width, width)+Tanh layers; the last stage also
-holds the Linear(width, 10) head (1/width of one layer's work more), and the first stage starts
-with a Tanh, so the input gradient it need not compute is that cheap layer's, not a Linear's.
-The mini-batch of ``--batch`` samples is split into ``micro_batch`` micro-batches;
+nearly equal cost: each holds ``--layers`` Linear(width, width)+Tanh layers; the last stage also
+holds the Linear(width, 10) head (1/width of one layer's work more), and the first stage
+computes no gradient for its input, the batch (one matrix product of the 3 x ``--layers`` of a
+step less). The mini-batch of ``--batch`` samples is split into ``micro_batch`` micro-batches;
 ``OMP_NUM_THREADS=1`` keeps each rank on one core.
 
 For each micro_batch, after a warm-up step, every rank times ``--steps`` steps (each after a
@@ -38,8 +38,6 @@ def staged_model(width, layers):
     parts = []
     for stage in range(STAGES):
         with fleet.device_guard(f"stage:{stage}"):
-            if stage == 0:
-                parts.append(("input_act", nn.Tanh()))
             for i in range(layers):
                 parts.append((f"fc_s{stage}_{i}", nn.Linear(width, width)))
                 parts.append((f"act_s{stage}_{i}", nn.Tanh()))

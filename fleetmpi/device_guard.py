@@ -3,9 +3,9 @@
 As in Paddle, the pipeline information comes from the user's program: every layer built inside
 ``with fleet.device_guard("stage:1"):`` (or ``"gpu:1"``, Paddle's spelling, read as stage 1)
 belongs to stage 1, and so do its parameters. ``split_stages(model, split_points)`` assigns the
-top-level layers of an ``nn.Sequential`` instead, cutting it before each split point. Every rank
-builds the whole model (one SPMD script); the pipeline strategy then runs on each rank only the
-layers of its own stage.
+top-level layers of a model instead, cutting it before each split point (without split points,
+every top-level layer is a stage of its own). Every rank builds the whole model (one SPMD
+script); the pipeline strategy then runs on each rank only the layers of its own stage.
 """
 import contextlib
 import numbers
@@ -47,15 +47,19 @@ def assign_stage(layer, stage):
             parameter.pipeline_stage = stage
 
 
-def split_stages(model, split_points):
-    """Cut the ``nn.Sequential`` ``model`` into stages before each split point: a top-level
-    layer's index or name. ``split_stages(model, [3])`` puts layers 0-2 on stage 0 and the
-    rest on stage 1. Returns the number of stages."""
-    from .nn import Sequential
-
-    if not isinstance(model, Sequential):
-        raise TypeError(f"split_stages cuts an nn.Sequential, not {type(model).__name__}")
-    names = list(model._children)
+def split_stages(model, split_points=None):
+    """Put the top-level layers of ``model`` (an ``nn.Sequential``, or a Layer whose forward
+    chains its top-level sublayers; see ``fleetmpi.strategies.pipeline_stages``) on stages,
+    cutting before each split point: a top-level layer's index or name.
+    ``split_stages(model, [3])`` puts layers 0-2 on stage 0 and the rest on stage 1;
+    ``split_stages(model)`` puts every top-level layer on a stage of its own (a Sequential of
+    stages). Returns the number of stages."""
+    if not callable(getattr(model, "named_children", None)):
+        raise TypeError(f"split_stages cuts a fleetmpi.nn.Layer, not {type(model).__name__}")
+    named = model.named_children()
+    names = [name for name, _ in named]
+    if split_points is None:
+        split_points = list(range(1, len(names)))
     if not isinstance(split_points, (list, tuple)):
         raise TypeError(f"split_points must be a list of layer indices or names, not "
                         f"{split_points!r}")
@@ -78,6 +82,6 @@ def split_stages(model, split_points):
                          f"{stages} stages gets at least one of the {len(names)} layers")
     bounds = [0] + starts + [len(names)]
     for stage in range(stages):
-        for layer in list(model._children.values())[bounds[stage]:bounds[stage + 1]]:
+        for _, layer in named[bounds[stage]:bounds[stage + 1]]:
             assign_stage(layer, stage)
     return stages

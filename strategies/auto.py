@@ -6,8 +6,8 @@ On the first ``minimize`` call (the batch it gets is the one calibration trains 
    more than one node, ring with float16 on the wire where allowed) at the model's gradient
    bucket sizes, which decides whether the hierarchical allreduce and fp16_allreduce are worth
    a training-step trial;
-2. measures the activations one forward holds; above the memory budget every candidate trains
-   with recompute (checkpoints every ~sqrt(n) layers of the ``nn.Sequential``);
+2. measures the activations one recorded forward holds for backward; above the memory budget
+   every candidate trains with recompute (``recompute_checkpoints``);
 3. times training steps of the model under the default settings and under each candidate:
    fusion sizes giving other bucket counts, fp16_allreduce, amp (GPU only), the hierarchical
    allreduce, and, where allowed, gradient_merge (when communication is a large share of the
@@ -32,10 +32,10 @@ import statistics
 from .. import backend, nn
 from ..distributed_strategy import DistributedStrategy
 from .applied import changed
-from .auto_calibration import Agreement, Clock, StepTimer, TrainingState, time_allreduce
+from .auto_calibration import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
+                               time_allreduce)
 from .compose import build_strategies, check_combination, enabled_strategies, strategy_class
 from .gradient_allreduce import layer_of, plan_gradient_buckets
-from .recompute import drop_activations, held_activation_bytes
 
 MARGIN = 0.03
 MIN_SAMPLES = 2
@@ -169,14 +169,36 @@ def default_memory_budget(local_size):
     return available // 2 // max(local_size, 1)
 
 
-def recompute_checkpoints(model):
-    """Checkpoints every ~sqrt(n) top-level layers of an ``nn.Sequential`` (never the last),
-    or None when the model is not one with at least three layers."""
-    if not isinstance(model, nn.Sequential) or len(model) < 3:
-        return None
-    names = list(model._children)
-    every = max(1, round(math.sqrt(len(names))))
-    return names[every - 1:len(names) - 1:every]
+def recompute_checkpoints(model, called):
+    """recompute checkpoints for ``model``, or None when it has none worth recomputing.
+    ``called``: the dotted names of the sublayers one forward called, each once, in call order.
+
+    An ``nn.Sequential`` of at least three layers: every ~sqrt(n)-th top-level layer (never
+    the last), cutting it into segments of ~sqrt(n) layers. Another Layer: its repeated
+    blocks, the called members of its ``LayerList`` or ``LayerDict`` with the most of them
+    (``"blocks.0"``, ``"blocks.1"``...), each recomputed as a whole; without one, its top-level
+    sublayers with parameters that forward called, all but the last (backward starts with
+    it), when that leaves at least two."""
+    if isinstance(model, nn.Sequential):
+        if len(model) < 3:
+            return None
+        names = [name for name, _ in model.named_children()]
+        every = max(1, round(math.sqrt(len(names))))
+        return names[every - 1:len(names) - 1:every]
+    once = set(called)
+    blocks = []
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, (nn.LayerList, nn.LayerDict)):
+            members = [f"{name}.{child}" for child, _ in layer.named_children()]
+            members = [member for member in members if member in once]
+            if len(members) > len(blocks):
+                blocks = members
+    if len(blocks) >= 2:
+        return blocks
+    top = [name for name, layer in model.named_children() if name in once and
+           any(member.own_parameters() for _, member in layer.named_sublayers(
+               include_self=True))]
+    return top[:-1] if len(top) >= 3 else None
 
 
 class Calibration:
@@ -376,12 +398,11 @@ class Calibration:
         return [Candidate("amp=True", {"amp": True}, "amp")]
 
     # -- memory -----------------------------------------------------------------------------
-    def _recompute_overlay(self, model, x):
+    def _recompute_overlay(self, model, loss_fn, x, y):
         """The recompute overlay every candidate needs when one forward's activations exceed
         the budget, else {}."""
-        model.forward(x)
-        held = int(self.agreement.max([held_activation_bytes(model)])[0])
-        drop_activations([model])
+        held, called = measure_forward(model, loss_fn, x, y, self.optimizer)
+        held = int(self.agreement.max([held])[0])
         budget = self.knobs.memory_bytes
         if budget is None:
             budget = int(self.agreement.max([default_memory_budget(self.local_size)])[0])
@@ -391,14 +412,17 @@ class Calibration:
             return {}
         if self.strategy.recompute:
             return {}
-        checkpoints = recompute_checkpoints(model)
+        checkpoints = recompute_checkpoints(model, called)
         if checkpoints is None:
             self.report.notes.append(f"activations {_size(held)} exceed the memory budget "
-                                     f"{_size(budget)}, but recompute needs an nn.Sequential "
-                                     "of at least three layers")
+                                     f"{_size(budget)}, but the {type(model).__name__} has no "
+                                     "sublayers to recompute: an nn.Sequential needs at least "
+                                     "three layers, another Layer blocks in a LayerList or "
+                                     "LayerDict or at least three top-level sublayers with "
+                                     "parameters that its forward calls once")
             return {}
         self.report.notes.append(f"activations {_size(held)} exceed the memory budget "
-                                 f"{_size(budget)}: every candidate recomputes between "
+                                 f"{_size(budget)}: every candidate recomputes "
                                  f"checkpoints {checkpoints}")
         return {"recompute": True, "recompute_configs": {"checkpoints": checkpoints}}
 
@@ -479,7 +503,7 @@ class Calibration:
         clock = Clock(self.knobs.seconds, self.agreement)
         state = TrainingState(model, self.optimizer)
         timer = StepTimer(model, loss_fn, x, y, self.optimizer)
-        recompute = self._recompute_overlay(model, x)
+        recompute = self._recompute_overlay(model, loss_fn, x, y)
         state.restore()
         fusion = self._fusion_candidates() if self.world > 1 else []
         per_step = self._time_communication(clock, fusion) if self.world > 1 else {}

@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from .. import backend
-from ..optimizer import StepContext, run_step
+from ..autograd.recompute import held_activation_bytes
+from ..optimizer import StepContext, StepHook, run_step
 
 
 class TrainingState:
@@ -20,6 +21,7 @@ class TrainingState:
     def __init__(self, model, optimizer):
         self.model = model
         self.optimizer = optimizer
+        self._settle()
         self.flats = [(b.data.copy(), b.grad.copy()) for b in model.flat_buffers()]
         self.buffers = [b.copy() for _, b in model.named_buffers()]
         self.optimizer_state = optimizer.state_dict()
@@ -27,7 +29,14 @@ class TrainingState:
         if backend.on_gpu():
             self.rng = self.rng.copy()
 
+    def _settle(self):
+        """Write the zeros that cleared gradients stand for, so the flat gradient buffers
+        hold every gradient as it is (``Parameter.clear_gradient``)."""
+        for p in self.model.parameters():
+            p.settle_gradient()
+
     def restore(self):
+        self._settle()
         for buffer, (data, grad) in zip(self.model.flat_buffers(), self.flats):
             buffer.data[...] = data
             buffer.grad[...] = grad
@@ -113,3 +122,47 @@ class StepTimer:
                                         self.optimizer, step=index))
         backend.synchronize()
         return time.perf_counter() - begin
+
+
+class _ForwardOnly(StepHook):
+    """Runs only the forward of a step, with the calls of the model's sublayers watched, and
+    measures what the recorded graph of the model's output holds for backward; backward and
+    the update do not run, so the graph is dropped with the step."""
+
+    def __init__(self):
+        self.held = 0
+        self.calls = []
+
+    def forward(self, ctx, proceed):
+        handles = [layer.register_forward_post_hook(self._called(name))
+                   for name, layer in ctx.model.named_sublayers()]
+        try:
+            proceed(ctx)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self.held = held_activation_bytes(ctx.model, ctx.output)
+
+    def _called(self, name):
+        def hook(layer, inputs, output):
+            self.calls.append(name)
+        return hook
+
+    def backward(self, ctx, proceed):
+        return None
+
+    def update(self, ctx, proceed):
+        return None
+
+
+def measure_forward(model, loss_fn, x, y, optimizer):
+    """``(bytes, called)``: the device bytes one recorded forward of ``model`` on ``x`` holds
+    for backward (``fleetmpi.autograd.recompute.ActivationMeter``), and the dotted names of
+    the sublayers it called exactly once, in call order. Parameters and optimizer state are
+    left alone; buffers (batch-norm statistics) and the rank generator move as in a step."""
+    probe = _ForwardOnly()
+    run_step([probe], StepContext(model, loss_fn, x, y, optimizer))
+    counts = {}
+    for name in probe.calls:
+        counts[name] = counts.get(name, 0) + 1
+    return probe.held, [name for name in counts if counts[name] == 1]

@@ -1,70 +1,61 @@
-"""``pipeline``: the layers of an ``nn.Sequential`` split into stages, one stage per rank, each
-mini-batch split into ``micro_batch`` micro-batches that flow through the stages.
+"""``pipeline``: the layers of a model split into stages, one stage per rank, each mini-batch
+split into ``micro_batch`` micro-batches that flow through the stages.
 
-Stages come from the program (``fleetmpi.device_guard``): every parameter carries the stage of
-the layer that created it; a model without any stage is one stage. With S stages the world is
-S x R ranks: rank r runs stage ``r % S`` of replica ``r // S``, so the stages of one replica
-are neighbouring ranks (Paddle's layout: pipeline inside a node, data parallel across). Every
-rank builds the whole model; the optimizer is narrowed to the rank's stage at construction, and
-a step runs only that stage's layers. Activations travel forward and their gradients backward
-between neighbouring ranks through the comm layer's ``send``/``recv``, in the order of
-``pipeline_schedule`` (``schedule_mode`` "1F1B" by default, or "F-then-B"). Each micro-batch's
-loss gradient is scaled by 1/micro_batch and the stage's gradients are summed over the
-micro-batches, so a step applies the gradient of the mean loss over the mini-batch: the math of
-the unpipelined model with its gradients accumulated over the same micro-batches. The summed
-gradients are then reported to the other strategies (amp unscales them, gradient_merge merges
-them) and averaged over the R replicas of the stage (the gradient reduction runs over a
-communicator of those ranks). The loss ``minimize`` returns is the last stage's mean over the
-micro-batches, broadcast to every stage of the replica.
+Which models can be split, and how, is ``pipeline_stages``'s: an ``nn.Sequential`` whose
+layers are marked with ``fleetmpi.device_guard``, an ``nn.Sequential`` of stages, or a
+user-defined Layer whose forward chains its top-level sublayers (anything else is refused
+with the reason); a model without any stage is one stage. With S stages the world is S x R
+ranks: rank r runs stage ``r % S`` of replica ``r // S``, so the stages of one replica are
+neighbouring ranks (Paddle's layout: pipeline inside a node, data parallel across). Every rank
+builds the whole model; the optimizer is narrowed to the rank's stage at construction, and a
+step runs only that stage's layers.
 
-A layer's activation caches are instance attributes (see ``recompute``), so while several
-micro-batches are in flight on a stage, each one's caches are taken off the layers after its
-forward and put back before its backward. Under ``recompute`` each micro-batch runs through its
-own ``RecomputedModel`` over the stage's part of the checkpoint pieces. ``amp``'s casts and loss
-scaling wrap the whole schedule, which runs innermost in the step.
+Each micro-batch's forward on a stage is recorded like any forward: the activation received
+from the previous stage becomes a Tensor that requires a gradient, the stage's layers run on
+it, and the last stage computes the loss with the step's loss function. Its backward is the
+engine's backward from the stage's output with the gradient received from the next stage (on
+the last stage: from the loss, with the gradient ``loss_scale / micro_batch``), which leaves
+the gradient of the received activation to send back. Every micro-batch in flight keeps its
+own recorded graph until its backward frees it. Activations travel forward and their
+gradients backward between neighbouring ranks through the comm layer's ``send``/``recv``, in
+the order of ``pipeline_schedule`` (``schedule_mode`` "1F1B" by default, or "F-then-B").
+
+The gradients are cleared once at the start of the schedule and the engine accumulates each
+micro-batch's into them, so a step applies the gradient of the mean loss over the mini-batch:
+the math of the unpipelined model with its gradients accumulated over the same micro-batches.
+The schedule runs in the step's forward stage and marks the gradients ready
+(``StepContext.gradients_ready``); the backward stage then reports the summed gradients to
+every strategy's ``on_gradient`` (amp unscales them, gradient_merge merges them), and they are
+averaged over the R replicas of the stage (the gradient reduction runs over a communicator of
+those ranks). The loss ``minimize`` returns is the last stage's mean over the micro-batches,
+broadcast to every stage of the replica. ``amp``'s autocast and loss scale wrap the whole
+schedule; under ``recompute`` the checkpointed sublayers each micro-batch runs are recomputed
+in its backward.
 
 Without a communicator (``local=True``, or a world of one) all stages run in this process, one
 after the other: the single-process math the ranks must match.
 """
+import contextlib
 import time
 
 import numpy as np
 
 from .. import backend
+from ..autograd import Tensor, as_array, run_backward
 from ..nn import Sequential
-from ..nn.containers import backward_steps, forward_steps
 from ..optimizer import Optimizer
 from ..optimizer.clip import ClipGradByGlobalNorm
 from .base import Strategy
 from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order, \
     messages_with_previous
-from .recompute import Piece, RecomputedModel, _layer_tree, activation_arrays, drop_activations
+from .pipeline_stages import check_chain, count_stages, stage_modules
+from .recompute import HostCheckpoints, checkpoint_forwards
 
 _HEADER = 34
 _FLOAT_DTYPES = {np.dtype(t).num: np.dtype(t) for t in ("float16", "float32", "float64")}
 
 
-# -- which stage a parameter, a layer and a rank belong to --------------------------------------
-
-def count_stages(parameters):
-    """The number of stages the parameters' ``pipeline_stage`` tags make (1 when none is
-    tagged); refuses untagged parameters beside tagged ones and stages without parameters."""
-    tags = [p.pipeline_stage for p in parameters]
-    if all(tag is None for tag in tags):
-        return 1
-    untagged = [p.name for p in parameters if p.pipeline_stage is None]
-    if untagged:
-        raise ValueError(f"pipeline: parameters {untagged} belong to no stage while others do; "
-                         "build every layer with parameters inside fleet.device_guard("
-                         "'stage:N') or assign stages with fleet.split_stages(model, points)")
-    stages = max(tags) + 1
-    empty = sorted(set(range(stages)) - set(tags))
-    if empty:
-        raise ValueError(f"pipeline: stages {empty} hold no parameters (stages used: "
-                         f"{sorted(set(tags))}); stages are numbered 0..S-1 and each needs a "
-                         "layer with parameters")
-    return stages
-
+# -- which stage this rank runs ---------------------------------------------------------------
 
 class StageLayout:
     """Where this rank sits: ``stages`` x ``replicas`` ranks, this rank running ``stage`` of
@@ -90,44 +81,6 @@ class StageLayout:
     @property
     def last(self):
         return self.stage == self.stages - 1
-
-
-def _stage_of_layer(layer, previous):
-    """A top-level layer's stage: that of its parameters, else its own tag, else the stage of
-    the layer before it."""
-    tags = {p.pipeline_stage for member in _layer_tree(layer) for p in member.own_parameters()
-            if p.pipeline_stage is not None}
-    if len(tags) > 1:
-        raise ValueError(f"pipeline: layer {type(layer).__name__} holds parameters of stages "
-                         f"{sorted(tags)}; a stage boundary must fall between top-level layers "
-                         "of the Sequential")
-    if tags:
-        return tags.pop()
-    return layer.pipeline_stage if layer.pipeline_stage is not None else previous
-
-
-def stage_plan_ranges(model, stages):
-    """``[(first, stop), ...]``: the plan steps of ``model`` each stage runs."""
-    if not isinstance(model, Sequential):
-        raise TypeError(f"pipeline needs an nn.Sequential model (its top-level layers are cut "
-                        f"into stages), not {type(model).__name__}")
-    names = list(model._children)
-    stage_of, previous = {}, 0
-    for name, layer in model._children.items():
-        previous = stage_of[id(layer)] = _stage_of_layer(layer, previous)
-    order = [stage_of[id(layer)] for layer in model._children.values()]
-    if order != sorted(order) or order[-1] >= stages:
-        raise ValueError(f"pipeline: the stages of the top-level layers {names} are {order}; "
-                         f"they must rise from 0 to {stages - 1} along the Sequential")
-    plan_stages = [stage_of[id(layer)] for layer, _ in model._plan]
-    ranges = []
-    for stage in range(stages):
-        indices = [i for i, s in enumerate(plan_stages) if s == stage]
-        if not indices:
-            raise ValueError(f"pipeline: stage {stage} has no layers to run (layer stages "
-                             f"{order}); a model needs at least one layer per stage")
-        ranges.append((indices[0], indices[-1] + 1))
-    return ranges
 
 
 def narrow_optimizer(optimizer, parameters):
@@ -160,6 +113,7 @@ def sub_communicator(communicator, color, key):
 def send_array(communicator, array, dest):
     """Send ``array`` with a header of its dtype and shape, so the receiver can allocate it."""
     xp = backend.array_module()
+    array = xp.ascontiguousarray(array)
     header = np.zeros(_HEADER, dtype=np.int64)
     header[:2] = (array.dtype.num, array.ndim)
     header[2:2 + array.ndim] = array.shape
@@ -174,68 +128,6 @@ def recv_array(communicator, source):
     header = backend.to_numpy(communicator.recv(header, source))
     dtype, ndim = _FLOAT_DTYPES[int(header[0])], int(header[1])
     return communicator.recv(xp.empty(tuple(int(n) for n in header[2:2 + ndim]), dtype), source)
-
-
-# -- one micro-batch on one stage ---------------------------------------------------------------
-
-class _StageSteps:
-    """Plan steps ``[first, stop)`` of a Sequential, run as ``Sequential`` runs them."""
-
-    def __init__(self, steps, first):
-        self.steps = steps
-        self.first = first
-
-    def forward(self, x):
-        return forward_steps(self.steps, x)
-
-    def backward(self, dy, on_gradient=None, input_grad=True):
-        return backward_steps(self.steps, dy, on_gradient, input_grad, self.first)
-
-
-def pieces_within(pieces, first, stop):
-    """The parts of recompute ``pieces`` inside plan steps ``[first, stop)``."""
-    result = []
-    for piece in pieces:
-        lo, hi = max(piece.first, first), min(piece.first + len(piece.steps), stop)
-        if lo < hi:
-            ends_inside = piece.first + len(piece.steps) <= stop
-            result.append(Piece(piece.steps[lo - piece.first:hi - piece.first], lo,
-                                piece.checkpoint if ends_inside else None))
-    return result
-
-
-class _Caches:
-    """The activation caches of a stage's layers for one micro-batch: taken off the layers
-    after its forward, put back before its backward."""
-
-    def __init__(self, layers):
-        self.layers = layers
-        self.saved = [(member, activation_arrays(member)) for member in layers]
-        drop_activations(layers)
-
-    def restore(self):
-        drop_activations(self.layers)
-        for member, arrays in self.saved:
-            for name, value in arrays:
-                setattr(member, name, value)
-        self.saved = None
-
-
-class _Reporter:
-    """Stands in for the model in the step's backward: reports the gradients the schedule
-    summed, so every strategy's ``on_gradient`` sees them once."""
-
-    def __init__(self, parameters):
-        self.parameters = parameters
-
-    def backward(self, dy, on_gradient=None, input_grad=True):
-        if on_gradient is not None and self.parameters:
-            on_gradient(self.parameters)
-
-
-class _NoLossGradient:
-    def backward(self, dloss=1.0):
-        return None
 
 
 def _elapsed(started):
@@ -262,6 +154,8 @@ class Pipeline(Strategy):
         super().__init__(strategy, optimizer, communicator)
         self.micro_batch = int(self.configs["micro_batch"])
         self.schedule_mode = check_schedule_mode(self.configs["schedule_mode"])
+        build = strategy.build_strategy
+        self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
         self.layout = StageLayout(count_stages(optimizer.parameters()), communicator)
         layout = self.layout
         self.pipeline_communicator = None
@@ -278,7 +172,11 @@ class Pipeline(Strategy):
             self.replica_communicator = (sub_communicator(communicator, layout.stage,
                                                           layout.replica)
                                          if layout.replicas > 1 else None)
-        self._parameters = sorted(optimizer.parameters(), key=lambda p: (id(p.buffer), p.offset))
+        recompute = strategy.recompute_configs
+        self._checkpoints = list(recompute["checkpoints"]) if strategy.recompute else []
+        self._host = (HostCheckpoints(list(recompute["checkpoint_shape"]))
+                      if strategy.recompute and recompute["enable_offload"] else None)
+        self._split = None
         self.compute_seconds = 0.0
         self.schedule_seconds = 0.0
 
@@ -290,17 +188,11 @@ class Pipeline(Strategy):
     # -- step stages ----------------------------------------------------------------------
     def forward(self, ctx, proceed):
         """Runs every micro-batch's forward and backward of this stage; the inner forward
-        (one pass over the whole batch) is what this replaces."""
-        ctx.loss = self._run_schedule(ctx)
+        (one pass over the whole batch) is what this replaces. The backward stage then
+        reports the gradients the schedule summed."""
+        ctx.loss = Tensor(self._run_schedule(ctx))
+        ctx.gradients_ready = True
         return None
-
-    def backward(self, ctx, proceed):
-        model, loss_fn = ctx.model, ctx.loss_fn
-        ctx.model, ctx.loss_fn = _Reporter(self._parameters), _NoLossGradient()
-        try:
-            return proceed(ctx)
-        finally:
-            ctx.model, ctx.loss_fn = model, loss_fn
 
     # -- the schedule -----------------------------------------------------------------------
     def _micro_batches(self, array, what):
@@ -313,34 +205,62 @@ class Pipeline(Strategy):
         size = array.shape[0] // self.micro_batch
         return [array[k * size:(k + 1) * size] for k in range(self.micro_batch)]
 
-    def _runners(self, ctx):
-        """A factory of the object that runs one micro-batch through this stage."""
-        model = ctx.model
-        recomputed = isinstance(model, RecomputedModel)
-        base = model.model if recomputed else model
-        ranges = stage_plan_ranges(base, self.layout.model_stages)
-        if self.layout.stages == 1:
-            first, stop = 0, len(base._plan)
-        else:
-            first, stop = ranges[self.layout.stage]
-        steps = base._plan[first:stop]
-        layers = [member for layer, _ in steps for member in _layer_tree(layer)]
-        if recomputed:
-            pieces = pieces_within(model.pieces, first, stop)
-            return layers, lambda: RecomputedModel(base, pieces, model.host)
-        return layers, lambda: _StageSteps(steps, first)
+    def _stage_modules(self, model, x):
+        """The modules this rank runs on a micro-batch, one after the other: the model itself
+        when it is one stage, else its stage (every stage, without a communicator). The split
+        is made, and the model's forward checked on the micro-batch ``x``, once per model."""
+        stages = self.layout.model_stages
+        if stages == 1:
+            return [model]
+        if self._split is None or self._split[0] is not model:
+            modules = stage_modules(model, stages, self._fusion)
+            check_chain(model, x)
+            self._split = (model, modules)
+        modules = self._split[1]
+        return [modules[self.layout.stage]] if self.layout.stages > 1 else modules
+
+    def _recomputed(self, model, modules):
+        """recompute's checkpoints among the top-level layers of a Sequential model, applied
+        to the stage modules this rank runs: the recompute strategy cuts the model's own
+        forward at them, which the stages do not run. Deeper checkpoints are recomputed by
+        the layers themselves, which the strategy gave a recomputed forward."""
+        stack = contextlib.ExitStack()
+        if not self._checkpoints or modules[0] is model or not isinstance(model, Sequential):
+            return stack
+        if self._host is not None:
+            self._host.release_all()
+        for module in modules:
+            names = [name for name, _ in module.named_children() if name in self._checkpoints]
+            if names:
+                stack.enter_context(checkpoint_forwards(module, names, self._host))
+        return stack
 
     def _run_schedule(self, ctx):
         schedule_started = time.perf_counter()
         layout, m = self.layout, self.micro_batch
         xs = self._micro_batches(ctx.x, "input")
         ys = self._micro_batches(ctx.y, "labels")
-        layers, make_runner = self._runners(ctx)
+        modules = self._stage_modules(ctx.model, xs[0])
+        with self._recomputed(ctx.model, modules):
+            losses, busy = self._schedule(ctx, modules, xs, ys)
+        loss = self._loss(losses)
+        self.compute_seconds = busy
+        self.schedule_seconds = _elapsed(schedule_started)
+        return loss
+
+    def _schedule(self, ctx, modules, xs, ys):
+        """Every micro-batch's forward and backward of this stage in the schedule's order,
+        with the messages between them; returns the losses (on the last stage) and the
+        seconds spent computing."""
+        layout, m = self.layout, self.micro_batch
+        xp = backend.array_module()
         comm = self.pipeline_communicator
         previous, following = layout.stage - 1, layout.stage + 1
         right = (messages_with_previous(self.schedule_mode, layout.stages, m, following)
                  if not layout.last else [])
-        runners, caches, outputs, grads, losses = {}, {}, {}, {}, []
+        # Per micro-batch in flight: the received input (a leaf whose gradient goes back), the
+        # root of its recorded graph (the stage's output, or the loss) and that root's gradient.
+        inputs, roots, grads, unsent, losses = {}, {}, {}, {}, []
         forwarded = set()
         position = 0
 
@@ -356,7 +276,7 @@ class Pipeline(Strategy):
                             raise RuntimeError(f"pipeline schedule: stage {layout.stage} needs "
                                                f"gradient {until} before its forward {k}")
                         return
-                    send_array(comm, outputs.pop(k), following)
+                    send_array(comm, unsent.pop(k), following)
                 elif until is None:
                     return
                 else:
@@ -365,21 +285,27 @@ class Pipeline(Strategy):
                         until = None
                 position += 1
 
-        accumulated = None
+        self.optimizer.clear_grad()
         busy = 0.0
         order = compute_order(self.schedule_mode, layout.stages, m, layout.stage)
         for kind, k in order:
             if kind == FORWARD:
-                x = xs[k] if layout.first else recv_array(comm, previous)
-                started = time.perf_counter()
-                runners[k] = make_runner()
-                y = runners[k].forward(x)
-                if layout.last:
-                    losses.append(ctx.loss_fn.forward(y, ys[k]))
-                    grads[k] = ctx.loss_fn.backward(1.0 / m)
+                if layout.first:
+                    x = xs[k]
                 else:
-                    outputs[k] = y
-                caches[k] = _Caches(layers)
+                    x = inputs[k] = Tensor(recv_array(comm, previous), stop_gradient=False)
+                started = time.perf_counter()
+                y = x
+                for module in modules:
+                    y = module(y)
+                if layout.last:
+                    loss = ctx.loss_fn(y, ys[k])
+                    losses.append(as_array(loss))
+                    roots[k] = loss
+                    grads[k] = xp.full(loss.shape, ctx.loss_scale / m, dtype=loss.dtype)
+                else:
+                    roots[k] = y
+                    unsent[k] = y.data
                 busy += _elapsed(started)
                 forwarded.add(k)
                 flush()
@@ -387,36 +313,18 @@ class Pipeline(Strategy):
                 if not layout.last and k not in grads:
                     flush(until=k)
                 started = time.perf_counter()
-                caches.pop(k).restore()
-                dx = runners.pop(k).backward(grads.pop(k), None, input_grad=False)
-                drop_activations(layers)
-                accumulated = self._accumulate(accumulated, m)
+                run_backward([roots.pop(k)], [grads.pop(k)])
                 busy += _elapsed(started)
                 if not layout.first:
+                    received = inputs.pop(k)
+                    dx = received.grad if received.grad is not None else \
+                        xp.zeros_like(received.data)
                     send_array(comm, dx, previous)
                 flush()
         if position != len(right):
             raise RuntimeError(f"pipeline schedule: stage {layout.stage} left "
                                f"{len(right) - position} messages to stage {following} unsent")
-        if accumulated is not None:
-            for (_, grad), total in zip(self.optimizer.flat_runs(), accumulated):
-                grad[...] = total
-        loss = self._loss(losses)
-        self.compute_seconds = busy
-        self.schedule_seconds = _elapsed(schedule_started)
-        return loss
-
-    def _accumulate(self, accumulated, m):
-        """The stage's gradients summed over the micro-batches so far (None with one
-        micro-batch: the gradient buffer already holds the sum)."""
-        if m == 1:
-            return None
-        grads = [grad for _, grad in self.optimizer.flat_runs()]
-        if accumulated is None:
-            return [g.copy() for g in grads]
-        for total, grad in zip(accumulated, grads):
-            total += grad
-        return accumulated
+        return losses, busy
 
     def _loss(self, losses):
         """The mean loss over the micro-batches, from the last stage to every stage."""

@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer, parallel
 from fleetmpi.log import logger
 from fleetmpi.strategies import inert_fields
+from fleetmpi.strategies.auto import recompute_checkpoints
 from fleetmpi.strategies.auto_knobs import ALLOW_ENV, CONVERGENCE, MEMORY_ENV, SECONDS_ENV
 from strategy_support import make_mlp, make_strategy, momentum, shard
 
@@ -29,13 +31,41 @@ def batch(step, size=24, features=6, classes=4):
             rng.integers(0, classes, size))
 
 
+class Block(nn.Layer):
+    """``tanh(fc(x)) + x``."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return F.tanh(self.fc(x)) + x
+
+
+class BlockNet(nn.Layer):
+    """A user's model: ``inp``, three ``Block`` layers in the LayerList ``blocks``, ``head``."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        self.inp = nn.Linear(sizes[0], sizes[1])
+        self.blocks = nn.LayerList([Block(sizes[1]) for _ in range(3)])
+        self.head = nn.Linear(sizes[1], sizes[-1])
+
+    def forward(self, x):
+        x = F.relu(self.inp(x))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def train(strategy, steps=STEPS, sizes=(6, 16, 12, 4), global_batch=24, local=False,
-          loss_fn=None, **knobs):
-    """Train a float32 MLP (same seed everywhere) for ``steps`` steps, each rank on its shard
-    (on the whole batch when ``local``); returns ``(model, distributed optimizer)``."""
+          loss_fn=None, make_model=None, **knobs):
+    """Train a float32 MLP (``make_model(sizes)`` when given; same seed everywhere) for
+    ``steps`` steps, each rank on its shard (on the whole batch when ``local``); returns
+    ``(model, distributed optimizer)``."""
     fleet.init(is_collective=True)
     backend.manual_seed(0)
-    model = make_mlp(sizes, dtype="float32")
+    model = make_mlp(sizes, dtype="float32") if make_model is None else make_model(sizes)
     model = model if local else fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(momentum(model.parameters()), strategy, local=local,
                                       **knobs)
@@ -144,12 +174,16 @@ def test_fields_without_effect_in_one_process_are_reported(log_messages):
     assert applied == strategy
     assert applied.active == ("recompute",)
     reasons = dict(applied.not_applied)
+    # Offload moves checkpoints from device to host memory: nothing to move on CPU.
+    offload = set() if backend.on_gpu() else {"recompute_configs.enable_offload"}
     assert set(reasons) == {"fp16_allreduce", "fuse_grad_size_in_MB", "sync_nccl_allreduce",
-                            "gradient_merge_configs", "recompute_configs.enable_offload"}
+                            "gradient_merge_configs"} | offload
     assert "no gradients to exchange" in reasons["fp16_allreduce"]
     assert reasons["gradient_merge_configs"] == ("strategy gradient_merge is off, so its "
                                                  "configs are not used")
-    assert "host and device memory are the same" in reasons["recompute_configs.enable_offload"]
+    if offload:
+        assert "host and device memory are the same" in \
+            reasons["recompute_configs.enable_offload"]
     assert "strategies active: recompute" in log_messages
     for path, why in reasons.items():
         assert f"DistributedStrategy.{path} is set but has no effect in fleetmpi: {why}" \
@@ -186,6 +220,39 @@ def test_auto_in_one_process_recomputes_over_budget_and_trains_as_set_by_hand(tm
                                             by_hand.state_dict().items()):
         np.testing.assert_array_equal(value, expected, err_msg=name)
     assert opt.inner.state_dict()["step_count"] == STEPS
+
+
+def test_auto_recomputes_the_blocks_of_a_user_defined_layer_over_budget():
+    model, _ = train(auto_strategy(), auto_seconds=1, auto_memory_MB=0.001,
+                     make_model=BlockNet)
+    applied = fleet.applied_strategy()
+    assert applied.active == ("recompute",)
+    assert list(applied.recompute_configs["checkpoints"]) == ["blocks.0", "blocks.1",
+                                                              "blocks.2"]
+    by_hand, _ = train(applied, make_model=BlockNet)
+    for (name, value), (_, expected) in zip(model.state_dict().items(),
+                                            by_hand.state_dict().items()):
+        np.testing.assert_array_equal(value, expected, err_msg=name)
+
+
+def test_recompute_checkpoints_by_kind_of_model():
+    """Sequential: every ~sqrt(n)-th top-level layer; a LayerList's called blocks; else the
+    called top-level sublayers with parameters but the last; None when too few."""
+    assert recompute_checkpoints(make_mlp((6, 8, 8, 8, 4)), []) == ["fc1", "act2"]
+    assert recompute_checkpoints(nn.Sequential(nn.Linear(2, 2), nn.Tanh()), []) is None
+    blocks = BlockNet((6, 8, 4))
+    called = ["inp", "blocks.0.fc", "blocks.0", "blocks.1.fc", "blocks.1", "head"]
+    assert recompute_checkpoints(blocks, called) == ["blocks.0", "blocks.1"]
+    assert recompute_checkpoints(blocks, ["inp", "blocks.2", "head"]) is None
+
+    class Flat(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.fc0, self.act, self.fc1, self.fc2 = (nn.Linear(2, 2), nn.Tanh(),
+                                                      nn.Linear(2, 2), nn.Linear(2, 2))
+
+    assert recompute_checkpoints(Flat(), ["fc0", "act", "fc1", "fc2"]) == ["fc0", "fc1"]
+    assert recompute_checkpoints(Flat(), ["fc0", "act", "fc1"]) is None
 
 
 def test_calibration_leaves_the_training_where_it_was():
@@ -295,15 +362,20 @@ def test_a_candidate_the_optimizer_refuses_is_reported_with_the_reason():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_auto_result_round_trips_and_trains_like_the_strategy_set_by_hand(tmp_path):
-    model, _ = train(auto_strategy(), auto_seconds=1, auto_memory_MB=0.001)
+@pytest.mark.parametrize("make_model, checkpoints", [
+    (None, ["act0", "act1"]), (BlockNet, ["blocks.0", "blocks.1", "blocks.2"])],
+    ids=["sequential", "user_layer"])
+def test_auto_result_round_trips_and_trains_like_the_strategy_set_by_hand(tmp_path, make_model,
+                                                                          checkpoints):
+    model, _ = train(auto_strategy(), auto_seconds=1, auto_memory_MB=0.001,
+                     make_model=make_model)
     applied = fleet.applied_strategy()
-    assert applied.recompute
+    assert applied.recompute and list(applied.recompute_configs["checkpoints"]) == checkpoints
     path = tmp_path / f"auto-{fleet.worker_index()}.prototxt"
     applied.save_to_prototxt(str(path))
     loaded = fleet.DistributedStrategy().load_from_prototxt(str(path))
     assert loaded == applied and not loaded.auto
-    by_hand, opt = train(loaded)
+    by_hand, opt = train(loaded, make_model=make_model)
     assert opt.applied_strategy.calibration is None
     for (name, value), (_, expected) in zip(model.state_dict().items(),
                                             by_hand.state_dict().items()):

@@ -1,10 +1,13 @@
 """pipeline: a stage per rank (x replicas) gives the gradients and parameters of the unpipelined
-model with its gradients accumulated over the same micro-batches; 1F1B and F-then-B orders;
-amp and recompute inside; stage assignment by device_guard and split points; refusals."""
+model with its gradients accumulated over the same micro-batches, for a Sequential marked with
+device_guard, a user-defined Layer marked with device_guard and a Sequential of user-defined
+stage Layers; 1F1B and F-then-B orders; amp and recompute inside; stage assignment by
+device_guard and split points; refusals, of models that cannot be split among them."""
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.optimizer.clip import ClipGradByGlobalNorm
 from fleetmpi.strategies.pipeline_schedule import (BACKWARD, FORWARD, SCHEDULE_MODES,
@@ -29,6 +32,73 @@ def staged_mlp(stages, dtype="float64"):
     return nn.Sequential(*layers)
 
 
+class Residual(nn.Layer):
+    """``tanh(norm(fc(x))) + x``: a layer with a forward of its own and batch-norm buffers."""
+
+    def __init__(self, width, dtype):
+        super().__init__()
+        self.fc = nn.Linear(width, width, dtype=dtype)
+        self.norm = nn.BatchNorm1D(width, dtype=dtype)
+
+    def forward(self, x):
+        return F.tanh(self.norm(self.fc(x))) + x
+
+
+class UserNet(nn.Layer):
+    """A user's model: ``inp``, ``res0``, ``res1``, ``act`` and ``head``, each built inside the
+    device_guard of its stage (``act``, without parameters, outside any) and called one after
+    the other by ``forward``."""
+
+    def __init__(self, stages, dtype="float64"):
+        super().__init__()
+        with fleet.device_guard("stage:0"):
+            self.inp = nn.Linear(SIZES[0], 16, dtype=dtype)
+        with fleet.device_guard(f"stage:{stages // 4}"):
+            self.res0 = Residual(16, dtype)
+        with fleet.device_guard(f"stage:{2 * stages // 4}"):
+            self.res1 = Residual(16, dtype)
+        self.act = nn.Tanh()
+        with fleet.device_guard(f"stage:{3 * stages // 4}"):
+            self.head = nn.Linear(16, SIZES[-1], dtype=dtype)
+
+    def forward(self, x):
+        x = self.inp(x)
+        x = self.res0(x)
+        x = self.res1(x)
+        x = self.act(x)
+        return self.head(x)
+
+
+class Stage(nn.Layer):
+    """One stage of a Sequential of stages: ``fc``, then (but in the last stage) tanh and a
+    Residual."""
+
+    def __init__(self, fan_in, fan_out, last, dtype):
+        super().__init__()
+        self.fc = nn.Linear(fan_in, fan_out, dtype=dtype)
+        self.last = last
+        if not last:
+            self.res = Residual(fan_out, dtype)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y if self.last else self.res(F.tanh(y))
+
+
+def sequential_of_stages(stages, dtype="float64"):
+    """``nn.Sequential(stage0, stage1, ...)`` of ``Stage`` layers, one per stage, put on their
+    stages by ``split_stages`` without split points."""
+    widths = [SIZES[0]] + [16] * (stages - 1) + [SIZES[-1]]
+    model = nn.Sequential(*[(f"stage{i}", Stage(widths[i], widths[i + 1], i == stages - 1,
+                                                dtype)) for i in range(stages)])
+    assert fleet.split_stages(model) == stages
+    return model
+
+
+MODELS = {"sequential": staged_mlp, "user_layer": UserNet,
+          "sequential_of_stages": sequential_of_stages}
+
+
 def layouts(size):
     """(stages, replicas) worth checking at ``size`` ranks: 2 stages at 2 ranks, 3 at 3,
     2 x 2 and 4 x 1 at 4."""
@@ -40,12 +110,16 @@ def pipeline_strategy(micro_batch=MICRO_BATCH, mode="1F1B", **fields):
                                                           "schedule_mode": mode}, **fields)
 
 
-def train_pipeline(stages, strategy, replicas, local=False, dtype="float64", steps=STEPS):
-    """Train ``staged_mlp(stages)``; each replica on its shard of the global batch (the
-    whole batch when ``local``). Returns (model, optimizer, losses)."""
+def train_pipeline(stages, strategy, replicas, local=False, dtype="float64", steps=STEPS,
+                   kind="sequential", watch=None):
+    """Train ``MODELS[kind](stages)`` (after ``watch(model)``, when given); each replica on
+    its shard of the global batch (the whole batch when ``local``). Returns (model, optimizer,
+    losses)."""
     fleet.init(is_collective=True)
     backend.manual_seed(0)
-    model = staged_mlp(stages, dtype)
+    model = MODELS[kind](stages, dtype)
+    if watch is not None:
+        watch(model)
     if not local:
         model = fleet.distributed_model(model)
     opt = fleet.distributed_optimizer(momentum(model.parameters()), strategy, local=local)
@@ -59,12 +133,20 @@ def train_pipeline(stages, strategy, replicas, local=False, dtype="float64", ste
     return model, opt, losses
 
 
-def accumulated_reference(replicas, micro_batch, steps=STEPS):
+def on_stage(model, stage):
+    """The names of the parameters and buffers of ``model`` on ``stage``."""
+    layers = dict(model.named_sublayers())
+    names = {p.name for p in model.parameters() if p.pipeline_stage == stage}
+    return names | {name for name, _ in model.named_buffers()
+                    if layers[name.rsplit(".", 1)[0]].pipeline_stage == stage}
+
+
+def accumulated_reference(make_model, replicas, micro_batch, steps=STEPS):
     """One process, no pipeline: per step the gradients of every micro-batch of every
     replica's shard summed and divided by their number, then one Momentum step. Returns
-    (parameters, last step's gradients, per-step loss of each replica)."""
+    (parameters and buffers, last step's gradients, per-step loss of each replica)."""
     backend.manual_seed(0)
-    model = staged_mlp(1)
+    model = make_model()
     opt = momentum(model.parameters())
     loss_fn = nn.CrossEntropyLoss()
     losses = []
@@ -78,14 +160,16 @@ def accumulated_reference(replicas, micro_batch, steps=STEPS):
             mean = 0
             for k in range(micro_batch):
                 part = slice(k * size, (k + 1) * size)
-                mean += float(loss_fn.forward(model.forward(xs[part]), ys[part])) / micro_batch
-                model.backward(loss_fn.backward(), input_grad=False)
+                opt.clear_grad()
+                loss = loss_fn(model(xs[part]), ys[part])
+                mean += float(loss) / micro_batch
+                loss.backward()
                 for name, p in model.named_parameters():
                     total[name] = total[name] + p.grad
             replica_losses.append(mean)
         for name, p in model.named_parameters():
             p.grad[...] = total[name] / (replicas * micro_batch)
-        grads = {name: p.grad.copy() for name, p in model.named_parameters()}
+        grads = {name: backend.to_numpy(p.grad).copy() for name, p in model.named_parameters()}
         opt.step()
         losses.append(replica_losses)
     return model.state_dict(), grads, losses
@@ -94,32 +178,36 @@ def accumulated_reference(replicas, micro_batch, steps=STEPS):
 # -- the proof at N ranks --------------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", MODELS)
 @pytest.mark.parametrize("mode", SCHEDULE_MODES)
-def test_stages_x_replicas_equal_accumulated_gradients(mode):
+def test_stages_x_replicas_equal_accumulated_gradients(mode, kind):
     fleet.init(is_collective=True)
     rank = fleet.worker_index()
     for stages, replicas in layouts(fleet.worker_num()):
         stage, replica = rank % stages, rank // stages
-        label = f"{stages} stages x {replicas} replicas, {mode}"
-        model, opt, losses = train_pipeline(stages, pipeline_strategy(mode=mode), replicas)
-        expected, grads, expected_losses = accumulated_reference(replicas, MICRO_BATCH)
+        label = f"{kind}, {stages} stages x {replicas} replicas, {mode}"
+        model, opt, losses = train_pipeline(stages, pipeline_strategy(mode=mode), replicas,
+                                            kind=kind)
+        expected, grads, expected_losses = accumulated_reference(
+            lambda: MODELS[kind](stages), replicas, MICRO_BATCH)
         own = {p.name for p in opt.inner.parameters()}
         ok(own == {p.name for p in model.parameters() if p.pipeline_stage == stage} and own,
            f"{label}: rank {rank} holds {sorted(own)}")
         state = model.state_dict()
         backend.manual_seed(0)
-        start = staged_mlp(stages).state_dict()
+        start = MODELS[kind](stages).state_dict()
         wrong = [f"gradient {p.name}" for p in opt.inner.parameters()
-                 if not np.allclose(p.grad, grads[p.name], rtol=1e-10, atol=1e-13)]
+                 if not np.allclose(backend.to_numpy(p.grad), grads[p.name], rtol=1e-10,
+                                    atol=1e-13)]
         wrong += [name for name in own
                   if not np.allclose(state[name], expected[name], rtol=1e-10, atol=1e-13)]
-        # Parameters of the other stages are never updated on this rank.
-        wrong += [f"{name} moved" for name in set(state) - own
+        # Parameters of the other stages are never updated on this rank, nor are the
+        # buffers of their layers.
+        wrong += [f"{name} moved" for name in set(state) - on_stage(model, stage)
                   if not np.array_equal(state[name], start[name])]
         ok(not wrong, f"{label}: rank {rank} differs in {sorted(wrong)}")
         close(np.array(losses), np.array([step[replica] for step in expected_losses]),
               rtol=1e-10, err_msg=f"{label}: losses")
-
 
 @pytest.mark.mpi(min_size=2)
 def test_both_schedules_give_identical_parameters():
@@ -135,15 +223,43 @@ def test_both_schedules_give_identical_parameters():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_recompute_inside_the_pipeline_changes_nothing():
+@pytest.mark.parametrize("kind, checkpoints, watched, checks", [
+    ("sequential", ["act0", "act2"], "fc0", 0),
+    ("user_layer", ["res0", "res1"], "res0.fc", 1),
+    ("sequential_of_stages", ["stage0.res"], "stage0.res.fc", 0)])
+def test_recompute_inside_the_pipeline_changes_nothing(kind, checkpoints, watched, checks):
+    """Bit for bit the run without recompute, and the ``watched`` layer (in a recomputed
+    segment) runs twice per micro-batch on its stage, plus ``checks`` calls of the one check
+    of a user-defined Layer's forward."""
     fleet.init(is_collective=True)
-    recompute = {"recompute": True, "recompute_configs": {"checkpoints": ["act0", "act2"]}}
+    recompute = {"recompute": True, "recompute_configs": {"checkpoints": checkpoints}}
+    counted = {}
     for stages, replicas in layouts(fleet.worker_num()):
-        with_it, _, losses = train_pipeline(stages, pipeline_strategy(**recompute), replicas)
-        without, _, plain = train_pipeline(stages, pipeline_strategy(), replicas)
+        calls = {}
+        with_it, _, losses = train_pipeline(
+            stages, pipeline_strategy(**recompute), replicas, kind=kind,
+            watch=lambda model: count_calls(model, watched, calls, True))
+        without, _, plain = train_pipeline(
+            stages, pipeline_strategy(), replicas, kind=kind,
+            watch=lambda model: count_calls(model, watched, calls, False))
         equal(np.array(losses), np.array(plain))
         for name, value in with_it.state_dict().items():
             equal(value, without.state_dict()[name], err_msg=f"{stages} stages: {name}")
+        layer = dict(with_it.named_sublayers())[watched]
+        if fleet.worker_index() % stages == layer.pipeline_stage:
+            counted[stages] = (calls[True], calls[False])
+    once = STEPS * MICRO_BATCH
+    ok(all(counts == (2 * once + checks, once + checks) for counts in counted.values()),
+       f"calls of {watched} with and without recompute: {counted}")
+
+
+def count_calls(model, name, calls, key):
+    """Count the calls of ``model``'s sublayer ``name`` in ``calls[key]``."""
+    calls[key] = 0
+
+    def hook(layer, inputs, output):
+        calls[key] += 1
+    dict(model.named_sublayers())[name].register_forward_post_hook(hook)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -231,14 +347,20 @@ def test_global_norm_clipping_across_stages_is_refused():
 
 # -- one process ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("kind", MODELS)
 @pytest.mark.parametrize("mode", SCHEDULE_MODES)
-def test_all_stages_in_one_process_equal_accumulated_gradients(mode):
-    model, opt, losses = train_pipeline(3, pipeline_strategy(mode=mode), 1, local=True)
-    expected, grads, expected_losses = accumulated_reference(1, MICRO_BATCH)
+def test_all_stages_in_one_process_equal_accumulated_gradients(mode, kind):
+    """Parameters and buffers (the batch-norm statistics of every micro-batch, which the check
+    of a user-defined Layer's forward must leave untouched) equal the reference."""
+    model, opt, losses = train_pipeline(3, pipeline_strategy(mode=mode), 1, local=True,
+                                        kind=kind)
+    expected, grads, expected_losses = accumulated_reference(lambda: MODELS[kind](3), 1,
+                                                             MICRO_BATCH)
     for name, value in model.state_dict().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-10, atol=1e-13, err_msg=name)
     for p in opt.inner.parameters():
-        np.testing.assert_allclose(p.grad, grads[p.name], rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(backend.to_numpy(p.grad), grads[p.name], rtol=1e-10,
+                                   atol=1e-13)
     np.testing.assert_allclose(losses, [step[0] for step in expected_losses], rtol=1e-10)
 
 
@@ -282,6 +404,140 @@ def test_split_points_assign_stages_and_refuse_too_few_layers():
         fleet.split_stages(small, [2, 1])
     with pytest.raises(ValueError, match="neither a layer index"):
         fleet.split_stages(small, ["fc9"])
+
+
+def test_split_stages_without_points_puts_each_top_level_layer_on_a_stage():
+    backend.manual_seed(0)
+    model = sequential_of_stages(3)
+    assert [layer.pipeline_stage for layer in model.children()] == [0, 1, 2]
+    assert {p.name: p.pipeline_stage for p in model.parameters()}["stage1.res.norm.weight"] == 1
+    user = UserNet(1)
+    assert fleet.split_stages(user, ["res1"]) == 2
+    assert [(name, layer.pipeline_stage) for name, layer in user.named_children()] == \
+        [("inp", 0), ("res0", 0), ("res1", 1), ("act", 1), ("head", 1)]
+    with pytest.raises(TypeError, match="split_stages cuts a fleetmpi.nn.Layer, not list"):
+        fleet.split_stages([nn.Linear(2, 2)])
+
+
+class Between(UserNet):
+    """Computes between its sublayers: ``head(relu(act(...)))``."""
+
+    def forward(self, x):
+        return self.head(F.relu(self.act(self.res1(self.res0(self.inp(x))))))
+
+
+class After(UserNet):
+    """Computes after its last sublayer."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+class OutOfOrder(UserNet):
+    """Calls ``res1`` before ``res0``."""
+
+    def forward(self, x):
+        return self.head(self.act(self.res0(self.res1(self.inp(x)))))
+
+
+class Skips(UserNet):
+    """Never calls ``act``."""
+
+    def forward(self, x):
+        return self.head(self.res1(self.res0(self.inp(x))))
+
+
+class Spanning(nn.Layer):
+    """``body`` holds a Linear of stage 0 and one of stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Layer()
+        with fleet.device_guard("stage:0"):
+            self.body.fc0 = nn.Linear(6, 6)
+        with fleet.device_guard("stage:1"):
+            self.body.fc1 = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.body.fc1(self.body.fc0(x))
+
+
+class OwnParameter(UserNet):
+    """Holds a parameter of its own beside its sublayers."""
+
+    def __init__(self, stages):
+        super().__init__(stages)
+        scale = self.create_parameter((1,), dtype="float64")
+        scale.pipeline_stage = 1
+        self.scale = scale
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class Reversed(nn.Layer):
+    """Registers its stage-1 layer before its stage-0 layer."""
+
+    def __init__(self):
+        super().__init__()
+        with fleet.device_guard("stage:1"):
+            self.head = nn.Linear(6, 4)
+        with fleet.device_guard("stage:0"):
+            self.body = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+CHAIN = r"calls each of its top-level sublayers \['inp', 'res0', 'res1', 'act', 'head'\] once"
+
+
+@pytest.mark.parametrize("make_model, message", [
+    (lambda: Between(2), r"Between.forward the sublayer 'head' does not get the "
+                                    r"output of 'act' as its one input .*" + CHAIN),
+    (lambda: After(2), r"After.forward returns something other than the output "
+                                  r"of 'head' .*" + CHAIN),
+    (lambda: OutOfOrder(2), r"OutOfOrder.forward calls its top-level sublayers in "
+                                       r"the order \['inp', 'res1', 'res0', 'act', 'head'\]; .*"
+                                       + CHAIN),
+    (lambda: Skips(2), r"Skips.forward calls its top-level sublayers in the order "
+                                  r"\['inp', 'res0', 'res1', 'head'\]"),
+    (Spanning, r"the top-level layer 'body' \(Layer\) of Spanning holds parameters of stages "
+               r"\[0, 1\] \(stage 0: body.fc0.weight, body.fc0.bias; stage 1: body.fc1.weight, "
+               r"body.fc1.bias\); a stage boundary must fall between top-level layers"),
+    (lambda: OwnParameter(2), r"OwnParameter holds parameters \['scale'\] itself, outside "
+                              r"its top-level sublayers"),
+    (Reversed, r"the stages of the top-level layers \['head', 'body'\] of Reversed are "
+               r"\[1, 0\]; they must rise from 0 to 1"),
+], ids=["between", "after", "out_of_order", "skips", "spanning", "own_parameter", "reversed"])
+def test_a_model_that_cannot_be_split_is_refused_naming_the_layer(make_model, message):
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = make_model()
+    start = model.state_dict()
+    opt = fleet.distributed_optimizer(momentum(model.parameters()), pipeline_strategy(),
+                                      local=True)
+    x, y = global_batch(0)
+    with pytest.raises(ValueError, match=message):
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, start[name], err_msg=name)
+
+
+def test_a_model_of_one_stage_is_not_cut_whatever_its_forward():
+    """Between's forward cannot be cut, but a model of one stage is not cut: it runs whole on
+    each micro-batch."""
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = Between(1)
+    opt = fleet.distributed_optimizer(momentum(model.parameters()), pipeline_strategy(),
+                                      local=True)
+    losses = [float(opt.minimize(model, nn.CrossEntropyLoss(), *global_batch(step)))
+              for step in range(STEPS)]
+    expected, _, expected_losses = accumulated_reference(lambda: Between(1), 1, MICRO_BATCH)
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(value, expected[name], rtol=1e-10, atol=1e-13, err_msg=name)
+    np.testing.assert_allclose(losses, [step[0] for step in expected_losses], rtol=1e-10)
 
 
 def test_untagged_parameters_and_empty_stages_are_refused():

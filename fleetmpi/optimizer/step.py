@@ -20,7 +20,10 @@ class StepContext:
     ``step`` counts the steps run before this one (from 0). ``sync_gradients``: whether the
     gradients are averaged over the ranks this step (a strategy that communicates something
     else, or nothing, turns it off). ``apply_update``: whether the optimizer updates the
-    parameters this step (off while gradients are being merged, or when they overflowed)."""
+    parameters this step (off while gradients are being merged, or when they overflowed).
+    ``gradients_ready``: set by a strategy whose forward stage already computed this step's
+    gradients into the parameters (pipeline's micro-batch schedule); the backward stage then
+    reports them to the hooks instead of running the loss's backward."""
 
     def __init__(self, model, loss_fn, x, y, optimizer, step=0):
         self.model = model
@@ -34,6 +37,7 @@ class StepContext:
         self.loss = None
         self.output = None
         self.loss_scale = 1
+        self.gradients_ready = False
 
 
 class StepHook:
@@ -86,8 +90,20 @@ def backward_pass(hooks, ctx):
     ctx.optimizer.settle_grads()
 
 
+def report_gradients(hooks, ctx):
+    """Every hook's ``on_gradient`` with all of the optimizer's parameters at once, for
+    gradients that are already final."""
+    ctx.optimizer.settle_grads()
+    parameters = ctx.optimizer.parameters()
+    for hook in hooks:
+        hook.on_gradient(ctx, parameters)
+
+
 def _backward_with(hooks):
     def backward(ctx):
+        if ctx.gradients_ready:
+            report_gradients(hooks, ctx)
+            return
         ctx.optimizer.clear_grad()
         backward_pass(hooks, ctx)
     return backward

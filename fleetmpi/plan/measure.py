@@ -67,8 +67,9 @@ def main():
     loss_fn = nn.CrossEntropyLoss()
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(world.Get_rank())
-    classes = model.forward(np.zeros((1,) + _input_shape(args.model),
-                                     np.float32)).shape[1]
+    with fleet.no_grad():
+        # Outside a recorded step: calling the model here opens no training step.
+        classes = model(np.zeros((1,) + _input_shape(args.model), np.float32)).shape[1]
     xs = rng.standard_normal((BATCHES, args.batch) + _input_shape(args.model),
                              dtype=np.float32)
     ys = rng.integers(0, classes, (BATCHES, args.batch))
