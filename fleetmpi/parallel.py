@@ -201,6 +201,22 @@ class DistributedOptimizer:
         if self.communicator is None or self.communicator.rank == 0:
             print(report.text(), flush=True)
 
+    def _configure(self, model):
+        """Switch ``model``'s fused kernels as the strategy asks (once per model and strategy)
+        and report each fusion field the model has nothing to fuse for."""
+        global _applied
+        if id(model) in self._configured:
+            return
+        model.configure_fusion(*self._fusion)
+        self._configured.add(id(model))
+        reasons = applied.unfused(self.strategy, model)
+        if reasons:
+            updated = self.applied_strategy.with_reasons(reasons)
+            if _applied is self.applied_strategy:
+                _applied = updated
+            self.applied_strategy = updated
+            applied.report(updated)
+
     def add_hook(self, hook, first=False):
         """Put ``hook`` into the step chain (outermost when ``first``)."""
         if first:
@@ -226,12 +242,9 @@ class DistributedOptimizer:
                                "the model is not finished; call opt.step() first")
         model, loss_fn, x, y = args
         if self._calibration is not None:
-            if id(model) not in self._configured:
-                model.configure_fusion(*self._fusion)
+            self._configure(model)
             self._calibrate(model, loss_fn, x, y)
-        if id(model) not in self._configured:
-            model.configure_fusion(*self._fusion)
-            self._configured.add(id(model))
+        self._configure(model)
         ctx = StepContext(model, loss_fn, x, y, self.inner, step=self.step_count)
         loss = run_step(self.hooks, ctx)
         self.step_count += 1
@@ -257,9 +270,7 @@ class DistributedOptimizer:
                                "opt.step() in between; call opt.step() (and opt.clear_grad()) "
                                "each step, or merge gradients with strategy.gradient_merge")
         self._refuse_dygraph()
-        if id(model) not in self._configured:
-            model.configure_fusion(*self._fusion)
-            self._configured.add(id(model))
+        self._configure(model)
         ctx = StepContext(model, None, None, None, self.inner, step=self.step_count)
 
         def run(ctx):

@@ -12,6 +12,7 @@ import types
 from .. import world
 from ..distributed_strategy import DistributedStrategy
 from ..log import logger
+from ..nn import BatchNorm, Sequential
 from .compose import ORDER
 from .inert_fields import NO_EFFECT, inert_fields_set, report_once
 
@@ -66,6 +67,31 @@ def _with_cpu_reasons(strategy, on_gpu, reasons):
     return reasons
 
 
+_FUSION_FIELDS = {
+    "build_strategy.fuse_elewise_add_act_ops": "a Linear or Conv2D with bias followed by an "
+                                               "activation",
+    "build_strategy.fuse_bn_act_ops": "a BatchNorm followed by a ReLU",
+}
+
+
+def unfused(strategy, model):
+    """``{field path: why}`` for each kernel-fusion field that is on while ``model`` holds no
+    pair of layers it fuses: fusion applies to neighbouring layers of an ``nn.Sequential``."""
+    wanted = {"build_strategy.fuse_elewise_add_act_ops":
+              bool(strategy.build_strategy.fuse_elewise_add_act_ops),
+              "build_strategy.fuse_bn_act_ops": bool(strategy.build_strategy.fuse_bn_act_ops)}
+    fused = dict.fromkeys(wanted, 0)
+    for _, layer in model.named_sublayers(include_self=True):
+        if isinstance(layer, Sequential):
+            for step_layer, act in layer.plan():
+                if act is not None:
+                    kind = "build_strategy.fuse_bn_act_ops" if isinstance(step_layer, BatchNorm) \
+                        else "build_strategy.fuse_elewise_add_act_ops"
+                    fused[kind] += 1
+    return {path: f"the model has no nn.Sequential holding {_FUSION_FIELDS[path]}, the pairs "
+                  "this fuses" for path, on in wanted.items() if on and not fused[path]}
+
+
 class AppliedStrategy(DistributedStrategy):
     """The ``DistributedStrategy`` a job runs, with ``active``, ``not_applied`` and
     ``calibration`` (see the module docstring). It equals any ``DistributedStrategy`` with the
@@ -83,6 +109,12 @@ class AppliedStrategy(DistributedStrategy):
         object.__setattr__(applied, "not_applied", types.MappingProxyType(dict(reasons)))
         object.__setattr__(applied, "calibration", calibration)
         return applied
+
+    def with_reasons(self, reasons):
+        """This applied strategy with ``reasons`` (``{field path: why}``) added to
+        ``not_applied``."""
+        return AppliedStrategy.of(self, self.active, {**self.not_applied, **reasons},
+                                  self.calibration)
 
     def __eq__(self, other):
         return isinstance(other, DistributedStrategy) and other._message == self._message

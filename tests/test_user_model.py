@@ -294,3 +294,26 @@ def test_strategies_on_a_user_model(name):
         assert_states_equal(a, reference, close, **tolerance)
         for param_name, value in a.state_dict().items():
             equal(world_gather(value)[0], value, err_msg=param_name)
+
+
+def test_fusion_fields_with_nothing_to_fuse_are_reported_not_applied():
+    """Kernel fusion joins neighbouring layers of a Sequential; on a user model without one,
+    applied_strategy says so (and keeps saying the Sequential's fusion applies)."""
+    fleet.init(is_collective=True)
+    strategy = make_strategy(fuse_elewise_add_act_ops=True)
+    backend.manual_seed(0)
+    model = fleet.distributed_model(UserNet())
+    opt = fleet.distributed_optimizer(sgd_momentum(model.parameters()), strategy, local=True)
+    assert "build_strategy.fuse_elewise_add_act_ops" not in fleet.applied_strategy().not_applied
+    x, y = global_batch(0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    reason = fleet.applied_strategy().not_applied["build_strategy.fuse_elewise_add_act_ops"]
+    assert "no nn.Sequential" in reason
+    sequential = nn.Sequential(nn.Linear(FEATURES, 8, dtype="float64"), nn.ReLU(),
+                               nn.Linear(8, CLASSES, dtype="float64"))
+    opt = fleet.distributed_optimizer(sgd_momentum(sequential.parameters()), strategy,
+                                      local=True)
+    opt.minimize(sequential, nn.CrossEntropyLoss(), x, y)
+    assert sequential.fused_steps() == 1
+    assert "build_strategy.fuse_elewise_add_act_ops" not in fleet.applied_strategy().not_applied
