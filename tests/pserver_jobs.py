@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import backend, data, nn, optimizer
 
 FEATURES, CLASSES, HIDDEN = 64, 4, 160   # fc0 has 64 * 160 > 8192 elements: split in blocks
@@ -36,6 +37,7 @@ def parse():
     parser.add_argument("--servers", type=int, required=True)
     parser.add_argument("--mode", default="sync", choices=["sync", "async", "geo"])
     parser.add_argument("--k-steps", type=int, default=4)
+    parser.add_argument("--idiom", default="minimize", choices=["minimize", "dygraph"])
     parser.add_argument("--out")
     parser.add_argument("--load")
     return parser.parse_args()
@@ -165,7 +167,7 @@ def scenario_digits(args):
             opt.minimize(model, nn.CrossEntropyLoss(), x, y)
     fleet.stop_worker()
     model.eval()
-    predicted = backend.to_numpy(model.forward(backend.asarray(test.features))).argmax(axis=1)
+    predicted = model(test.features).numpy().argmax(axis=1)
     accuracy = float((predicted == test.labels).mean())
     stale = opt.staleness if args.mode == "async" else []
     assert accuracy >= 0.95, f"{args.mode}: test accuracy {accuracy:.4f} < 0.95"
@@ -179,17 +181,11 @@ class Bag(nn.Layer):
 
     def __init__(self, sparse):
         super().__init__(dtype="float64")
-        self.embedding = self.add_sublayer("embedding", nn.Embedding(ROWS, DIM, dtype="float64",
-                                                                     sparse=sparse))
-        self.fc = self.add_sublayer("fc", nn.Linear(DIM, CLASSES, dtype="float64"))
+        self.embedding = nn.Embedding(ROWS, DIM, dtype="float64", sparse=sparse)
+        self.fc = nn.Linear(DIM, CLASSES, dtype="float64")
 
     def forward(self, ids):
-        self._shape = ids.shape
-        return self.fc.forward(self.embedding.forward(ids).sum(axis=1))
-
-    def _backward(self, dy, input_grad):
-        d = self.fc.backward(dy)
-        self.embedding.backward(np.broadcast_to(d[:, None, :], self._shape + (DIM,)).copy())
+        return self.fc(self.embedding(ids).sum(axis=1))
 
 
 def sparse_batch(step, worker_num):
@@ -216,7 +212,13 @@ def scenario_sparse(args):
     for step in range(steps):
         ids, y = sparse_batch(step, n)
         mine = slice(4 * w, 4 * w + 4)
-        opt.minimize(model, nn.CrossEntropyLoss(), ids[mine], y[mine])
+        if args.idiom == "minimize":
+            opt.minimize(model, nn.CrossEntropyLoss(), ids[mine], y[mine])
+        else:
+            loss = F.cross_entropy(model(ids[mine]), y[mine])
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
         touched = np.unique(ids[mine])
         touched_since_push.append(touched)
         if args.mode == "geo":
@@ -233,7 +235,8 @@ def scenario_sparse(args):
     if args.mode == "sync":
         check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n)
     fleet.stop_worker()
-    say(f"ok sparse {args.mode} worker {w}: pulled and pushed exactly the touched rows")
+    say(f"ok sparse {args.mode} {args.idiom} worker {w}: pulled and pushed exactly the "
+        "touched rows")
 
 
 def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
@@ -278,8 +281,9 @@ def scenario_leave(args):
 def main():
     args = parse()
     join(args.servers)
-    {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
-     "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave}[args.scenario](args)
+    scenarios = {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
+                 "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave}
+    scenarios[args.scenario](args)
 
 
 if __name__ == "__main__":

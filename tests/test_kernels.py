@@ -1,12 +1,12 @@
 """Fused kernels (``BuildStrategy`` fusion switches) against the unfused layers, forward and
-backward, and the kernel sources themselves."""
+backward through the recorded graph, and the kernel sources themselves."""
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from fleetmpi import backend, nn
+from fleetmpi import backend, nn, to_tensor
 from fleetmpi.kernels import loader
 from fleetmpi.nn.gradcheck import check_gradients
 
@@ -38,11 +38,11 @@ def run(name, fused, dtype):
         nn.set_default_dtype("float32")
     if fused:
         model.configure_fusion(**FUSION)
-    x = rand(*INPUTS.get(name, (4, 6)), dtype=dtype)
-    y = model.forward(x)
-    dx = model.backward(rand(*y.shape, seed=1, dtype=dtype))
-    grads = {n: p.grad.copy() for n, p in model.named_parameters()}
-    return model, y, dx, grads
+    x = to_tensor(rand(*INPUTS.get(name, (4, 6)), dtype=dtype), stop_gradient=False)
+    y = model(x)
+    y.backward(rand(*y.shape, seed=1, dtype=dtype))
+    grads = {n: backend.to_numpy(p.grad).copy() for n, p in model.named_parameters()}
+    return model, y.numpy(), backend.to_numpy(x.grad), grads
 
 
 def fused_step_count(model):

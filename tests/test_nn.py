@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from fleetmpi import backend, nn
+from fleetmpi import backend, nn, to_tensor
+from fleetmpi.autograd import run_backward
 from fleetmpi.nn.gradcheck import check_gradients
 
 TOLERANCE = 1e-6
@@ -42,15 +43,15 @@ LAYERS = {
 def test_gradients_match_finite_differences(name):
     layer, x = LAYERS[name]()
     errors = check_gradients(layer, x)
-    expected = {n for n, _ in layer.named_parameters()} | ({"input"} if x.dtype.kind == "f"
-                                                           else set())
+    expected = {n for n, _ in layer.named_parameters()} | ({"input0"} if x.dtype.kind == "f"
+                                                            else set())
     assert set(errors) == expected
     assert max(errors.values()) < TOLERANCE, errors
 
 
 def test_batchnorm_eval_mode_gradients():
     layer = nn.BatchNorm2D(2)
-    layer.forward(rand(4, 2, 3, 3, seed=3))
+    layer(rand(4, 2, 3, 3, seed=3))
     layer.eval()
     errors = check_gradients(layer, rand(3, 2, 3, 3))
     assert max(errors.values()) < TOLERANCE, errors
@@ -60,9 +61,11 @@ def test_softmax_cross_entropy_gradient():
     logits = rand(4, 5)
     labels = np.array([0, 4, 2, 2])
     loss_fn = nn.CrossEntropyLoss()
-    loss = loss_fn(logits, labels)
+    logits_tensor = to_tensor(logits, stop_gradient=False)
+    loss = loss_fn(logits_tensor, labels)
     assert loss.shape == ()
-    grad = loss_fn.backward()
+    loss.backward()
+    grad = logits_tensor.grad
     numeric = np.zeros_like(logits)
     eps = 1e-6
     for index in np.ndindex(*logits.shape):
@@ -95,13 +98,11 @@ def test_parameters_are_views_of_one_flat_buffer_in_backward_order():
 def test_backward_reports_gradients_last_layer_first():
     model = nn.MLP([4, 6, 5, 3])
     model.parameters()
-    x = rand(2, 4)
-    model.forward(x)
+    y = model(rand(2, 4))
     seen = []
-    model.backward(np.ones((2, 3)), on_gradient=lambda params: seen.append(
-        [p.name for p in params]))
-    assert seen == [["fc2.weight", "fc2.bias"], ["fc1.weight", "fc1.bias"],
-                    ["fc0.weight", "fc0.bias"]]
+    run_backward([y], [np.ones((2, 3))], on_leaf_ready=lambda leaf: seen.append(leaf.name))
+    assert seen == ["fc2.weight", "fc2.bias", "fc1.weight", "fc1.bias",
+                    "fc0.weight", "fc0.bias"]
     flat_order = sorted(model.parameters(), key=lambda p: p.offset)
     assert [p.name for p in flat_order] == ["fc2.bias", "fc2.weight", "fc1.bias",
                                             "fc1.weight", "fc0.bias", "fc0.weight"]
@@ -128,7 +129,7 @@ def test_sequential_names_and_lookup():
 
 def test_state_dict_round_trip_includes_buffers():
     model = nn.Sequential(nn.Conv2D(1, 2, 3, padding=1), nn.BatchNorm2D(2), nn.ReLU())
-    model.forward(rand(2, 1, 4, 4))
+    model(rand(2, 1, 4, 4))
     state = model.state_dict()
     assert set(state) == {"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
                           "1.running_var"}
@@ -158,20 +159,21 @@ def test_initial_weights_follow_the_seed():
 
 def test_dropout_is_identity_in_eval_and_scales_in_train():
     layer = nn.Dropout(0.5)
-    x = np.ones((200, 50))
-    y = layer.forward(x)
+    x = to_tensor(np.ones((200, 50)))
+    y = layer(x).numpy()
     assert set(np.unique(y)) == {0.0, 2.0}
     assert 0.4 < (y == 0).mean() < 0.6
     layer.eval()
-    assert layer.forward(x) is x
+    assert layer(x) is x
 
 
 def test_resnet_shapes():
     model = nn.resnet20(num_classes=7)
-    x = rand(2, 3, 16, 16)
-    y = model.forward(x)
+    x = to_tensor(rand(2, 3, 16, 16), stop_gradient=False)
+    y = model(x)
     assert y.shape == (2, 7)
-    assert model.backward(np.ones_like(y)).shape == x.shape
+    y.backward(np.ones(y.shape))
+    assert x.grad.shape == x.shape
     # stem, stage 1, stage 2 and stage 3 (each with a 1x1 projection shortcut), head
     stem = 3 * 16 * 9 + 32
     stage1 = 3 * 2 * (16 * 16 * 9 + 32)
@@ -182,9 +184,11 @@ def test_resnet_shapes():
     big = nn.resnet50(num_classes=5)
     # torchvision's resnet50 without its 1000-class head has 23,508,032 parameters
     assert sum(p.size for p in big.parameters()) == 23_508_032 + 2048 * 5 + 5
-    out = big.forward(rand(1, 3, 32, 32))
+    x = to_tensor(rand(1, 3, 32, 32), stop_gradient=False)
+    out = big(x)
     assert out.shape == (1, 5)
-    assert big.backward(np.ones_like(out)).shape == (1, 3, 32, 32)
+    out.backward(np.ones(out.shape))
+    assert x.grad.shape == (1, 3, 32, 32)
 
 
 @pytest.mark.parametrize("make, x, message", [
@@ -195,12 +199,12 @@ def test_resnet_shapes():
 ])
 def test_bad_input_is_named(make, x, message):
     with pytest.raises(ValueError, match=message):
-        make().forward(x)
+        make()(x)
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda: nn.Linear(0, 3), "in_features must be a positive integer, not 0"),
-    (lambda: nn.Dropout(1.0), r"Dropout p must be a number in \[0, 1\)"),
+    (lambda: nn.Dropout(1.0), r"dropout p must be a number in \[0, 1\), not 1.0"),
     (lambda: nn.Conv2D(1, 1, 3, stride=0), "stride must be an integer >= 1"),
     (lambda: nn.MLP([3, 2], activation="swish"), "'swish' is not one of"),
     (lambda: nn.set_default_dtype("int32"), "dtype 'int32' is not allowed"),

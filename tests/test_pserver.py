@@ -75,16 +75,19 @@ def test_async_and_geo_reach_95_percent_on_digits(mode):
             assert report["staleness_max"] == 0
 
 
-@pytest.mark.parametrize("ranks,servers,mode", [(4, 2, "sync"), (4, 2, "async"), (4, 2, "geo"),
-                                                (3, 1, "sync")])
-def test_sparse_rows_pulled_and_pushed_are_exactly_the_touched_ones(ranks, servers, mode):
+@pytest.mark.parametrize("ranks,servers,mode,idiom", [
+    (4, 2, "sync", "minimize"), (4, 2, "async", "minimize"), (4, 2, "geo", "minimize"),
+    (3, 1, "sync", "minimize"), (4, 2, "sync", "dygraph"), (4, 2, "geo", "dygraph")])
+def test_sparse_rows_pulled_and_pushed_are_exactly_the_touched_ones(ranks, servers, mode,
+                                                                     idiom):
     """A 1000 x 8 Embedding(sparse=True): every step each worker pulls exactly the distinct ids
     of its batch (GEO: those not cached since its last push) and pushes exactly those (GEO:
     every row touched since its last push); synchronous training equals one process with a
-    dense Embedding started from the servers' rows."""
-    code, output, _ = run_job(ranks, servers, "sparse", "--mode", mode)
+    dense Embedding started from the servers' rows. Workers train with ``opt.minimize(model,
+    loss_fn, x, y)`` or with ``loss.backward(); opt.step(); opt.clear_grad()``."""
+    code, output, _ = run_job(ranks, servers, "sparse", "--mode", mode, "--idiom", idiom)
     assert code == 0, output
-    assert_workers_ok(output, f"sparse {mode}", ranks - servers)
+    assert_workers_ok(output, f"sparse {mode} {idiom}", ranks - servers)
 
 
 def test_sync_worker_that_raises_ends_the_job_naming_it():

@@ -1,11 +1,12 @@
 """Parameter-server pieces on one process: role makers, the block plan, the message codec,
-the mode a strategy selects, and the shard files."""
+the mode a strategy selects, the shard files, and sparse lookups on the tape."""
 import os
 
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
+from fleetmpi import nn, no_grad
 from fleetmpi.config_message import ConfigError
 from fleetmpi.role_maker import PaddleCloudRoleMaker
 from fleetmpi.strategies.ps import blocks, mode, shards, wire
@@ -155,3 +156,56 @@ def test_shard_files_are_replaced_whole_and_read_without_pickle(tmp_path):
     np.testing.assert_array_equal(loaded["table.0"], arrays["table.0"])
     with pytest.raises(FileNotFoundError, match="no shard .*server-0-of-3.npz.*same number"):
         shards.load_shard(str(tmp_path), 0, 3)
+
+
+class RowSource:
+    """A ``SparseTable`` source serving the rows of a dense array, as a worker's client
+    serves the servers' rows; ``asked`` records the ids of every request."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.asked = []
+
+    def lookup(self, table, ids):
+        self.asked.append(ids.tolist())
+        return self.rows[ids]
+
+
+def test_sparse_lookups_are_recorded_and_accumulate_as_a_dense_embedding_does():
+    """A table looked up twice in one forward (repeated ids in each lookup): each lookup asks
+    for its distinct ids once, and backward leaves exactly the dense Embedding's gradient rows
+    for the ids touched, summed over both lookups."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((10, 3))
+    ids_a, ids_b = np.array([[1, 4, 4], [7, 1, 0]]), np.array([4, 9])
+    weight_a, weight_b = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
+    sparse = nn.Embedding(10, 3, dtype="float64", sparse=True)
+    source = sparse.table.source = RowSource(rows)
+    dense = nn.Embedding(10, 3, dtype="float64")
+    dense.weight.set_value(rows)
+    for layer in (sparse, dense):
+        loss = (layer(ids_a).sum(axis=1) * weight_a).sum() + (layer(ids_b) * weight_b).sum()
+        loss.backward()
+    assert source.asked == [[0, 1, 4, 7], [4, 9]]
+    touched = [0, 1, 4, 7, 9]
+    assert sparse.table.grad_ids.tolist() == touched
+    np.testing.assert_allclose(sparse.table.grad_values, dense.weight.grad[touched],
+                               rtol=1e-14, atol=1e-14)
+    untouched = np.setdiff1d(np.arange(10), touched)
+    assert not dense.weight.grad[untouched].any()
+    sparse.table.clear_gradient()
+    assert sparse.table.grad_ids is None and sparse.table.grad_values is None
+
+
+def test_sparse_lookup_outside_recording_or_without_servers():
+    """Under no_grad a lookup records nothing (no gradient will come back); a table with no
+    source says how to get one."""
+    table_layer = nn.Embedding(10, 3, dtype="float64", sparse=True)
+    with pytest.raises(RuntimeError, match="keeps its rows on the parameter servers"):
+        table_layer(np.array([1, 2]))
+    table_layer.table.source = RowSource(np.arange(30.0).reshape(10, 3))
+    with no_grad():
+        out = table_layer(np.array([[3, 3]]))
+    assert out.stop_gradient and out.is_leaf
+    np.testing.assert_array_equal(out.numpy(), [[[9.0, 10.0, 11.0], [9.0, 10.0, 11.0]]])
+    assert table_layer.table.grad_ids is None

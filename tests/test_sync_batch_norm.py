@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import nn
+import fleetmpi.nn.functional as F
+from fleetmpi import backend, nn, optimizer, to_tensor
 from fleetmpi.comm import get_communicator
+from fleetmpi.nn.functional.norm import batch_statistics
 from strategy_support import CLASSES, FEATURES, GLOBAL_BATCH, global_batch, make_mlp, \
-    make_strategy, train, world_gather
+    make_strategy, shard, train, world_gather
 from comm_support import close, equal, ok
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -38,14 +40,14 @@ def make_layer(tail, weight, bias, communicator=None):
 
 
 def run_layer(layer, x, dz, fused):
-    """Output, input gradient, weight and bias gradients of one training step of ``layer``."""
-    if fused:
-        y = layer.forward_act(x, "relu")
-        dx = layer.backward_act(dz, "relu")
-    else:
-        y = layer.forward(x)
-        dx = layer.backward(dz)
-    return y, dx, layer.weight.grad.copy(), layer.bias.grad.copy()
+    """Output, input gradient, weight and bias gradients of one step of ``layer``: its
+    forward on ``x`` recorded, then the backward of ``dz`` (the parameters' gradients cleared
+    first, since backward accumulates into them)."""
+    layer.clear_gradients()
+    x = to_tensor(x, stop_gradient=False)
+    y = layer.forward_act(x, "relu") if fused else layer(x)
+    y.backward(dz)
+    return y.numpy(), x.grad, layer.weight.grad.copy(), layer.bias.grad.copy()
 
 
 def rows_per_rank(layout, size):
@@ -94,7 +96,7 @@ def test_eval_mode_does_not_communicate():
     communicator = get_communicator()
     x, dz, weight, bias = layer_data((5,), [4])
     layer = make_layer((5,), weight, bias, communicator)
-    layer.forward(x * (1 + fleet.worker_index()))
+    layer(x * (1 + fleet.worker_index()))
     trained = communicator.payload_bytes
     layer.eval()
     y, dx, _, _ = run_layer(layer, x, dz, fused=False)
@@ -109,15 +111,31 @@ def test_eval_mode_does_not_communicate():
 
 
 def test_local_statistics_are_numpys_mean_and_var():
+    """The batch statistics, and what a training forward normalizes with (the recorded
+    call's mean and inverse standard deviation, and the running statistics after one step
+    at momentum 0), are NumPy's ``mean`` and ``var`` bit for bit."""
     for dtype in ("float32", "float64"):
         for tail in TAILS.values():
             x, _, weight, bias = layer_data(tail, [7])
             x = x.astype(dtype)
-            layer = make_layer(tail, weight, bias)
-            layer.forward(x)
             axes = (0,) + tuple(range(2, x.ndim))
-            np.testing.assert_array_equal(layer._mean, x.mean(axis=axes))
-            np.testing.assert_array_equal(layer._invstd, 1 / np.sqrt(x.var(axis=axes) + 1e-5))
+            mean, var, count = batch_statistics(x, axes, None)
+            np.testing.assert_array_equal(mean, x.mean(axis=axes))
+            np.testing.assert_array_equal(var, x.var(axis=axes))
+            assert count == x.size // tail[0]
+            layer = make_layer(tail, weight, bias)
+            layer.momentum = 0.0
+            layer.weight.data[...] = 1.0
+            layer.bias.data[...] = 0.0
+            y = layer(to_tensor(x, stop_gradient=False))
+            invstd = 1 / np.sqrt(x.var(axis=axes) + 1e-5)
+            np.testing.assert_array_equal(y._node.invstd, invstd)
+            shape = (1, -1) + (1,) * (x.ndim - 2)
+            tolerance = 1e-5 if dtype == "float32" else 1e-12
+            np.testing.assert_allclose(y.numpy(), (x - x.mean(axis=axes).reshape(shape))
+                                       * invstd.reshape(shape), rtol=tolerance, atol=tolerance)
+            np.testing.assert_array_equal(layer.buffer("running_mean"), x.mean(axis=axes))
+            np.testing.assert_array_equal(layer.buffer("running_var"), x.var(axis=axes))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_relu"])
@@ -139,9 +157,9 @@ def test_empty_batch_is_refused_in_training():
     x, _, weight, bias = layer_data((5,), [0])
     layer = make_layer((5,), weight, bias)
     with pytest.raises(ValueError, match=r"empty here \(input shape \(0, 5\)\)"):
-        layer.forward(x)
+        layer(x)
     layer.eval()
-    assert layer.forward(x).shape == (0, 5)
+    assert layer(x).shape == (0, 5)
 
 
 # -- training under the strategy --------------------------------------------------------------
@@ -256,3 +274,120 @@ def test_model_without_batch_norm_warns_once():
     assert losses == plain_losses
     warnings = [m for m in records.messages if "sync_batch_norm" in m]
     assert len(warnings) == 1 and "no BatchNorm layer" in warnings[0], records.messages
+
+
+# -- a user-defined Layer with BatchNorm sublayers at depth, the dygraph idiom ----------------
+
+class ConvUnit(nn.Layer):
+    """Convolution, batch norm and ReLU: a user's building block."""
+
+    def __init__(self, in_channels, out_channels):
+        super().__init__(dtype="float64")
+        self.conv = nn.Conv2D(in_channels, out_channels, 3, padding=1, bias=False,
+                              dtype="float64")
+        self.norm = nn.BatchNorm2D(out_channels, dtype="float64")
+
+    def forward(self, x):
+        return F.relu(self.norm(self.conv(x)))
+
+
+class DeepBatchNormNet(nn.Layer):
+    """BatchNorm layers two and three levels down (in nested Layers, in a LayerList inside a
+    LayerList), a residual branch, and a BatchNorm1D before the head."""
+
+    def __init__(self):
+        super().__init__(dtype="float64")
+        self.stem = ConvUnit(2, 4)
+        self.stages = nn.LayerList([ConvUnit(4, 4), nn.LayerList([ConvUnit(4, 6)])])
+        self.head_norm = nn.BatchNorm1D(6, dtype="float64")
+        self.head = nn.Linear(6, CLASSES, dtype="float64")
+
+    def forward(self, x):
+        h = self.stem(x)
+        h = h + self.stages[0](h)
+        h = self.stages[1][0](h)
+        h = F.adaptive_avg_pool2d(h, 1).reshape(h.shape[0], -1)
+        return self.head(F.relu(self.head_norm(h)))
+
+
+DEEP_BATCH_NORMS = ["stem.norm", "stages.0.norm", "stages.1.0.norm", "head_norm"]
+
+
+def train_deep_net(strategy, idiom, local=False, steps=STEPS):
+    """``DeepBatchNormNet`` from seed 0, each rank on its share of ``image_batch`` (the whole
+    batch when ``local``); returns ``(model, optimizer, losses)``."""
+    fleet.init(is_collective=True)
+    size, rank = (1, 0) if local else (fleet.worker_num(), fleet.worker_index())
+    backend.manual_seed(0)
+    # Through distributed_model also when local: calling it opens the optimizer's steps.
+    model = fleet.distributed_model(DeepBatchNormNet())
+    opt = fleet.distributed_optimizer(
+        optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=model.parameters()),
+        strategy, local=local)
+    losses = []
+    for step in range(steps):
+        x, y = (shard(a, rank, size) for a in image_batch(step))
+        if idiom == "minimize":
+            losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
+            continue
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        losses.append(loss.item())
+    return model, opt, losses
+
+
+@pytest.mark.mpi(min_size=2)
+def test_user_layer_with_nested_batch_norms_in_the_dygraph_idiom_equals_one_process():
+    """N ranks training a user Layer with ``loss.backward(); opt.step(); opt.clear_grad()``
+    under sync_batch_norm equal one process on the global batch (losses, parameters, running
+    statistics, and the eval-mode output from those), and ``opt.minimize`` bit for bit."""
+    model, opt, losses = train_deep_net(sync_strategy(False), "dygraph")
+    expected, _, expected_losses = train_deep_net(sync_strategy(False), "dygraph", local=True)
+    layers = opt.strategies["sync_batch_norm"].layers
+    named = dict(model.named_sublayers())
+    ok([id(layer) for layer in layers] == [id(named[name]) for name in DEEP_BATCH_NORMS],
+       f"synchronised {len(layers)} layers")
+    ok(all(layer.sync_communicator is None for layer in layers), "communicator left behind")
+    close(world_gather(np.array(losses)).mean(axis=0), expected_losses, rtol=RTOL, atol=ATOL)
+    wanted = expected.state_dict()
+    for name, value in model.state_dict().items():
+        close(value, wanted[name], rtol=RTOL, atol=ATOL, err_msg=name)
+        equal(world_gather(value)[0], value)
+    x, _ = image_batch(STEPS)
+    model.eval()
+    expected.eval()
+    close(model(x).numpy(), expected(x).numpy(), rtol=RTOL, atol=ATOL)
+    minimized, _, minimized_losses = train_deep_net(sync_strategy(False), "minimize")
+    equal(np.array(minimized_losses), np.array(losses))
+    for name, value in minimized.state_dict().items():
+        equal(value, model.state_dict()[name])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_user_layer_without_sync_batch_norm_differs_from_one_process():
+    """The same user Layer without the strategy normalizes per rank: its running statistics
+    differ from one process's and between ranks (the test above is not vacuous)."""
+    model, _, _ = train_deep_net(sync_strategy(False, enabled=False), "dygraph")
+    expected, _, _ = train_deep_net(sync_strategy(False, enabled=False), "dygraph", local=True)
+    mean = model.stages[1][0].norm.buffer("running_mean")
+    ok(not np.allclose(mean, expected.stages[1][0].norm.buffer("running_mean"), rtol=1e-6),
+       "local batch norm matched the global batch")
+    gathered = world_gather(mean)
+    ok(any(not np.allclose(gathered[0], other) for other in gathered[1:]),
+       "ranks computed the same local statistics")
+
+
+def test_backward_outside_a_step_of_the_model_is_refused_naming_sync_batch_norm():
+    """A model not passed through ``distributed_model`` opens no step, so no forward stage
+    gives its BatchNorms the communicator: ``opt.step()`` refuses that step."""
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = DeepBatchNormNet()
+    opt = fleet.distributed_optimizer(
+        optimizer.SGD(learning_rate=0.1, parameters=model.parameters()), sync_strategy(False))
+    x, y = image_batch(0)
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="sync_batch_norm acts while the model runs forward"):
+        opt.step()

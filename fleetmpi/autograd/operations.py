@@ -335,7 +335,7 @@ class Split(Function):
             sections = [size // num_or_sections] * num_or_sections
         else:
             sections = list(num_or_sections)
-            if sum(sections) != size:
+            if int(np.sum(sections)) != size:   # this module's sum is the Tensor one
                 raise ValueError(f"split: sections {sections} do not add up to the size "
                                  f"{size} of axis {axis}")
         bounds = np.cumsum(sections)[:-1].tolist()

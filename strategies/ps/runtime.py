@@ -80,7 +80,7 @@ def make_optimizer(optimizer, strategy):
     global _optimizer
     from .worker import ParameterServerOptimizer
 
-    _optimizer = ParameterServerOptimizer(optimizer, strategy, _running_client)
+    _optimizer = ParameterServerOptimizer(optimizer, strategy, _running_client, _model_tables)
     return _optimizer
 
 
@@ -88,6 +88,11 @@ def sparse_tables(model):
     """The ``SparseTable`` of every ``Embedding(sparse=True)`` of ``model``, in layer order."""
     return [layer.table for _, layer in [("", model)] + model.named_sublayers()
             if getattr(layer, "sparse", False) is True and hasattr(layer, "table")]
+
+
+def _model_tables():
+    """The sparse tables of the model ``distributed_model`` registered (none before)."""
+    return [] if _model is None else sparse_tables(_model)
 
 
 def _ready(call, role):

@@ -1,12 +1,16 @@
 """A worker's side: the optimizer ``fleet.distributed_optimizer`` returns in parameter-server
 mode, and the client that talks to the servers.
 
-Each ``minimize`` runs forward and backward on the worker's batch, then, instead of updating
-locally: synchronous and asynchronous training push the gradients of every block (and of the
-sparse rows the batch touched) to their servers and take back the servers' parameters; GEO
-updates locally with the script's optimizer and every ``k_steps`` steps pushes
-``(parameters - parameters at the last exchange) / worker_num`` and takes back the merged
-parameters.
+A worker trains with either idiom: ``opt.minimize(model, loss_fn, x, y)`` runs one step
+(``fleetmpi.optimizer.step``: gradients cleared, forward, backward, then the update stage),
+and Paddle dygraph's ``loss.backward(); opt.step(); opt.clear_grad()`` runs the update stage
+on the gradients backward accumulated. Sparse lookups are recorded operations whose backward
+leaves the touched rows' gradient in their ``SparseTable``. The update stage, instead of
+updating locally: synchronous and asynchronous training push the gradients of every block
+(and of the sparse rows the batch touched) to their servers and take back the servers'
+parameters; GEO updates locally with the script's optimizer and every ``k_steps`` steps
+pushes ``(parameters - parameters at the last exchange) / worker_num`` and takes back the
+merged parameters.
 """
 import atexit
 import time
@@ -15,6 +19,7 @@ import numpy as np
 
 from ... import backend
 from ...optimizer import Optimizer, StepContext, StepHook, run_step
+from ...optimizer.step import finish_step
 from . import wire
 from .blocks import plan_blocks, split_by_owner
 from .mode import GEO, training_mode
@@ -147,7 +152,7 @@ class Client:
         self.push(lambda b: backend.to_numpy(self._block_view(b, "grad")), grads, step,
                   lr)
         for t in self.tables:
-            t.grad_ids = t.grad_values = None
+            t.clear_gradient()
 
     def push_deltas(self, step):
         """GEO: push what changed since the last exchange, take back the merged values."""
@@ -167,7 +172,7 @@ class Client:
         for table, cache in zip(self.tables, self.caches):
             if table.grad_ids is not None:
                 cache.update(self.inner, table.grad_ids, table.grad_values, lr)
-                table.grad_ids = table.grad_values = None
+                table.clear_gradient()
 
     def save(self, dirname):
         answers = self._exchange({s: (wire.Kind.SAVE, [wire.text_array(dirname)], {})
@@ -270,7 +275,7 @@ class ParameterServerOptimizer:
     """``fleet.distributed_optimizer(optimizer, strategy)`` in parameter-server mode; see the
     module docstring. ``mode`` is ``"sync"``, ``"async"`` or ``"geo"``."""
 
-    def __init__(self, optimizer, strategy, client_of):
+    def __init__(self, optimizer, strategy, client_of, tables_of):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"distributed_optimizer wraps a fleetmpi.optimizer optimizer, "
                             f"not {type(optimizer).__name__}")
@@ -283,6 +288,7 @@ class ParameterServerOptimizer:
         self.mode = training_mode(strategy)
         self.k_steps = strategy.a_sync_configs["k_steps"]
         self._client_of = client_of
+        self._tables_of = tables_of
         self.step_count = 0
         self.hook = _Geo(self, self.k_steps) if self.mode == GEO else _PushPull(self)
 
@@ -295,14 +301,41 @@ class ParameterServerOptimizer:
         pull and the push."""
         return list(self._client_of(running=False).staleness)
 
-    def minimize(self, model, loss_fn, x, y):
-        """One training step; returns this worker's mean loss as a 0-d array."""
+    def minimize(self, *args):
+        """``minimize(model, loss_fn, x, y)``: one training step; returns this worker's mean
+        loss as a 0-d array. ``minimize(loss)``: ``loss.backward()`` then ``step()``."""
+        if len(args) == 1:
+            args[0].backward()
+            self.step()
+            return None
+        if len(args) != 4:
+            raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
+                            f"{len(args)} arguments")
         client = self.client()
-        ctx = StepContext(model, loss_fn, x, y, self.inner, step=self.step_count)
+        ctx = StepContext(*args, self.inner, step=self.step_count)
         loss = run_step([self.hook], ctx)
+        self._stepped(client)
+        return loss
+
+    def step(self):
+        """The update stage of a step whose ``loss.backward()`` already ran (Paddle dygraph):
+        push the accumulated gradients, or update locally in GEO, as ``minimize`` does."""
+        client = self.client()
+        finish_step([self.hook], StepContext(None, None, None, None, self.inner,
+                                             step=self.step_count))
+        self._stepped(client)
+
+    def clear_grad(self):
+        """Zero the dense gradients and the sparse tables' row gradients."""
+        self.inner.clear_grad()
+        for table in self._tables_of():
+            table.clear_gradient()
+
+    clear_gradients = clear_grad
+
+    def _stepped(self, client):
         self.step_count += 1
         client.steps = self.step_count
-        return loss
 
     def flush(self):
         """GEO: push the local steps not yet exchanged (``stop_worker`` calls it)."""

@@ -134,18 +134,19 @@ class Embedding(Function):
 
 
 class SparseLookup(Function):
-    """Rows of a parameter-server ``SparseTable``: backward leaves the rows' summed gradient
-    in the table (``grad_ids``/``grad_values``) for the worker to push. ``anchor`` is the
+    """Rows of a parameter-server ``SparseTable``: backward adds the rows' summed gradient to
+    the table (``grad_ids``/``grad_values``) for the worker to push. ``anchor`` is the
     table's gradient-requiring empty tensor, which gets the lookup recorded."""
 
     op_type = "lookup_table"
 
     def forward(self, ids, anchor, table):
         self.table = table
-        return table.lookup(ids)
+        rows, self.where = table.gather(ids)
+        return rows
 
     def backward(self, dy):
-        self.table.backward(dy)
+        self.table.add_grad(self.where, dy)
         return None, None, None
 
 
