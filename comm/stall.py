@@ -22,7 +22,6 @@ not take the CPU from the rank they are waiting for.
 """
 import math
 import os
-import sys
 import time
 
 import numpy as np

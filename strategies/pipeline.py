@@ -237,7 +237,6 @@ class Pipeline(Strategy):
 
     def _run_schedule(self, ctx):
         schedule_started = time.perf_counter()
-        layout, m = self.layout, self.micro_batch
         xs = self._micro_batches(ctx.x, "input")
         ys = self._micro_batches(ctx.y, "labels")
         modules = self._stage_modules(ctx.model, xs[0])

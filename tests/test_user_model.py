@@ -9,7 +9,7 @@ import pytest
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer
-from comm_support import close, equal, ok, raises
+from comm_support import close, equal, ok
 from strategy_support import CLASSES, FEATURES, global_batch, make_strategy, shard, world_gather
 
 STEPS = 3

@@ -270,12 +270,7 @@ class GetItem(Function):
         xp = _xp()
         dx = xp.zeros(self.shape, dtype=dy.dtype)
         if _is_advanced(self.index):
-            if backend.on_gpu():
-                import cupyx
-
-                cupyx.scatter_add(dx, self.index, dy)
-            else:
-                np.add.at(dx, self.index, dy)
+            xp.add.at(dx, self.index, dy)
         else:
             dx[self.index] = dy
         return dx, None

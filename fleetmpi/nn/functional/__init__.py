@@ -3,6 +3,7 @@
 """
 from ...autograd.operations import sigmoid, tanh
 from .activation import activation, gelu, log_softmax, relu, softmax
+from .attention import scaled_dot_product_attention
 from .conv import adaptive_avg_pool2d, avg_pool2d, conv2d, global_avg_pool, max_pool2d
 from .common import dropout, embedding, linear, linear_activation
 from .norm import batch_norm, layer_norm
@@ -11,5 +12,6 @@ from .loss import cross_entropy, mse_loss
 __all__ = [
     "activation", "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "layer_norm", "conv2d", "global_avg_pool",
     "max_pool2d", "cross_entropy", "dropout", "embedding", "gelu", "linear",
-    "linear_activation", "log_softmax", "mse_loss", "relu", "sigmoid", "softmax", "tanh",
+    "linear_activation", "log_softmax", "mse_loss", "relu", "scaled_dot_product_attention",
+    "sigmoid", "softmax", "tanh",
 ]

@@ -1,5 +1,5 @@
-"""Activations, softmax and the fused bias+activation of ``fuse_elewise_add_act_ops``."""
-from ... import backend, kernels
+"""Activations and softmax."""
+from ... import backend
 from ...autograd import Function
 from ...autograd.operations import Tanh
 from ...kernels import reference
@@ -29,23 +29,6 @@ class GELU(Activation):
     """GELU in its tanh approximation (Paddle's ``approximate=True``)."""
 
     act = op_type = "gelu"
-
-
-class BiasActivation(Function):
-    """``act(z + bias)`` in one fused kernel (a RawKernel on a GPU, its NumPy reference on
-    CPU); ``bias`` is per channel (axis 1)."""
-
-    op_type = "fused_elemwise_activation"
-
-    def forward(self, z, bias, act):
-        self.act = act
-        self.y, self.pre = kernels.bias_act_forward(z, bias, act)
-        return self.y
-
-    def backward(self, dy):
-        dz = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
-        axes = tuple(i for i in range(dz.ndim) if i != 1)
-        return dz, dz.sum(axis=axes), None
 
 
 class Softmax(Function):

@@ -1,6 +1,4 @@
 """Linear (plain and with a fused bias+activation), dropout and embedding."""
-import numpy as np
-
 from ... import backend, kernels
 from ...autograd import Function, Tensor
 from ...autograd.operations import matmul_arrays
@@ -124,12 +122,7 @@ class Embedding(Function):
         grad = xp.zeros(self.shape, dtype=dy.dtype)
         rows = self.ids.reshape(-1)
         values = dy.reshape(-1, self.shape[1])
-        if backend.on_gpu():
-            import cupyx
-
-            cupyx.scatter_add(grad, rows, values)
-        else:
-            np.add.at(grad, rows, values)
+        xp.add.at(grad, rows, values)
         return None, grad
 
 

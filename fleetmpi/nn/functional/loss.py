@@ -66,13 +66,17 @@ def cross_entropy(input, label, reduction="mean"):  # noqa: A002 - Paddle's argu
     """Softmax cross entropy of integer class labels. ``input``: logits ``(N, C)``, or
     ``(..., C)`` with labels of shape ``(...)`` or ``(..., 1)``."""
     _check_reduction(reduction)
-    if input.ndim > 2:
-        label_array = label.data if isinstance(label, Tensor) else label
-        if label_array.ndim == input.ndim:
-            label_array = label_array.reshape(label_array.shape[:-1])
-        input = input.reshape(-1, input.shape[-1])
-        label = label_array.reshape(-1)
-    return SoftmaxCrossEntropy.apply(input, label, reduction)
+    if input.ndim <= 2:
+        return SoftmaxCrossEntropy.apply(input, label, reduction)
+    if not isinstance(input, Tensor):
+        input = Tensor(backend.asarray(input))
+    label_array = label.data if isinstance(label, Tensor) else label
+    if label_array.ndim == input.ndim:
+        label_array = label_array.reshape(label_array.shape[:-1])
+    lead = input.shape[:-1]
+    loss = SoftmaxCrossEntropy.apply(input.reshape(-1, input.shape[-1]),
+                                     label_array.reshape(-1), reduction)
+    return loss.reshape(lead) if reduction == "none" else loss
 
 
 def mse_loss(input, label, reduction="mean"):  # noqa: A002 - Paddle's argument name

@@ -117,7 +117,14 @@ class BatchNorm(Function):
 def batch_norm(x, running_mean, running_var, weight, bias, training=False, momentum=0.9,
                epsilon=1e-5, communicator=None, act=None):
     """Batch normalization over axis 1 (Paddle's ``F.batch_norm``); ``communicator`` makes the
-    training statistics those of every rank's batch together."""
+    training statistics those of every rank's batch together. The running statistics are
+    updated in place, so they must be arrays of the backend (a layer's buffers are)."""
+    array = backend.array_module().ndarray
+    for name, running in (("running_mean", running_mean), ("running_var", running_var)):
+        if running is not None and not isinstance(running, array):
+            raise TypeError(f"batch_norm {name} must be a {array.__module__}.ndarray updated in "
+                            f"place, not {type(running).__name__}; create it with "
+                            "backend.asarray")
     return BatchNorm.apply(x, weight, bias, running_mean=running_mean, running_var=running_var,
                            training=training, momentum=momentum, epsilon=epsilon,
                            communicator=communicator, act=act)
