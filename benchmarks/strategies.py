@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 
-
 PER_RANK_BATCH = 32
 HIDDEN = 256
 
