@@ -1,12 +1,22 @@
-"""Training throughput of fleetmpi's trainer next to PyTorch DistributedDataParallel (gloo, CPU).
+"""Training throughput of fleetmpi's trainer next to PyTorch DistributedDataParallel (gloo, CPU),
+and the Python cost of fleetmpi's tape.
 
-    python benchmarks/train_throughput.py [--steps 30] [--ranks 1 2]
+    python benchmarks/train_throughput.py [--steps 30] [--ranks 1 2] [--models mlp resnet20 gpt]
 
-For each model (an MLP and ResNet-20), each rank count and each trainer, one ``mpiexec`` job
-trains on the same synthetic data with the same per-rank batch, model shape and optimizer
-(Momentum), one BLAS/intra-op thread per rank, and reports samples/s over all ranks. Printed:
-the table, ours/PyTorch ratios, and weak-scaling efficiency (samples/s at N ranks over N times
-samples/s at 1 rank). PyTorch is optional; without it its columns read "torch not installed".
+For each model (an MLP, ResNet-20 and a small GPT), each rank count and each trainer, one
+``mpiexec`` job trains on the same synthetic data with the same per-rank batch, model shape and
+optimizer (Momentum), one BLAS/intra-op thread per rank, and reports samples/s over all ranks
+(for the GPT a sample is a sequence of ``block_size`` tokens). The MLP and ResNet-20 train
+with ``opt.minimize(model, loss_fn, x, y)``, the GPT with ``loss.backward(); opt.step();
+opt.clear_grad()``; PyTorch's GPT is the same model written with ``torch.nn`` (tied embedding,
+``scaled_dot_product_attention``, tanh GELU). Printed: the table, ours/PyTorch ratios, and
+weak-scaling efficiency (samples/s at N ranks over N times samples/s at 1 rank). PyTorch is
+optional; without it its columns read "torch not installed".
+
+Then, in one process: the tape's cost per recorded operation (a chain of small elementwise
+operations recorded and backpropagated, against the same NumPy arithmetic without a tape,
+forward and backward), the operations one training step of the digits example's MLP records,
+and the share of that step the tape costs (operations x cost per operation / step time).
 """
 import argparse
 import json
@@ -22,8 +32,12 @@ MODELS = {
     # name: (per-rank batch, input shape, classes, warm-up steps, measured steps scale)
     "mlp": (128, (784,), 10, 5, 1.0),
     "resnet20": (32, (3, 32, 32), 10, 2, 0.2),
+    "gpt": (16, (64,), 96, 3, 0.5),
 }
 MLP_SIZES = [784, 1024, 1024, 10]
+GPT_SIZES = {"vocab_size": 96, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
+DIGITS_SIZES = (64, 256, 256, 10)
+DIGITS_BATCH = 32
 
 
 def _world():
@@ -33,11 +47,25 @@ def _world():
 
 
 def _data(model, steps):
+    """Per-step inputs and labels; the GPT's are token ids and the next token of each."""
     batch, shape, classes, _, _ = MODELS[model]
     rng = np.random.default_rng(_world().Get_rank())
+    if model == "gpt":
+        tokens = rng.integers(0, classes, (steps, batch, shape[0] + 1))
+        return tokens[:, :, :-1], tokens[:, :, 1:]
     x = rng.standard_normal((steps, batch) + shape, dtype=np.float32)
     y = rng.integers(0, classes, (steps, batch))
     return x, y
+
+
+def _our_model(model_name):
+    from fleetmpi import nn
+
+    if model_name == "mlp":
+        return nn.MLP(MLP_SIZES)
+    if model_name == "resnet20":
+        return nn.resnet20()
+    return nn.GPT(**GPT_SIZES)
 
 
 def run_ours(model_name, steps):
@@ -45,8 +73,7 @@ def run_ours(model_name, steps):
     from fleetmpi import nn, optimizer
 
     fleet.init(is_collective=True)
-    model = nn.MLP(MLP_SIZES) if model_name == "mlp" else nn.resnet20()
-    model = fleet.distributed_model(model)
+    model = fleet.distributed_model(_our_model(model_name))
     strategy = fleet.DistributedStrategy()
     strategy.fuse_all_optimizer_ops = True
     strategy.fuse_elewise_add_act_ops = True
@@ -60,12 +87,58 @@ def run_ours(model_name, steps):
     def step(i):
         opt.minimize(model, loss_fn, x[i], y[i])
 
-    return _timed(step, warmup, steps)
+    def dygraph_step(i):
+        loss = loss_fn(model(x[i]), y[i])
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+
+    return _timed(dygraph_step if model_name == "gpt" else step, warmup, steps)
+
+
+def _torch_gpt(vocab_size, block_size, n_layer, n_head, n_embd):
+    """``nn.GPT`` written with ``torch.nn``: the same layers, sizes and tied embedding."""
+    import torch
+    import torch.nn as tnn
+    import torch.nn.functional as TF
+
+    class TorchGPTBlock(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = tnn.LayerNorm(n_embd), tnn.LayerNorm(n_embd)
+            self.qkv, self.proj = tnn.Linear(n_embd, 3 * n_embd), tnn.Linear(n_embd, n_embd)
+            self.fc, self.fc_proj = tnn.Linear(n_embd, 4 * n_embd), tnn.Linear(4 * n_embd, n_embd)
+
+        def forward(self, x):
+            batch, seq, width = x.shape
+            q, k, v = (t.reshape(batch, seq, n_head, width // n_head).transpose(1, 2)
+                       for t in self.qkv(self.ln1(x)).split(width, dim=-1))
+            y = TF.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+            return x + self.fc_proj(TF.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+    class TorchGPT(tnn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = tnn.Embedding(vocab_size, n_embd)
+            self.wpe = tnn.Embedding(block_size, n_embd)
+            self.blocks = tnn.ModuleList(TorchGPTBlock() for _ in range(n_layer))
+            self.ln_f = tnn.LayerNorm(n_embd)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+            return (self.ln_f(x) @ self.wte.weight.T).reshape(-1, vocab_size)
+
+    return TorchGPT()
 
 
 def _torch_model(model_name):
     import torch.nn as tnn
 
+    if model_name == "gpt":
+        return _torch_gpt(**GPT_SIZES)
     if model_name == "mlp":
         layers = []
         for i, (a, b) in enumerate(zip(MLP_SIZES[:-1], MLP_SIZES[1:])):
@@ -115,6 +188,9 @@ def run_torch(model_name, steps, port):
     xs, ys = _data(model_name, warmup + steps)
     x, y = torch.from_numpy(xs), torch.from_numpy(ys)
 
+    if model_name == "gpt":
+        y = y.reshape(len(y), -1)
+
     def step(i):
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x[i]), y[i]).backward()
@@ -139,7 +215,119 @@ def _timed(step, warmup, steps):
     return elapsed
 
 
+# -- the tape's Python cost -----------------------------------------------------------------
+
+TAPE_CHAIN = 2000
+TAPE_REPEATS = 7
+
+
+def _chain_seconds():
+    """``(taped forward, taped backward, raw forward, raw backward)`` seconds of a chain of
+    ``TAPE_CHAIN`` elementwise operations on 8-element arrays (multiply and add alternating),
+    best of ``TAPE_REPEATS``: recorded and backpropagated by the engine, and the same NumPy
+    arithmetic (forward, and the gradient products of backward) without a tape."""
+    from fleetmpi import Tensor
+
+    w, b, ones = np.full(8, 1.0001), np.full(8, 1e-4), np.ones(8)
+    best = [float("inf")] * 4
+    for _ in range(TAPE_REPEATS):
+        x = Tensor(ones.copy(), stop_gradient=False)
+        start = time.perf_counter()
+        y = x
+        for _ in range(TAPE_CHAIN // 2):
+            y = y * w
+            y = y + b
+        middle = time.perf_counter()
+        y.backward(ones)
+        end = time.perf_counter()
+        raw = ones.copy()
+        raw_start = time.perf_counter()
+        for _ in range(TAPE_CHAIN // 2):
+            raw = raw * w
+            raw = raw + b
+        raw_middle = time.perf_counter()
+        grad = ones
+        for _ in range(TAPE_CHAIN // 2):
+            grad = grad * w
+        raw_end = time.perf_counter()
+        times = (middle - start, end - middle, raw_middle - raw_start, raw_end - raw_middle)
+        best = [min(a, t) for a, t in zip(best, times)]
+    return best
+
+
+def recorded_operations(tensor):
+    """How many operation calls the graph of ``tensor`` recorded, walked through the graph's
+    links (``Tensor._node``, the call that made a tensor; the call's ``_inputs``)."""
+    seen, stack = set(), [tensor._node]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.extend(link._node for _, link in node._inputs)
+    return len(seen)
+
+
+def _digits_step():
+    """``(recorded operations, seconds)`` of one training step of the digits example's model
+    (Linear-ReLU-Linear-ReLU-Linear, ``DIGITS_SIZES``) on a batch of ``DIGITS_BATCH``, trained
+    as the example does (Nesterov Momentum, fused optimizer update, dygraph idiom)."""
+    import fleetmpi as fleet
+    import fleetmpi.nn.functional as F
+    from fleetmpi import nn, optimizer
+
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(nn.MLP(DIGITS_SIZES))
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_all_optimizer_ops = True
+    opt = fleet.distributed_optimizer(optimizer.Momentum(
+        learning_rate=0.05, momentum=0.9, parameters=model.parameters(), use_nesterov=True,
+        weight_decay=1e-4), strategy)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((DIGITS_BATCH, DIGITS_SIZES[0]), dtype=np.float32)
+    y = rng.integers(0, DIGITS_SIZES[-1], DIGITS_BATCH)
+    operations = None
+    steps, best = 200, float("inf")
+    for repeat in range(6):
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = F.cross_entropy(model(x), y)
+            if operations is None:
+                operations = recorded_operations(loss)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+        if repeat:
+            best = min(best, (time.perf_counter() - start) / steps)
+    return operations, best
+
+
+def tape_worker():
+    fwd, bwd, raw_fwd, raw_bwd = _chain_seconds()
+    operations, step = _digits_step()
+    print("RESULT " + json.dumps({
+        "forward_us": (fwd - raw_fwd) / TAPE_CHAIN * 1e6,
+        "backward_us": (bwd - raw_bwd) / TAPE_CHAIN * 1e6,
+        "operations": operations, "step_us": step * 1e6}))
+
+
+def print_tape_cost(result):
+    per_op = result["forward_us"] + result["backward_us"]
+    tape = result["operations"] * per_op
+    print(f"tape: {per_op:.2f} us per recorded operation (recording {result['forward_us']:.2f}"
+          f" + backward {result['backward_us']:.2f}) over the same NumPy arithmetic, on "
+          f"8-element arrays")
+    print(f"digits MLP step ({'-'.join(map(str, DIGITS_SIZES))}, batch {DIGITS_BATCH}, "
+          f"Nesterov Momentum): {result['operations']} recorded operations, "
+          f"{result['step_us']:.0f} us per step; tape {tape:.0f} us = "
+          f"{100 * tape / result['step_us']:.1f}% of the step")
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
 def worker(args):
+    if args.worker == "tape":
+        return tape_worker()
     if args.worker == "ours":
         seconds = run_ours(args.model, args.measured)
     else:
@@ -150,18 +338,23 @@ def worker(args):
         print("RESULT " + json.dumps({"samples_per_s": samples / seconds}))
 
 
+ONE_THREAD = {"FLEETMPI_DEVICE": "cpu", "FLEETMPI_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _result(cmd):
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ONE_THREAD))
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
+
+
 def launch(trainer, model, ranks, steps, port):
     measured = max(2, int(round(steps * MODELS[model][4])))
-    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_NUM_THREADS="1",
-               OMP_NUM_THREADS="1")
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
     cmd = [mpiexec, "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
            trainer, "--model", model, "--measured", str(measured), "--port", str(port)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])["samples_per_s"]
-    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
+    return _result(cmd)["samples_per_s"]
 
 
 def torch_available():
@@ -175,10 +368,11 @@ def torch_available():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="measured MLP steps "
-                        "(ResNet-20 runs a fifth of them)")
+                        "(ResNet-20 runs a fifth of them, the GPT half)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--worker", choices=["ours", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--no-tape", action="store_true", help="skip the tape's cost")
+    parser.add_argument("--worker", choices=["ours", "torch", "tape"], help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--measured", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29611, help=argparse.SUPPRESS)
@@ -202,9 +396,12 @@ def main():
                          ours[ranks] / (ranks * ours[args.ranks[0]] / args.ranks[0]),
                          theirs[ranks] / (ranks * theirs[args.ranks[0]] / args.ranks[0])
                          if have_torch else None))
+    gpt = GPT_SIZES
     print(f"samples/s over all ranks, per-rank batch MLP {MODELS['mlp'][0]} "
-          f"({'-'.join(map(str, MLP_SIZES))}), ResNet-20 {MODELS['resnet20'][0]} (3x32x32); "
-          "1 thread per rank, float32, Momentum")
+          f"({'-'.join(map(str, MLP_SIZES))}), ResNet-20 {MODELS['resnet20'][0]} (3x32x32), "
+          f"GPT {MODELS['gpt'][0]} sequences of {gpt['block_size']} tokens (vocab "
+          f"{gpt['vocab_size']}, {gpt['n_layer']} layers, {gpt['n_head']} heads, "
+          f"{gpt['n_embd']} wide); 1 thread per rank, float32, Momentum")
     print("| model | ranks | fleetmpi samples/s | PyTorch DDP (gloo) samples/s | ratio | "
           "fleetmpi scaling eff. | PyTorch scaling eff. |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -214,6 +411,8 @@ def main():
         else:
             print(f"| {model} | {ranks} | {mine:,.0f} | {torch_rate:,.0f} | "
                   f"{mine / torch_rate:.2f}x | {eff:.2f} | {torch_eff:.2f} |")
+    if not args.no_tape:
+        print_tape_cost(_result([sys.executable, os.path.abspath(__file__), "--worker", "tape"]))
 
 
 if __name__ == "__main__":

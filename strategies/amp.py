@@ -37,8 +37,7 @@ from ..autograd import Function, autocast
 from .base import Strategy
 
 # Paddle's other names of the operators this trainer computes.
-ALIASES = {"mul": "matmul", "matmul_v2": "matmul", "lookup_table_v2": "lookup_table",
-           "elementwise_max": "reduce_max"}
+ALIASES = {"mul": "matmul", "matmul_v2": "matmul", "lookup_table_v2": "lookup_table"}
 DEFAULT_WHITE_LIST = frozenset({"matmul", "conv2d"})
 DEFAULT_BLACK_LIST = frozenset({"batch_norm", "softmax_with_cross_entropy"})
 FLOAT16 = np.dtype("float16")
@@ -93,7 +92,8 @@ class AMP(Strategy):
     """``amp``. Observable: ``loss_scaling`` (the scale the next step uses), ``good_steps`` and
     ``bad_steps`` (Paddle's consecutive finite and overflowing step counters),
     ``skipped_steps`` (steps skipped for overflow so far), ``white_list`` and ``black_list``
-    (the operators run in float16 and in float32)."""
+    (the operators run in float16 and in float32), and ``policy``, the ``CastPolicy`` of those
+    lists that is current from a step's forward stage to the end of its backward stage."""
 
     name = "amp"
 
@@ -128,11 +128,6 @@ class AMP(Strategy):
     @property
     def loss_scaling(self):
         return float(self._scale)
-
-    def compute_dtype(self, op):
-        """float16 for a white-list operator, float32 for a black-list one, None (the input's
-        dtype) for the rest."""
-        return self.policy.dtype_for(op)
 
     # -- the policy for one step ------------------------------------------------------------
     def _enter(self, ctx):

@@ -1,13 +1,16 @@
 """amp: float16 compute on the white list, float32 on the black list, float32 master weights,
 and dynamic loss scaling that skips exactly the overflowing steps, on one process and on N
-ranks."""
+ranks, for built-in layers and a user's own Layer and Function, in both training idioms."""
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+import fleetmpi.nn.functional as F
+from fleetmpi import autograd, backend, nn, optimizer
+from fleetmpi.autograd import Function, Tensor, autocast, no_grad
+from fleetmpi.autograd.autocast import current_policy
 from fleetmpi.optimizer import StepHook
-from fleetmpi.strategies.amp import OP_TYPES, op_type
+from fleetmpi.strategies.amp import ALIASES, CastPolicy, known_operators
 
 from comm_support import close, equal, ok, raises
 from strategy_support import (CLASSES, FEATURES, global_batch, make_mlp, make_strategy, shard,
@@ -17,12 +20,13 @@ F16, F32 = np.dtype("float16"), np.dtype("float32")
 # N ranks round their float16 partial sums differently from one process on the whole batch:
 # parameters (all below 1 in magnitude here) may differ by a float16 rounding unit at 1.
 FP16_ATOL = 2.0 ** -11
+IDIOMS = ("minimize", "dygraph")
 
 
 def assert_same_math(actual, want, err_msg=""):
     """Bit for bit on NumPy. On a GPU, cuBLAS's float16 products and the fused CUDA kernels
     round differently from NumPy, so there the check allows float16 rounding."""
-    actual = backend.to_numpy(actual)
+    actual = backend.to_numpy(autograd.as_array(actual))
     if backend.on_gpu():
         np.testing.assert_allclose(actual.astype(F32), np.asarray(want, dtype=F32), rtol=2 ** -9,
                                    atol=FP16_ATOL, err_msg=err_msg)
@@ -34,6 +38,15 @@ def assert_same_math(actual, want, err_msg=""):
 def half_matmul(a, b):
     """A float16 matrix product as GPUs compute it: float32 sums, rounded to float16 once."""
     return (a.astype(F16).astype(F32) @ b.astype(F16).astype(F32)).astype(F16)
+
+
+def host(array):
+    return backend.to_numpy(autograd.as_array(array))
+
+
+def leaf(array):
+    """A tensor of ``array`` (on the backend) that requires a gradient."""
+    return Tensor(backend.asarray(array), stop_gradient=False)
 
 
 def mlp32():
@@ -50,36 +63,53 @@ OPTIMIZERS = {
 }
 
 
-# -- where each layer computes ---------------------------------------------------------------
+# -- where each operator computes ------------------------------------------------------------
 
-class Probe(nn.Layer):
-    """An identity (a gray layer) that keeps what passes through it, both ways."""
+class Identity(Function):
+    """The identity, with no ``op_type`` (gray: autocast never casts its input), showing
+    ``record`` the array that passes through it each way."""
 
-    def forward(self, x):
-        self.x = x
-        return x
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        record.x = x
+        return x.copy()
 
-    def _backward(self, dy, input_grad):
-        self.dy = dy
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.record.dy = dy
         return dy
 
 
-class RecordingBatchNorm(nn.BatchNorm1D):
+class Probe(nn.Layer):
+    """A gray layer: after a step, ``x`` is what reached it forward and ``dy`` the gradient
+    that came back to it."""
+
     def forward(self, x):
-        self.input_dtype = x.dtype
-        return super().forward(x)
+        return Identity.apply(x, record=self)
+
+
+class RecordingBatchNorm(nn.BatchNorm1D):
+    """``dtypes``: the dtype its input arrives in and the dtype batch norm computes in."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        self.dtypes = (x.dtype, y.dtype)
+        return y
 
 
 class RecordingTanh(nn.Tanh):
     def forward(self, x):
-        self.input_dtype = x.dtype
-        return super().forward(x)
+        y = super().forward(x)
+        self.dtypes = (x.dtype, y.dtype)
+        return y
 
 
 class RecordingLoss(nn.CrossEntropyLoss):
     def forward(self, logits, labels):
-        self.logits_dtype = logits.dtype
-        return super().forward(logits, labels)
+        loss = super().forward(logits, labels)
+        self.dtypes = (logits.dtype, loss.dtype)
+        return loss
 
 
 def probed_model():
@@ -94,8 +124,7 @@ def one_amp_step(configs):
     """One single-process amp step of ``probed_model``; returns the model, the loss function,
     the step's loss and the first layer's weight and bias from before the step."""
     model = probed_model()
-    weight, bias = (backend.to_numpy(p.data).copy() for p in (model["fc0"].weight,
-                                                              model["fc0"].bias))
+    weight, bias = (host(p).copy() for p in (model["fc0"].weight, model["fc0"].bias))
     opt = fleet.distributed_optimizer(optimizer.Momentum(parameters=model.parameters()),
                                       amp_strategy(**configs), local=True)
     loss_fn = RecordingLoss()
@@ -109,12 +138,11 @@ def test_default_lists_place_matmul_in_float16_and_batch_norm_and_loss_in_float3
     x, _ = global_batch(0)
     fc0_out = model["probe0"].x
     assert fc0_out.dtype == F16
-    want = half_matmul(x, weight) + bias.astype(F16)
-    assert_same_math(fc0_out, want)
-    assert model["bn"].input_dtype == F32
-    assert model["act"].input_dtype == F32          # gray: the dtype batch norm gave it
+    assert_same_math(fc0_out, half_matmul(x, weight) + bias.astype(F16))
+    assert model["bn"].dtypes == (F16, F32)         # cast up for the black list
+    assert model["act"].dtypes == (F32, F32)        # gray: the dtype batch norm gave it
     assert model["probe1"].x.dtype == F16
-    assert loss_fn.logits_dtype == F32
+    assert loss_fn.dtypes == (F16, F32)
     assert loss.dtype == F32
     # Input gradients go back in the dtype each black-list input came in.
     assert model["probe1"].dy.dtype == F16
@@ -124,17 +152,20 @@ def test_default_lists_place_matmul_in_float16_and_batch_norm_and_loss_in_float3
 
 
 def test_custom_lists_move_operators():
-    model, loss_fn, _, weight, bias = one_amp_step(
+    model, loss_fn, loss, weight, bias = one_amp_step(
         {"custom_black_list": ["mul"],
          "custom_white_list": ["batch_norm", "tanh", "softmax_with_cross_entropy"]})
     x, _ = global_batch(0)
     fc0_out = model["probe0"].x
     assert fc0_out.dtype == F32
     assert_same_math(fc0_out, x.astype(F32) @ weight + bias)
-    assert model["bn"].input_dtype == F16
-    assert model["act"].input_dtype == F16
+    assert model["bn"].dtypes == (F32, F16)
+    assert model["act"].dtypes == (F16, F16)
     assert model["probe1"].x.dtype == F32
-    assert loss_fn.logits_dtype == F16
+    assert loss_fn.dtypes == (F32, F16) and loss.dtype == F16
+    assert model["probe1"].dy.dtype == F32 and model["probe0"].dy.dtype == F32
+    for p in model.parameters():
+        assert p.dtype == F32 and p.grad.dtype == F32
 
 
 def test_linear_computes_in_float16_and_writes_float32_master_gradients():
@@ -143,17 +174,19 @@ def test_linear_computes_in_float16_and_writes_float32_master_gradients():
     nn.Sequential(layer).parameters()                       # into a flat buffer
     rng = np.random.default_rng(0)
     x, dy = rng.standard_normal((7, 5)), rng.standard_normal((7, 3))
-    w, b = backend.to_numpy(layer.weight.data), backend.to_numpy(layer.bias.data)
-    layer.compute_dtype = F16
-    y = layer.forward(backend.asarray(x))
-    dx = layer.backward(backend.asarray(dy))
+    w, b = host(layer.weight).copy(), host(layer.bias).copy()
+    inputs = leaf(x)
+    with autocast(CastPolicy({"matmul"}, ())):
+        y = layer(inputs)
+    y.backward(backend.asarray(dy))
     x16, w16, dy16 = x.astype(F16), w.astype(F16), dy.astype(F16)
     assert_same_math(y, half_matmul(x16, w16) + b.astype(F16))
     assert_same_math(layer.weight.grad, half_matmul(x16.T, dy16).astype(F32))
-    assert_same_math(layer.bias.grad, dy16.astype(F32).sum(axis=0))
-    assert dx.dtype == x.dtype
-    assert_same_math(dx, half_matmul(dy16, w16.T).astype(x.dtype))
-    assert layer.weight.dtype == F32
+    assert_same_math(layer.bias.grad, dy16.sum(axis=0).astype(F32))
+    assert inputs.grad.dtype == x.dtype
+    assert_same_math(inputs.grad, half_matmul(dy16, w16.T).astype(x.dtype))
+    assert layer.weight.dtype == F32 and layer.weight.grad.dtype == F32
+    assert current_policy() is None
 
 
 @pytest.mark.parametrize("white", [False, True])
@@ -161,7 +194,7 @@ def test_embedding_is_gray_unless_white_listed(white):
     backend.manual_seed(0)
     model = nn.Sequential(("embed", nn.Embedding(10, 3, dtype="float32")), ("probe", Probe()),
                           ("flat", nn.Flatten()), ("fc", nn.Linear(12, CLASSES, dtype="float32")))
-    table = backend.to_numpy(model["embed"].weight.data).copy()
+    table = host(model["embed"].weight).copy()
     configs = {"custom_white_list": ["lookup_table"]} if white else {}
     opt = fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),
                                       amp_strategy(**configs), local=True)
@@ -169,11 +202,12 @@ def test_embedding_is_gray_unless_white_listed(white):
     opt.minimize(model, nn.CrossEntropyLoss(), ids, np.arange(5) % CLASSES)
     rows = table[ids]
     assert_same_math(model["probe"].x, rows.astype(F16) if white else rows)
-    dy = backend.to_numpy(model["probe"].dy)
+    dy = host(model["probe"].dy)
     assert dy.dtype == (F16 if white else F32)
-    want = np.zeros_like(table)
-    np.add.at(want, ids.reshape(-1), dy.reshape(-1, 3).astype(F32))
-    want *= np.float32(1 / opt.strategies["amp"].loss_scaling)      # a power of two: exact
+    # the rows' gradients are summed in the dtype the lookup ran in, then come back float32
+    summed = np.zeros(table.shape, dy.dtype)
+    np.add.at(summed, ids.reshape(-1), dy.reshape(-1, 3))
+    want = summed.astype(F32) * np.float32(1 / opt.strategies["amp"].loss_scaling)  # exact
     assert_same_math(model["embed"].weight.grad, want)
 
 
@@ -200,23 +234,22 @@ def test_conv2d_computes_in_float16():
     rng = np.random.default_rng(1)
     x, dy = rng.standard_normal((3, 2, 5, 5)), rng.standard_normal((3, 4, 5, 5))
     for name in ("weight", "bias"):
-        rounded = backend.to_numpy(getattr(conv, name).data).astype(F16)
+        rounded = host(getattr(conv, name)).astype(F16)
         getattr(exact, name).data[...] = backend.asarray(rounded.astype(np.float64))
     # float64 math on the float16-rounded operands: what float16 math approximates
-    want_y = exact.forward(backend.asarray(x.astype(F16).astype(np.float64)))
-    want_dx = exact.backward(backend.asarray(dy.astype(F16).astype(np.float64)))
-    conv.compute_dtype = F16
-    y = conv.forward(backend.asarray(x))
-    dx = conv.backward(backend.asarray(dy))
-    assert y.dtype == F16 and dx.dtype == x.dtype and conv.weight.grad.dtype == F32
-    np.testing.assert_allclose(backend.to_numpy(y), backend.to_numpy(want_y), rtol=4e-3,
-                               atol=4e-3)
-    np.testing.assert_allclose(backend.to_numpy(dx), backend.to_numpy(want_dx), rtol=4e-3,
-                               atol=4e-3)
+    exact_inputs = leaf(x.astype(F16).astype(np.float64))
+    want_y = exact(exact_inputs)
+    want_y.backward(backend.asarray(dy.astype(F16).astype(np.float64)))
+    inputs = leaf(x)
+    with autocast(CastPolicy({"conv2d"}, ())):
+        y = conv(inputs)
+    y.backward(backend.asarray(dy))
+    assert y.dtype == F16 and inputs.grad.dtype == x.dtype and conv.weight.grad.dtype == F32
+    np.testing.assert_allclose(host(y), host(want_y), rtol=4e-3, atol=4e-3)
+    np.testing.assert_allclose(host(inputs.grad), host(exact_inputs.grad), rtol=4e-3, atol=4e-3)
     for name in ("weight", "bias"):
-        np.testing.assert_allclose(backend.to_numpy(getattr(conv, name).grad),
-                                   backend.to_numpy(getattr(exact, name).grad), rtol=4e-3,
-                                   atol=2e-2)
+        np.testing.assert_allclose(host(getattr(conv, name).grad),
+                                   host(getattr(exact, name).grad), rtol=4e-3, atol=2e-2)
     # inside a model: the convolution (and the gray tanh after it) put out float16
     model = conv_model()
     opt = fleet.distributed_optimizer(optimizer.Momentum(parameters=model.parameters()),
@@ -242,18 +275,50 @@ def test_fused_kernels_compute_the_same_in_float16(model_name):
     assert_same_math(np.array(results[1][1]), np.array(results[0][1]))
 
 
-def test_casts_are_taken_off_after_each_step():
+def test_no_autocast_policy_outlives_a_step():
+    """The policy is current from a step's forward to the end of its backward (in the dygraph
+    idiom also while the loss is computed after the model), never after it: the same model
+    then computes in float32."""
+    fleet.init(is_collective=True)
     model = probed_model()
     opt = fleet.distributed_optimizer(optimizer.Momentum(parameters=model.parameters()),
                                       amp_strategy(), local=True)
-    loss_fn = nn.CrossEntropyLoss()
+    amp = opt.strategies["amp"]
     x, y = global_batch(0)
-    opt.minimize(model, loss_fn, x, y)
-    for _, layer in model.named_sublayers():
-        assert not {"compute_dtype", "forward", "forward_act", "_backward",
-                    "backward_act"} & set(vars(layer)), layer
-    out = model.forward(x.astype(F32))
+    opt.minimize(model, nn.CrossEntropyLoss(), x, y)
+    assert current_policy() is None
+    out = model(x.astype(F32))
     assert out.dtype == F32 and model["probe0"].x.dtype == F32
+
+    model = fleet.distributed_model(model)
+    logits = model(x)
+    assert current_policy() is amp.policy and logits.dtype == F16
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    assert current_policy() is None
+    opt.step()
+    opt.clear_grad()
+    assert current_policy() is None
+    with no_grad():
+        out = model(x.astype(F32))
+    assert out.dtype == F32 and model["probe0"].x.dtype == F32
+
+
+def test_a_forward_that_raises_leaves_no_policy_behind():
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = fleet.distributed_model(mlp32())
+    opt = fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),
+                                      amp_strategy(), local=True)
+    with pytest.raises(ValueError, match=f"Linear expects {FEATURES} features"):
+        model(np.zeros((4, FEATURES + 1), F32))
+    assert current_policy() is None
+    x, y = global_batch(0)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+    assert current_policy() is None and opt.inner.step_count == 1
 
 
 # -- loss scaling ----------------------------------------------------------------------------
@@ -466,11 +531,159 @@ def test_amp_training_reduces_the_loss():
     assert opt.strategies["amp"].skipped_steps == 0
 
 
+# -- a user's own Layer and Function ---------------------------------------------------------
+
+class Gate(Function):
+    """``x * weight``: a user's operation with an ``op_type`` of its own, showing ``record``
+    the dtypes its forward receives and the dtype of the gradient its backward gets."""
+
+    op_type = "user_gate"
+
+    @staticmethod
+    def forward(ctx, x, weight, record):
+        ctx.record = record
+        record.gate_dtypes = (x.dtype, weight.dtype)
+        ctx.save_for_backward(x, weight)
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, dy):
+        ctx.record.gate_grad_dtype = dy.dtype
+        x, weight = ctx.saved_tensor()
+        return dy * weight, dy * x
+
+
+class AmpNet(nn.Layer):
+    """A user's model: sublayers and parameters assigned as attributes, ``F.relu``,
+    ``F.layer_norm`` over parameters of its own, Tensor arithmetic (a residual sum, a scale)
+    and a user ``Function``."""
+
+    def __init__(self):
+        super().__init__(dtype="float32")
+        self.fc_in = nn.Linear(FEATURES, 16, dtype="float32")
+        self.norm_weight = self.create_parameter(
+            [16], default_initializer=nn.initializer.Constant(1.0))
+        self.norm_bias = self.create_parameter([16], is_bias=True)
+        self.fc_mid = nn.Linear(16, 16, dtype="float32")
+        self.gain = self.create_parameter([16], default_initializer=nn.initializer.Constant(0.5))
+        self.head = nn.Linear(16, CLASSES, dtype="float32")
+
+    def forward(self, x):
+        h = F.layer_norm(F.relu(self.fc_in(x)), 16, self.norm_weight, self.norm_bias)
+        h = h + Gate.apply(self.fc_mid(h), self.gain, record=self) * 0.5
+        return self.head(h)
+
+
+AMP_NET_STEPS = 5
+AMP_NET_BATCH = overflowing_batch({2})
+
+
+def train_amp_net(idiom, local=False, configs=SCHEDULE_CONFIGS):
+    """Train ``AmpNet`` (seed 0, passed through ``distributed_model``) under amp for
+    ``AMP_NET_STEPS`` steps with ``opt.minimize(model, loss_fn, x, y)`` or with ``loss =
+    F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.clear_grad()``; each rank
+    on its shard of the global batch (the whole batch when ``local``), whose inputs overflow
+    float16 on step 2. Returns ``(model, optimizer, losses)``."""
+    fleet.init(is_collective=True)
+    size, rank = (1, 0) if local else (fleet.worker_num(), fleet.worker_index())
+    backend.manual_seed(0)
+    model = fleet.distributed_model(AmpNet())
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()),
+                                      amp_strategy(**configs), local=local)
+    losses = []
+    for step in range(AMP_NET_STEPS):
+        x, y = (shard(a, rank, size) for a in AMP_NET_BATCH(step))
+        if idiom == "minimize":
+            losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
+        else:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            losses.append(loss.item())
+    return model, opt, losses
+
+
+def amp_net_step(configs):
+    """One dygraph-idiom step of a fresh ``AmpNet`` (one process) up to ``loss.backward()``;
+    returns the model, the logits, the loss and the optimizer, its step still open."""
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = fleet.distributed_model(AmpNet())
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()),
+                                      amp_strategy(**configs), local=True)
+    x, y = global_batch(0)
+    logits = model(x)
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    return model, logits, loss, opt
+
+
+def test_a_user_layer_trains_identically_in_both_idioms():
+    (a, opt_a, losses_a), (b, opt_b, losses_b) = (train_amp_net(idiom, local=True)
+                                                  for idiom in IDIOMS)
+    np.testing.assert_array_equal(losses_a, losses_b)
+    assert [np.isfinite(loss) for loss in losses_a] == [True, True, False, True, True]
+    for name, value in a.state_dict().items():
+        np.testing.assert_array_equal(b.state_dict()[name], value, err_msg=name)
+    assert opt_a.strategies["amp"].state_dict() == opt_b.strategies["amp"].state_dict()
+    assert opt_a.strategies["amp"].skipped_steps == 1
+    assert opt_a.inner.step_count == opt_b.inner.step_count == AMP_NET_STEPS - 1
+    assert a.gate_dtypes == b.gate_dtypes == (F16, F32)     # gray: as the inputs come
+
+
+@pytest.mark.parametrize("white", [False, True])
+def test_a_user_function_named_in_the_custom_white_list_gets_float16_inputs(white):
+    configs = {"custom_white_list": ["user_gate"]} if white else {}
+    model, _, _, opt = amp_net_step(configs)
+    # fc_mid's matmul gives float16; the gain parameter comes cast only for the white list
+    assert model.gate_dtypes == ((F16, F16) if white else (F16, F32))
+    assert model.gate_grad_dtype == (F16 if white else F32)
+    assert ("user_gate" in opt.strategies["amp"].white_list) == white
+    assert model.gain.dtype == F32 and model.gain.grad.dtype == F32
+    assert np.all(np.isfinite(host(model.gain.grad))) and np.any(host(model.gain.grad) != 0)
+    opt.step()
+    opt.clear_grad()
+
+
+@pytest.mark.parametrize("configs, loss_dtype", [
+    ({}, F32), ({"custom_white_list": ["softmax_with_cross_entropy"]}, F16)])
+def test_the_loss_after_the_model_computes_in_the_dtype_of_its_list(configs, loss_dtype):
+    """In the dygraph idiom the loss is computed after the model's call has returned, still
+    under the step's policy: float32 by the default black list."""
+    model, logits, loss, opt = amp_net_step(configs)
+    assert logits.dtype == F16 and loss.dtype == loss_dtype
+    opt.step()
+    opt.clear_grad()
+    x, y = global_batch(0)
+    with no_grad():                                 # after the step: no policy, no casts
+        assert F.cross_entropy(model(x.astype(F32)), y).dtype == F32
+
+
+def test_master_weights_stay_float32_and_their_gradients_come_back_float32_unscaled():
+    grads = []
+    for scale in (1.0, 2.0 ** 10):
+        model, _, _, opt = amp_net_step({"init_loss_scaling": scale})
+        for p in model.parameters():
+            assert p.dtype == F32 and p.grad.dtype == F32 and p.buffer.dtype == F32, p.name
+        grads.append({p.name: host(p.grad).copy() for p in model.parameters()})
+        before = model.state_dict()
+        opt.step()
+        opt.clear_grad()
+        for name, value in model.state_dict().items():
+            assert value.dtype == F32 and not np.array_equal(value, before[name]), name
+    # scaled by a power of two in float16 and divided by it again in float32: the same
+    # gradient up to the float16 values that lie below float16's normal range unscaled
+    for name, value in grads[0].items():
+        np.testing.assert_allclose(grads[1][name], value, rtol=2 ** -10, atol=2 ** -14,
+                                   err_msg=name)
+
+
 # -- bad configurations ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("configs, match", [
-    ({"custom_white_list": ["softmax"]}, "'softmax'.*known operators: .*conv2d"),
-    ({"custom_black_list": ["elementwise_add"]}, "custom_black_list names 'elementwise_add'"),
+    ({"custom_white_list": ["fused_attention"]}, "'fused_attention'.*known operators: .*conv2d"),
+    ({"custom_black_list": ["elementwise_max"]}, "custom_black_list names 'elementwise_max'"),
     ({"custom_white_list": ["conv2d"], "custom_black_list": ["conv2d", "relu"]},
      "both name conv2d"),
     ({"custom_white_list": ["mul"], "custom_black_list": ["matmul"]}, "both name matmul"),
@@ -499,13 +712,76 @@ def test_amp_and_dgc_are_refused_together():
                                     make_strategy(amp=True, dgc=True), local=True)
 
 
-def test_known_operators_are_the_ones_the_layers_declare():
-    """Every operator amp accepts in a custom list is one some layer or the loss computes."""
-    layers = [nn.Linear(2, 2), nn.Conv2D(1, 1, 1), nn.BatchNorm(2), nn.ReLU(), nn.Tanh(),
-              nn.GELU(), nn.Dropout(0.1), nn.MaxPool2D(2), nn.AvgPool2D(2), nn.GlobalAvgPool(),
-              nn.Flatten(), nn.Embedding(3, 2), nn.CrossEntropyLoss()]
-    assert sorted({op_type(layer) for layer in layers}) == sorted(OP_TYPES)
-    assert op_type(nn.Sequential()) is None
+class OperatorRecorder:
+    """An autocast policy that casts nothing and notes every operator it is asked about."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def dtype_for(self, op):
+        self.seen.add(op)
+        return None
+
+
+def declared_operators():
+    """The ``op_type`` of every Function fleetmpi itself defines."""
+    found, classes = set(), [Function]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if cls.__dict__.get("op_type") and cls.__module__.startswith("fleetmpi."):
+            found.add(cls.op_type)
+    return found
+
+
+def run_every_operator():
+    """One call of each built-in layer, functional operation and Tensor operation."""
+    backend.manual_seed(0)
+    nn.set_default_dtype("float32")
+    rng = np.random.default_rng(0)
+    x = leaf(rng.standard_normal((4, 6)).astype(F32))
+    images = leaf(rng.standard_normal((2, 1, 4, 4)).astype(F32))
+    heads = leaf(rng.standard_normal((1, 2, 3, 4)).astype(F32))
+    for layer in (nn.Linear(6, 4), nn.Dropout(0.5), nn.BatchNorm1D(6), nn.LayerNorm(6),
+                  nn.ReLU(), nn.GELU(), nn.Tanh(), nn.Sigmoid(), nn.Softmax()):
+        layer(x)
+    for layer in (nn.Conv2D(1, 2, 3, padding=1), nn.MaxPool2D(2), nn.AvgPool2D(2),
+                  nn.GlobalAvgPool(), nn.Flatten()):
+        layer(images)
+    nn.Embedding(10, 3)(np.array([[1, 2], [3, 4]]))
+    linear = nn.Linear(6, 4)
+    F.linear_activation(x, linear.weight, linear.bias, "relu")
+    F.log_softmax(x)
+    F.scaled_dot_product_attention(heads, heads, heads)
+    nn.CrossEntropyLoss()(x, np.arange(4))
+    F.mse_loss(x, np.zeros((4, 6), F32))
+    positive = x * x + 1
+    _ = [(x - positive) / positive, -x, x ** 3, x @ x.T, x.sum(), x.mean(), x.max(),
+         positive.exp(), positive.log(), positive.sqrt(), x.reshape(6, 4), x.transpose(1, 0),
+         x[1:3], autograd.concat([x, x]), autograd.stack([x, x]), x.split(2)]
+
+
+def test_known_operators_are_the_ones_the_trainer_computes():
+    """Every operator amp accepts in a custom list is one a layer, a functional or a Tensor
+    operation computes (or a user's Function declares, or Paddle's other name of one of
+    these), and each of them reaches the autocast policy under the name amp knows it by."""
+    recorder = OperatorRecorder()
+    with autocast(recorder):
+        run_every_operator()
+    assert recorder.seen == declared_operators() - {"cast"}
+    known = known_operators()
+    assert recorder.seen | set(ALIASES) | {"user_gate"} <= known
+    assert set(ALIASES.values()) <= recorder.seen
+    assert "cast" not in known
+    backend.manual_seed(0)
+    model = mlp32()
+    with pytest.raises(ValueError) as refused:
+        fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),
+                                    amp_strategy(custom_white_list=["fused_attention"]),
+                                    local=True)
+    assert str(refused.value) == (
+        "amp_configs.custom_white_list names 'fused_attention', which is not an operator of "
+        f"this trainer; known operators: {', '.join(sorted(known))}")
 
 
 # -- with the strategies amp composes with --------------------------------------------------
@@ -623,6 +899,8 @@ def test_n_ranks_match_one_process(case):
     ok(amp.skipped_steps == int(overflow))
     for name, value in reference.state_dict().items():
         close(model.state_dict()[name], value, rtol=0, atol=FP16_ATOL, err_msg=name)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_amp_training_reduces_the_loss_on_n_ranks():
     fixed = lambda step: global_batch(0)  # noqa: E731
@@ -638,6 +916,29 @@ def test_bad_configs_are_refused_on_every_rank():
     fleet.init(is_collective=True)
     backend.manual_seed(0)
     model = fleet.distributed_model(mlp32())
-    with raises(ValueError, match="'softmax'"):
+    with raises(ValueError, match="'fused_attention'"):
         fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),
-                                    amp_strategy(custom_black_list=["softmax"]))
+                                    amp_strategy(custom_black_list=["fused_attention"]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_user_layer_on_n_ranks_matches_one_process_in_both_idioms():
+    """Both idioms on N ranks give the same bits, every rank the same parameters, and those
+    are one process's on the global batch (each idiom) to float16 rounding; the overflowing
+    step is skipped everywhere."""
+    runs = {idiom: train_amp_net(idiom) for idiom in IDIOMS}
+    references = {idiom: train_amp_net(idiom, local=True) for idiom in IDIOMS}
+    (a, opt_a, losses_a), (b, opt_b, losses_b) = runs["minimize"], runs["dygraph"]
+    equal(np.array(losses_a), np.array(losses_b))
+    reference = references["minimize"][0]
+    for name, value in a.state_dict().items():
+        equal(b.state_dict()[name], value, err_msg=name)
+        equal(references["dygraph"][0].state_dict()[name], reference.state_dict()[name],
+              err_msg=name)
+        close(value, reference.state_dict()[name], rtol=0, atol=FP16_ATOL, err_msg=name)
+        equal(world_gather(value)[0], value, err_msg=name)
+    want = references["minimize"][1].strategies["amp"].state_dict()
+    for opt in (opt_a, opt_b):
+        ok(opt.strategies["amp"].state_dict() == want,
+           f"{opt.strategies['amp'].state_dict()} != {want}")
+    ok(want["skipped_steps"] == 1 and opt_a.inner.step_count == AMP_NET_STEPS - 1)

@@ -372,6 +372,8 @@ def every_layer_kind():
             (nn.AvgPool2D(3, 1, 1), (x4,)), (nn.GlobalAvgPool(), (x4,)),
             (nn.AdaptiveAvgPool2D(2), (x4,)), (nn.basic_block(3, 3), (x4,)),
             (nn.Sequential(nn.Linear(3, 3), nn.Tanh()), (x2,)), (nn.MLP([3, 4, 2]), (x2,)),
+            (nn.GPT(vocab_size=7, block_size=3, n_layer=1, n_head=1, n_embd=4),
+             (np.array([[1, 2, 3], [6, 0, 5]]),)),
             (nn.CrossEntropyLoss(), (x2, labels)), (nn.MSELoss(), (x2, x2[::-1].copy()))]
 
 

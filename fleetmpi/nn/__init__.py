@@ -8,13 +8,13 @@ from .layer import Layer, get_default_dtype, set_default_dtype
 from .layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
                      Softmax, Tanh)
 from .loss import CrossEntropyLoss, MSELoss
-from .models import MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
+from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
 from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm
 from .parameter import Parameter
 
 __all__ = [
     "Activation", "AdaptiveAvgPool2D", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
-    "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer", "Flatten", "GELU",
+    "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer", "Flatten", "GELU", "GPT",
     "GlobalAvgPool", "Layer", "LayerDict", "LayerList", "LayerNorm", "Linear", "MLP", "MSELoss",
     "MaxPool2D", "Parameter", "ReLU", "ResidualBlock", "Sequential", "Sigmoid", "Softmax",
     "Tanh", "basic_block", "bottleneck_block", "flatten", "functional", "get_default_dtype",

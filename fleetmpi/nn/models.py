@@ -1,8 +1,13 @@
-"""Ready-made models: ``MLP``, the CIFAR-style ``resnet20`` and ImageNet ``resnet50``."""
+"""Ready-made models: ``MLP``, the CIFAR-style ``resnet20``, ImageNet ``resnet50`` and the
+GPT-style decoder ``GPT`` (in ``fleetmpi.nn.gpt``)."""
 from .containers import ResidualBlock, Sequential
 from .conv import Conv2D, MaxPool2D
+from .gpt import GPT
 from .layers import GELU, Dropout, Linear, ReLU, Tanh
 from .norm import BatchNorm2D
+
+__all__ = ["GPT", "MLP", "basic_block", "bottleneck_block", "conv_bn", "resnet20", "resnet50",
+           "resnet101"]
 
 _ACTIVATIONS = {"relu": ReLU, "tanh": Tanh, "gelu": GELU}
 
