@@ -89,8 +89,24 @@ def _shared(check):
     return run
 
 
-equal = _shared(np.testing.assert_array_equal)
-close = _shared(np.testing.assert_allclose)
+def host(value):
+    """``value`` on the host: a Tensor's or a CuPy array's data as a NumPy array; anything else
+    (NumPy arrays, scalars, lists) as it is."""
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    if hasattr(value, "get") and not isinstance(value, (np.ndarray, dict)):
+        return value.get()
+    return value
+
+
+def _on_host(check):
+    def run(actual, desired, *args, **kwargs):
+        check(host(actual), host(desired), *args, **kwargs)
+    return run
+
+
+equal = _shared(_on_host(np.testing.assert_array_equal))
+close = _shared(_on_host(np.testing.assert_allclose))
 
 
 @_shared

@@ -1,9 +1,14 @@
 """Data parallel: N ranks on a global batch match one process on the same samples."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
+from fleetmpi.launch.mpi_command import local_command
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 
 GLOBAL_BATCH = 24
@@ -134,16 +139,10 @@ def test_gradient_buckets_are_contiguous_slices():
 
 
 def test_digits_example_reaches_97_percent_at_two_ranks():
-    import os
-    import shutil
-    import subprocess
-    import sys
-
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    result = subprocess.run([mpiexec, "-n", "2", sys.executable,
-                             os.path.join(root, "examples", "train_digits.py"),
-                             "--min-accuracy", "0.97"],
+    result = subprocess.run(local_command(2, [sys.executable,
+                                              os.path.join(root, "examples", "train_digits.py"),
+                                              "--min-accuracy", "0.97"]),
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "test accuracy" in result.stdout and "samples/s" in result.stdout

@@ -6,6 +6,7 @@ import pytest
 
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.optimizer import lr
+from comm_support import host
 
 
 pytestmark = pytest.mark.usefixtures("float64_layers")
@@ -15,12 +16,12 @@ def model_with_grads(seed=1):
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     rng = np.random.default_rng(seed)
     for p in model.parameters():
-        p.grad[...] = rng.standard_normal(p.shape)
+        p.grad[...] = backend.asarray(rng.standard_normal(p.shape))
     return model
 
 
 def snapshot(model):
-    return [(p.data.copy(), p.grad.copy()) for p in model.parameters()]
+    return [(host(p.data).copy(), host(p.grad).copy()) for p in model.parameters()]
 
 
 def expected_sgd(p, g, lr_, wd):
@@ -35,7 +36,7 @@ def test_sgd_matches_formula(fused):
     opt.fuse_all_optimizer_ops = fused
     opt.step()
     for (p0, g), p in zip(before, model.parameters()):
-        np.testing.assert_allclose(p.data, expected_sgd(p0, g, 0.1, 0.01), rtol=1e-14)
+        np.testing.assert_allclose(host(p.data), expected_sgd(p0, g, 0.1, 0.01), rtol=1e-14)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -46,16 +47,16 @@ def test_momentum_matches_formula_over_steps(fused, nesterov):
     opt = optimizer.Momentum(learning_rate=0.05, momentum=0.9, parameters=params,
                              use_nesterov=nesterov, weight_decay=0.001)
     opt.fuse_all_optimizer_ops = fused
-    state = [(p.data.copy(), np.zeros(p.shape)) for p in params]
+    state = [(host(p.data).copy(), np.zeros(p.shape)) for p in params]
     for step in range(3):
-        grads = [p.grad.copy() for p in params]
+        grads = [host(p.grad).copy() for p in params]
         opt.step()
         for i, ((p, v), g) in enumerate(zip(state, grads)):
             g = g + 0.001 * p
             v = 0.9 * v + g
             p = p - 0.05 * (g + 0.9 * v if nesterov else v)
             state[i] = (p, v)
-            np.testing.assert_allclose(params[i].data, p, rtol=1e-13)
+            np.testing.assert_allclose(host(params[i].data), p, rtol=1e-13)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -67,9 +68,9 @@ def test_adam_matches_formula_over_steps(fused, cls, decay):
     opt = cls(learning_rate=0.01, beta1=0.8, beta2=0.95, epsilon=1e-6, parameters=params,
               weight_decay=decay)
     opt.fuse_all_optimizer_ops = fused
-    state = [(p.data.copy(), np.zeros(p.shape), np.zeros(p.shape)) for p in params]
+    state = [(host(p.data).copy(), np.zeros(p.shape), np.zeros(p.shape)) for p in params]
     for t in range(1, 4):
-        grads = [p.grad.copy() for p in params]
+        grads = [host(p.grad).copy() for p in params]
         opt.step()
         for i, ((p, m, v), g) in enumerate(zip(state, grads)):
             if cls is optimizer.AdamW:
@@ -81,7 +82,7 @@ def test_adam_matches_formula_over_steps(fused, cls, decay):
             m_hat, v_hat = m / (1 - 0.8 ** t), v / (1 - 0.95 ** t)
             p = p - 0.01 * m_hat / (np.sqrt(v_hat) + 1e-6)
             state[i] = (p, m, v)
-            np.testing.assert_allclose(params[i].data, p, rtol=1e-12)
+            np.testing.assert_allclose(host(params[i].data), p, rtol=1e-12)
 
 
 def test_fused_and_unfused_updates_are_identical():
@@ -94,7 +95,7 @@ def test_fused_and_unfused_updates_are_identical():
         opt.fuse_all_optimizer_ops = fused
         for _ in range(3):
             opt.step()
-        results.append(model.flat_buffers()[0].data.copy())
+        results.append(host(model.flat_buffers()[0].data).copy())
     np.testing.assert_array_equal(results[0], results[1])
 
 
@@ -162,7 +163,7 @@ def test_state_dict_resumes_exactly():
             model.set_state_dict(weights)
             for _ in range(4 - split):
                 opt.step()
-        return model.flat_buffers()[0].data.copy()
+        return host(model.flat_buffers()[0].data).copy()
 
     np.testing.assert_array_equal(run(4), run(2))
 
