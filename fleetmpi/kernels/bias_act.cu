@@ -3,15 +3,20 @@
 // Layout (N, C, inner): element i belongs to channel (i / inner) % C.
 // act: 0 = relu, 1 = tanh, 2 = gelu (tanh approximation).
 
-// nvcc and NVRTC provide tanh overloaded for float and double; a host build of this file (the
-// kernel checks in tests/cuda_host.py) takes the same overloads from <cmath>.
+// GELU's 0.5 v (1 + tanh(u)), u = K (v + C v^3), is computed as v / (1 + exp(-2u)) as in
+// reference.gelu_forward; its derivative from s = 1 / (1 + exp(-2u)) as in gelu_backward.
+
+// nvcc and NVRTC provide tanh and exp overloaded for float and double; a host build of this
+// file (the kernel checks in tests/cuda_host.py) takes the same overloads from <cmath>.
 #if !defined(__CUDACC__) && !defined(__CUDACC_RTC__)
 #include <cmath>
+using std::exp;
 using std::tanh;
 #endif
 
 #define GELU_K 0.7978845608028654
 #define GELU_C 0.044715
+#define GELU_EXP(T, v) exp(((v) * (v) * (T)(-2 * GELU_K * GELU_C) - (T)(2 * GELU_K)) * (v))
 
 #define DEFINE_BIAS_ACT(T, SUFFIX)                                                        \
 extern "C" __global__ void bias_act_forward_##SUFFIX(                                     \
@@ -25,8 +30,7 @@ extern "C" __global__ void bias_act_forward_##SUFFIX(                           
         } else if (act == 1) {                                                            \
             y[i] = tanh(v);                                                               \
         } else {                                                                          \
-            T t = tanh((T)GELU_K * (v + (T)GELU_C * v * v * v));                          \
-            y[i] = (T)0.5 * v * ((T)1 + t);                                               \
+            y[i] = v / (GELU_EXP(T, v) + (T)1);                                           \
             pre[i] = v;                                                                   \
         }                                                                                 \
     }                                                                                     \
@@ -42,9 +46,10 @@ extern "C" __global__ void bias_act_backward_##SUFFIX(                          
             dz[i] = dy[i] * ((T)1 - y[i] * y[i]);                                         \
         } else {                                                                          \
             T v = pre[i];                                                                 \
-            T t = tanh((T)GELU_K * (v + (T)GELU_C * v * v * v));                          \
-            dz[i] = dy[i] * ((T)0.5 * ((T)1 + t) + (T)0.5 * v * ((T)1 - t * t) *          \
-                             (T)GELU_K * ((T)1 + (T)3 * (T)GELU_C * v * v));              \
+            T s = (T)1 / (GELU_EXP(T, v) + (T)1);                                         \
+            T d = (v * v * (T)(6 * GELU_K * GELU_C) + (T)(2 * GELU_K)) * v * s;           \
+            d *= (T)1 - s;                                                                \
+            dz[i] = (d + s) * dy[i];                                                      \
         }                                                                                 \
     }                                                                                     \
 }

@@ -7,6 +7,8 @@ is its features), and per-channel vectors broadcast over the other axes.
 """
 import math
 
+import numpy as np
+
 ACTIVATIONS = ("relu", "tanh", "gelu")
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_C = 0.044715
@@ -28,8 +30,7 @@ def activation_forward(z, act, xp):
         return xp.maximum(z, 0)
     if act == "tanh":
         return xp.tanh(z)
-    t = xp.tanh(GELU_K * (z + GELU_C * z * z * z))
-    return 0.5 * z * (1 + t)
+    return gelu_forward(z, xp)
 
 
 def activation_backward(dy, y, z, act, xp):
@@ -38,8 +39,47 @@ def activation_backward(dy, y, z, act, xp):
         return dy * (y > 0)
     if act == "tanh":
         return dy * (1 - y * y)
-    t = xp.tanh(GELU_K * (z + GELU_C * z * z * z))
-    return dy * (0.5 * (1 + t) + 0.5 * z * (1 - t * t) * GELU_K * (1 + 3 * GELU_C * z * z))
+    return gelu_backward(dy, z, xp)
+
+
+def _gelu_exp(z, xp):
+    """``exp(-2u)`` with ``u = K (z + C z^3)``, in a new array (it overflows to inf, harmlessly,
+    for large negative ``z``)."""
+    e = z * z
+    e *= -2 * GELU_K * GELU_C
+    e -= 2 * GELU_K
+    e *= z
+    with np.errstate(over="ignore"):
+        xp.exp(e, out=e)
+    return e
+
+
+def gelu_forward(z, xp):
+    """GELU's tanh approximation ``0.5 z (1 + tanh(u))``, computed as the equal
+    ``z / (1 + exp(-2u))``: NumPy's exp is about twice as fast as its tanh, and this form has
+    no cancellation where ``tanh(u)`` nears -1. Two passes fewer than the tanh form, in place."""
+    e = _gelu_exp(z, xp)
+    e += 1
+    return xp.divide(z, e, out=e)
+
+
+def gelu_backward(dy, z, xp):
+    """``dy * gelu'(z)``: with ``s = 1 / (1 + exp(-2u))`` (which is ``(1 + tanh(u)) / 2``),
+    ``gelu'(z) = s + 2 z s (1 - s) K (1 + 3 C z^2)``."""
+    s = _gelu_exp(z, xp)
+    s += 1
+    xp.reciprocal(s, out=s)
+    d = z * z
+    d *= 6 * GELU_K * GELU_C
+    d += 2 * GELU_K
+    d *= z
+    d *= s
+    d *= 1 - s
+    d += s
+    if d.dtype == xp.result_type(d, dy):
+        d *= dy
+        return d
+    return d * dy
 
 
 def bias_act_forward(z, bias, act, xp):
