@@ -2,6 +2,7 @@
 and the Python cost of fleetmpi's tape.
 
     python benchmarks/train_throughput.py [--steps 30] [--ranks 1 2] [--models mlp resnet20 gpt]
+                                          [--device cpu|gpu]
 
 For each model (an MLP, ResNet-20 and a small GPT), each rank count and each trainer, one
 ``mpiexec`` job trains on the same synthetic data with the same per-rank batch, model shape and
@@ -11,7 +12,9 @@ with ``opt.minimize(model, loss_fn, x, y)``, the GPT with ``loss.backward(); opt
 opt.clear_grad()``; PyTorch's GPT is the same model written with ``torch.nn`` (tied embedding,
 ``scaled_dot_product_attention``, tanh GELU). Printed: the table, ours/PyTorch ratios, and
 weak-scaling efficiency (samples/s at N ranks over N times samples/s at 1 rank). PyTorch is
-optional; without it its columns read "torch not installed".
+optional; without it its columns read "torch not installed". ``--device gpu`` runs both on one
+GPU per rank instead (fleetmpi on CuPy, PyTorch on CUDA with DDP over NCCL), timed with the
+device synchronized.
 
 Then, in one process: the tape's cost per recorded operation (a chain of small elementwise
 operations recorded and backpropagated, against the same NumPy arithmetic without a tape,
@@ -21,12 +24,13 @@ and the share of that step the tape costs (operations x cost per operation / ste
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from fleetmpi.launch.mpi_command import local_command
 
 MODELS = {
     # name: (per-rank batch, input shape, classes, warm-up steps, measured steps scale)
@@ -70,7 +74,7 @@ def _our_model(model_name):
 
 def run_ours(model_name, steps):
     import fleetmpi as fleet
-    from fleetmpi import nn, optimizer
+    from fleetmpi import backend, nn, optimizer
 
     fleet.init(is_collective=True)
     model = fleet.distributed_model(_our_model(model_name))
@@ -93,7 +97,8 @@ def run_ours(model_name, steps):
         opt.step()
         opt.clear_grad()
 
-    return _timed(dygraph_step if model_name == "gpt" else step, warmup, steps)
+    return _timed(dygraph_step if model_name == "gpt" else step, warmup, steps,
+                  backend.synchronize)
 
 
 def _torch_gpt(vocab_size, block_size, n_layer, n_head, n_embd):
@@ -126,7 +131,7 @@ def _torch_gpt(vocab_size, block_size, n_layer, n_head, n_embd):
             self.ln_f = tnn.LayerNorm(n_embd)
 
         def forward(self, idx):
-            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
             for block in self.blocks:
                 x = block(x)
             return (self.ln_f(x) @ self.wte.weight.T).reshape(-1, vocab_size)
@@ -171,22 +176,26 @@ def _torch_model(model_name):
     return tnn.Sequential(*layers)
 
 
-def run_torch(model_name, steps, port):
+def run_torch(model_name, steps, port, device):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
     world = _world()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    gpu = device == "gpu"
+    if gpu:
+        torch.cuda.set_device(world.Get_rank() % torch.cuda.device_count())
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=world.Get_rank(), world_size=world.Get_size())
     torch.manual_seed(0)
-    model = DistributedDataParallel(_torch_model(model_name))
+    target = torch.device("cuda" if gpu else "cpu")
+    model = DistributedDataParallel(_torch_model(model_name).to(target))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     warmup = MODELS[model_name][3]
     xs, ys = _data(model_name, warmup + steps)
-    x, y = torch.from_numpy(xs), torch.from_numpy(ys)
+    x, y = torch.from_numpy(xs).to(target), torch.from_numpy(ys).to(target)
 
     if model_name == "gpt":
         y = y.reshape(len(y), -1)
@@ -196,20 +205,23 @@ def run_torch(model_name, steps, port):
         loss_fn(model(x[i]), y[i]).backward()
         opt.step()
 
-    result = _timed(step, warmup, steps)
+    result = _timed(step, warmup, steps, torch.cuda.synchronize if gpu else lambda: None)
     dist.destroy_process_group()
     return result
 
 
-def _timed(step, warmup, steps):
-    """Seconds for ``steps`` steps after ``warmup`` unmeasured ones, all ranks lined up."""
+def _timed(step, warmup, steps, synchronize):
+    """Seconds for ``steps`` steps after ``warmup`` unmeasured ones, all ranks lined up, the
+    device's queued work finished (``synchronize``) before each clock reading."""
     world = _world()
     for i in range(warmup):
         step(i)
+    synchronize()
     world.Barrier()
     start = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
+    synchronize()
     world.Barrier()
     elapsed = time.perf_counter() - start
     return elapsed
@@ -331,30 +343,31 @@ def worker(args):
     if args.worker == "ours":
         seconds = run_ours(args.model, args.measured)
     else:
-        seconds = run_torch(args.model, args.measured, args.port)
+        seconds = run_torch(args.model, args.measured, args.port, args.device)
     world = _world()
     samples = args.measured * MODELS[args.model][0] * world.Get_size()
     if world.Get_rank() == 0:
         print("RESULT " + json.dumps({"samples_per_s": samples / seconds}))
 
 
-ONE_THREAD = {"FLEETMPI_DEVICE": "cpu", "FLEETMPI_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+ONE_THREAD = {"FLEETMPI_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _result(cmd):
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, **ONE_THREAD))
+def _result(cmd, device="cpu"):
+    done = subprocess.run(cmd, capture_output=True, text=True,
+                          env=dict(os.environ, FLEETMPI_DEVICE=device, **ONE_THREAD))
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
 
 
-def launch(trainer, model, ranks, steps, port):
+def launch(trainer, model, ranks, steps, port, device):
     measured = max(2, int(round(steps * MODELS[model][4])))
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, os.path.abspath(__file__), "--worker",
-           trainer, "--model", model, "--measured", str(measured), "--port", str(port)]
-    return _result(cmd)["samples_per_s"]
+    cmd = local_command(ranks, [sys.executable, os.path.abspath(__file__), "--worker", trainer,
+                                "--model", model, "--measured", str(measured), "--port",
+                                str(port), "--device", device])
+    return _result(cmd, device)["samples_per_s"]
 
 
 def torch_available():
@@ -371,6 +384,8 @@ def main():
                         "(ResNet-20 runs a fifth of them, the GPT half)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="gpu: both trainers on one GPU per rank")
     parser.add_argument("--no-tape", action="store_true", help="skip the tape's cost")
     parser.add_argument("--worker", choices=["ours", "torch", "tape"], help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
@@ -386,10 +401,10 @@ def main():
     for model in args.models:
         ours, theirs = {}, {}
         for ranks in args.ranks:
-            ours[ranks] = launch("ours", model, ranks, args.steps, port)
+            ours[ranks] = launch("ours", model, ranks, args.steps, port, args.device)
             port += 1
-            theirs[ranks] = launch("torch", model, ranks, args.steps, port) if have_torch \
-                else None
+            theirs[ranks] = launch("torch", model, ranks, args.steps, port, args.device) \
+                if have_torch else None
             port += 1
         for ranks in args.ranks:
             rows.append((model, ranks, ours[ranks], theirs[ranks],
@@ -401,8 +416,10 @@ def main():
           f"({'-'.join(map(str, MLP_SIZES))}), ResNet-20 {MODELS['resnet20'][0]} (3x32x32), "
           f"GPT {MODELS['gpt'][0]} sequences of {gpt['block_size']} tokens (vocab "
           f"{gpt['vocab_size']}, {gpt['n_layer']} layers, {gpt['n_head']} heads, "
-          f"{gpt['n_embd']} wide); 1 thread per rank, float32, Momentum")
-    print("| model | ranks | fleetmpi samples/s | PyTorch DDP (gloo) samples/s | ratio | "
+          f"{gpt['n_embd']} wide); float32, Momentum; "
+          + ("one GPU per rank" if args.device == "gpu" else "1 thread per rank"))
+    peer = "PyTorch DDP (NCCL)" if args.device == "gpu" else "PyTorch DDP (gloo)"
+    print(f"| model | ranks | fleetmpi samples/s | {peer} samples/s | ratio | "
           "fleetmpi scaling eff. | PyTorch scaling eff. |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model, ranks, mine, torch_rate, eff, torch_eff in rows:

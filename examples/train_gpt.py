@@ -35,7 +35,7 @@ from fleetmpi.optimizer import lr
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--steps_per_epoch", type=int, default=200)
     parser.add_argument("--batch_size", type=int, default=16, help="sequences per rank")
     parser.add_argument("--block_size", type=int, default=64, help="tokens per sequence")

@@ -420,6 +420,20 @@ def test_comparisons_carry_no_gradient():
     assert {x: 1}[x] == 1    # tensors stay hashable by identity
 
 
+def test_numpy_scalars_act_as_python_numbers_and_keep_float32():
+    """``x * np.float64(2)`` and ``x / np.sqrt(d)`` stay float32, as in PyTorch and Paddle
+    (NumPy itself would promote to float64); a float64 array still promotes."""
+    x = leaf(rand(3, 4).astype(np.float32))
+    scaled = x * np.float64(2.0) / np.sqrt(4.0) + np.float32(1) - np.int64(1)
+    flipped = np.float64(3.0) * x - np.float64(1.0)
+    for y in (scaled, flipped):
+        assert y.dtype == np.float32
+    (scaled.sum() + flipped.sum()).backward()
+    assert x.grad.dtype == np.float32
+    np.testing.assert_allclose(host(x.grad), 4.0)
+    assert (x + np.ones((3, 4))).dtype == np.float64
+
+
 def test_no_grad_records_nothing_and_enable_grad_records_inside_it():
     x = leaf(rand(3))
     with no_grad():

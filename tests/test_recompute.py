@@ -407,9 +407,9 @@ def test_fleet_utils_recompute_of_every_layer_kind_is_the_plain_call(float64_lay
         (y0, dx0, dp0, state0, _, rng0), (y1, dx1, dp1, state1, held1, rng1) = results
         np.testing.assert_array_equal(y1, y0, err_msg=name)
         for a, b in zip(dx1 + dp1, dx0 + dp0):
-            np.testing.assert_array_equal(a, b, err_msg=name)
+            equal(a, b, err_msg=name)
         for key, value in state0.items():
-            np.testing.assert_array_equal(state1[key], value, err_msg=f"{name} {key}")
+            equal(state1[key], value, err_msg=f"{name} {key}")
         assert rng1 == rng0, name
         assert held1 <= sum(a.nbytes for a in inputs) + y1.nbytes, name
 

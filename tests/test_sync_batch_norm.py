@@ -113,15 +113,18 @@ def test_eval_mode_does_not_communicate():
 def test_local_statistics_are_numpys_mean_and_var():
     """The batch statistics, and what a training forward normalizes with (the recorded
     call's mean and inverse standard deviation, and the running statistics after one step
-    at momentum 0), are the backend's ``mean`` and ``var`` bit for bit."""
+    at momentum 0), are the backend's ``mean`` and ``var``: bit for bit on NumPy; CuPy's own
+    reductions sum in another order than batch norm's, so there to a rounding unit."""
+    same = close if backend.on_gpu() else equal
+    rounding = {"rtol": 2e-7} if backend.on_gpu() else {}
     for dtype in ("float32", "float64"):
         for tail in TAILS.values():
             x, _, weight, bias = layer_data(tail, [7])
             x = backend.asarray(x.astype(dtype))
             axes = (0,) + tuple(range(2, x.ndim))
             mean, var, count = batch_statistics(x, axes, None)
-            equal(mean, x.mean(axis=axes))
-            equal(var, x.var(axis=axes))
+            same(mean, x.mean(axis=axes), **rounding)
+            same(var, x.var(axis=axes), **rounding)
             assert count == x.size // tail[0]
             layer = make_layer(tail, weight, bias)
             layer.momentum = 0.0
@@ -129,13 +132,13 @@ def test_local_statistics_are_numpys_mean_and_var():
             layer.bias.data[...] = 0.0
             y = layer(to_tensor(x, stop_gradient=False))
             invstd = 1 / backend.array_module().sqrt(x.var(axis=axes) + 1e-5)
-            equal(y._node.invstd, invstd)
+            same(y._node.invstd, invstd, **rounding)
             shape = (1, -1) + (1,) * (x.ndim - 2)
             tolerance = 1e-5 if dtype == "float32" else 1e-12
             close(y, (x - x.mean(axis=axes).reshape(shape)) * invstd.reshape(shape),
                   rtol=tolerance, atol=tolerance)
-            equal(layer.buffer("running_mean"), x.mean(axis=axes))
-            equal(layer.buffer("running_var"), x.var(axis=axes))
+            same(layer.buffer("running_mean"), x.mean(axis=axes), **rounding)
+            same(layer.buffer("running_var"), x.var(axis=axes), **rounding)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_relu"])

@@ -109,6 +109,10 @@ class Function:
                     inputs.append((position, arg if arg._node is None else Edge(arg)))
             elif type(arg) is np.ndarray and backend.on_gpu():
                 arrays.append(backend.asarray(arg))
+            elif isinstance(arg, np.generic):
+                # A NumPy scalar (np.sqrt(d), np.float64(0.5)) acts as a Python number does, as
+                # in PyTorch and Paddle: it keeps a float32 tensor float32.
+                arrays.append(arg.item())
             else:
                 arrays.append(arg)
         node = cls.__new__(cls)
