@@ -21,8 +21,8 @@ from . import backend, world
 from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
 from .optimizer import Optimizer, StepContext, run_step
-from .optimizer.step import (backward_pass, finish_step, run_backward_stage, run_forward,
-                             step_running)
+from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
+                             run_forward, step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
 
@@ -229,14 +229,12 @@ class DistributedOptimizer:
         x, y)``: one training step; returns this rank's mean loss as a 0-d array. Under
         ``strategy.auto`` the first such call calibrates on its batch first (module
         ``fleetmpi.strategies.auto``), leaving parameters and optimizer state as they were."""
-        if len(args) == 1:
+        loss = minimize_loss(args)
+        if loss is not None:
             if not self._backward_done:
-                args[0].backward()
+                loss.backward()
             self.step()
             return None
-        if len(args) != 4:
-            raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
-                            f"{len(args)} arguments")
         if self._open is not None:
             raise RuntimeError("minimize(model, loss_fn, x, y) while a step opened by calling "
                                "the model is not finished; call opt.step() first")

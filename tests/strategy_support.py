@@ -4,6 +4,7 @@ one process alone (``local=True``: the same strategies, no communication)."""
 import numpy as np
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer
 
 GLOBAL_BATCH = 24
@@ -75,3 +76,17 @@ def world_gather(array):
     gathered = np.empty((MPI.COMM_WORLD.Get_size(),) + array.shape, dtype=array.dtype)
     MPI.COMM_WORLD.Allgather(array, gathered)
     return gathered
+
+
+def train_step(opt, model, x, y, idiom):
+    """One training step on ``(x, y)`` in either idiom: ``"minimize"``
+    (``opt.minimize(model, nn.CrossEntropyLoss(), x, y)``) or ``"dygraph"`` (``loss =
+    F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.clear_grad()``). Returns the
+    loss as a float."""
+    if idiom == "minimize":
+        return float(opt.minimize(model, nn.CrossEntropyLoss(), x, y))
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.clear_grad()
+    return loss.item()

@@ -14,7 +14,7 @@ from fleetmpi.strategies.amp import ALIASES, CastPolicy, known_operators
 
 from comm_support import close, equal, ok, raises
 from strategy_support import (CLASSES, FEATURES, global_batch, make_mlp, make_strategy, shard,
-                              train, world_gather)
+                              train, train_step, world_gather)
 
 F16, F32 = np.dtype("float16"), np.dtype("float32")
 # N ranks round their float16 partial sums differently from one process on the whole batch:
@@ -593,14 +593,7 @@ def train_amp_net(idiom, local=False, configs=SCHEDULE_CONFIGS):
     losses = []
     for step in range(AMP_NET_STEPS):
         x, y = (shard(a, rank, size) for a in AMP_NET_BATCH(step))
-        if idiom == "minimize":
-            losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
-        else:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            losses.append(loss.item())
+        losses.append(train_step(opt, model, x, y, idiom))
     return model, opt, losses
 
 

@@ -14,7 +14,7 @@ import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.nn.gradcheck import check_gradients
 from comm_support import close, equal
-from strategy_support import make_strategy, shard, world_gather
+from strategy_support import make_strategy, shard, train_step, world_gather
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -207,14 +207,7 @@ def train_gpt(strategy=None, idiom="dygraph", local=False, steps=3, dropout=0.0,
     losses = []
     for step in range(steps):
         x, y = (shard(a, rank, size) for a in token_batch(step))
-        if idiom == "minimize":
-            losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
-        else:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            losses.append(loss.item())
+        losses.append(train_step(opt, model, x, y, idiom))
     return model, opt, losses
 
 

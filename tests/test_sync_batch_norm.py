@@ -12,7 +12,7 @@ from fleetmpi import backend, nn, optimizer, to_tensor
 from fleetmpi.comm import get_communicator
 from fleetmpi.nn.functional.norm import batch_statistics
 from strategy_support import CLASSES, FEATURES, GLOBAL_BATCH, global_batch, make_mlp, \
-    make_strategy, shard, train, world_gather
+    make_strategy, shard, train, train_step, world_gather
 from comm_support import close, equal, ok
 
 RTOL, ATOL = 1e-10, 1e-12
@@ -330,14 +330,7 @@ def train_deep_net(strategy, idiom, local=False, steps=STEPS):
     losses = []
     for step in range(steps):
         x, y = (shard(a, rank, size) for a in image_batch(step))
-        if idiom == "minimize":
-            losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
-            continue
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        losses.append(loss.item())
+        losses.append(train_step(opt, model, x, y, idiom))
     return model, opt, losses
 
 

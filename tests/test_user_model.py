@@ -10,7 +10,8 @@ import fleetmpi as fleet
 import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer
 from comm_support import close, equal, ok
-from strategy_support import CLASSES, FEATURES, global_batch, make_strategy, shard, world_gather
+from strategy_support import (CLASSES, FEATURES, global_batch, make_strategy, shard, train_step,
+                              world_gather)
 
 STEPS = 3
 
@@ -85,14 +86,7 @@ def train_user_model(strategy=None, idiom="dygraph", local=False, skip=None, ste
     for step in range(steps):
         x, y = global_batch(step)
         x, y = shard(x, rank, size).astype(dtype), shard(y, rank, size)
-        if idiom == "minimize":
-            losses.append(float(opt.minimize(model, nn.CrossEntropyLoss(), x, y)))
-        else:
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            losses.append(loss.item())
+        losses.append(train_step(opt, model, x, y, idiom))
     return model, opt, losses
 
 

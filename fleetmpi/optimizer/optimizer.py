@@ -19,7 +19,7 @@ from .. import backend, kernels
 from ..kernels import reference
 from .clip import check_grad_clip
 from .lr import LRScheduler
-from .step import StepContext, run_step
+from .step import StepContext, minimize_loss, run_step
 
 
 class _Run:
@@ -233,13 +233,11 @@ class Optimizer:
         ``minimize(model, loss_fn, x, y)``: one whole training step on this process alone
         (gradients zeroed, forward, backward, update), returning the mean loss as a 0-d
         backend array."""
-        if len(args) == 1:
-            args[0].backward()
+        loss = minimize_loss(args)
+        if loss is not None:
+            loss.backward()
             self.step()
             return None
-        if len(args) != 4:
-            raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
-                            f"{len(args)} arguments")
         return run_step([], StepContext(*args, self))
 
     def _fused_update(self, param, grad, state, lr):

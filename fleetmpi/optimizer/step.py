@@ -13,6 +13,18 @@ from .. import backend, timeline
 from ..autograd import as_array, run_backward
 
 
+def minimize_loss(args):
+    """The two call forms of ``minimize``: the loss of ``minimize(loss)`` (Paddle dygraph), or
+    None for ``minimize(model, loss_fn, x, y)`` (one whole step); any other count of
+    arguments is a TypeError."""
+    if len(args) == 1:
+        return args[0]
+    if len(args) != 4:
+        raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
+                        f"{len(args)} arguments")
+    return None
+
+
 class StepContext:
     """What one step works on and produces: model, loss function, batch, loss, and what the
     strategies decided for this step.

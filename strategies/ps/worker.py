@@ -19,7 +19,7 @@ import numpy as np
 
 from ... import backend
 from ...optimizer import Optimizer, StepContext, StepHook, run_step
-from ...optimizer.step import finish_step
+from ...optimizer.step import finish_step, minimize_loss
 from . import wire
 from .blocks import plan_blocks, split_by_owner
 from .mode import GEO, training_mode
@@ -304,13 +304,11 @@ class ParameterServerOptimizer:
     def minimize(self, *args):
         """``minimize(model, loss_fn, x, y)``: one training step; returns this worker's mean
         loss as a 0-d array. ``minimize(loss)``: ``loss.backward()`` then ``step()``."""
-        if len(args) == 1:
-            args[0].backward()
+        loss = minimize_loss(args)
+        if loss is not None:
+            loss.backward()
             self.step()
             return None
-        if len(args) != 4:
-            raise TypeError("minimize takes (loss) or (model, loss_fn, x, y), got "
-                            f"{len(args)} arguments")
         client = self.client()
         ctx = StepContext(*args, self.inner, step=self.step_count)
         loss = run_step([self.hook], ctx)
