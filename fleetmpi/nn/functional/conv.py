@@ -1,11 +1,20 @@
-"""Convolution and pooling over NCHW images, by im2col: the windows of the (padded) input are a
-strided view, one matrix product does the convolution, and backward adds each kernel offset's
-slice of the column gradient back into the input gradient."""
+"""Convolution and pooling over NCHW images.
+
+A convolution is one batched matrix product per call: the weight ``(O, C*KH*KW)`` times each
+sample's columns ``(C*KH*KW, OH*OW)`` (im2col), which puts the output in NCHW order with no
+transpose. The columns are written kernel offset by kernel offset, each a strided slice of the
+input, with the slices that fall into the padding set to zero instead of padding the input
+first. Backward's input gradient is the transpose product, added back offset by offset into the
+parts of the input each offset saw (col2im), with the same ranges. A 1x1 convolution without
+padding needs no columns: the input (strided, for stride 2) is its own column matrix.
+"""
 import numpy as np
 
 from ... import backend, kernels
 from ...autograd import Function
 from ...autograd.operations import matmul_arrays
+
+
 def _as_strided(x, shape, strides):
     if backend.on_gpu():
         import cupy
@@ -41,27 +50,53 @@ def output_size(what, x, kernel, stride, padding):
     return (h - kernel[0]) // stride[0] + 1, (w - kernel[1]) // stride[1] + 1
 
 
-def _scatter_windows(dwin, padded_shape, kernel, stride, xp, dtype):
-    """Sum the window gradient ``(N, C, OH, OW, KH, KW)`` back into the padded input."""
-    dxp = xp.zeros(padded_shape, dtype=dtype)
-    oh, ow = dwin.shape[2:4]
+def _offset_range(out_size, in_size, offset, stride, pad):
+    """For kernel offset ``offset`` along one axis: the outputs ``[lo, hi)`` whose input
+    ``o * stride + offset - pad`` lies inside the unpadded input, and that input's slice."""
+    lo = max(0, -((offset - pad) // stride))
+    hi = max(lo, min(out_size, (in_size - 1 - offset + pad) // stride + 1))
+    first = lo * stride + offset - pad
+    return lo, hi, slice(first, first + (hi - lo - 1) * stride + 1 if hi > lo else first, stride)
+
+
+def _offsets(x_shape, out_shape, kernel, stride, padding):
+    """Each kernel offset ``(i, j)`` with its output ranges and input slices."""
     for i in range(kernel[0]):
+        ylo, yhi, ys = _offset_range(out_shape[0], x_shape[2], i, stride[0], padding[0])
         for j in range(kernel[1]):
-            dxp[:, :, i:i + stride[0] * (oh - 1) + 1:stride[0],
-                j:j + stride[1] * (ow - 1) + 1:stride[1]] += dwin[:, :, :, :, i, j]
-    return dxp
+            xlo, xhi, xs = _offset_range(out_shape[1], x_shape[3], j, stride[1], padding[1])
+            yield i, j, (ylo, yhi, xlo, xhi), (ys, xs)
 
 
-def _crop(dxp, padding, shape):
-    ph, pw = padding
-    return dxp[:, :, ph:ph + shape[2], pw:pw + shape[3]]
+def im2col(x, kernel, stride, padding, out_shape):
+    """The columns ``(N, C, KH, KW, OH, OW)`` of ``x``: entry ``[n, c, i, j, oy, ox]`` is the
+    input under kernel offset ``(i, j)`` of output ``(oy, ox)``, zero in the padding."""
+    n, c = x.shape[:2]
+    oh, ow = out_shape
+    cols = backend.array_module().empty((n, c) + tuple(kernel) + (oh, ow), dtype=x.dtype)
+    for i, j, (ylo, yhi, xlo, xhi), (ys, xs) in _offsets(x.shape, out_shape, kernel, stride,
+                                                         padding):
+        part = cols[:, :, i, j]
+        part[:, :, :ylo] = 0
+        part[:, :, yhi:] = 0
+        part[:, :, ylo:yhi, :xlo] = 0
+        part[:, :, ylo:yhi, xhi:] = 0
+        part[:, :, ylo:yhi, xlo:xhi] = x[:, :, ys, xs]
+    return cols
 
 
+def col2im(dcols, x_shape, kernel, stride, padding):
+    """The input gradient from the columns' gradient ``(N, C, KH, KW, OH, OW)``: each offset's
+    part added into the inputs it came from (the adjoint of ``im2col``)."""
+    dx = backend.array_module().zeros(x_shape, dtype=dcols.dtype)
+    for i, j, (ylo, yhi, xlo, xhi), (ys, xs) in _offsets(x_shape, dcols.shape[4:], kernel,
+                                                         stride, padding):
+        dx[:, :, ys, xs] += dcols[:, :, i, j, ylo:yhi, xlo:xhi]
+    return dx
 
 
-def _padded_shape(x_shape, padding):
-    n, c, h, w = x_shape
-    return (n, c, h + 2 * padding[0], w + 2 * padding[1])
+def _is_pointwise(kernel, padding):
+    return tuple(kernel) == (1, 1) and tuple(padding) == (0, 0)
 
 
 class Conv2D(Function):
@@ -77,10 +112,15 @@ class Conv2D(Function):
         n, out_channels = x.shape[0], weight.shape[0]
         self.x_shape, self.kernel, self.stride, self.padding = x.shape, kernel, stride, padding
         self.w = weight.reshape(out_channels, -1)
-        windows = _windows(_pad(x, padding), kernel, stride)
-        self.cols = windows.transpose(0, 2, 3, 1, 4, 5).reshape(n * oh * ow, -1)
-        y = matmul_arrays(self.cols, self.w.T).reshape(n, oh, ow, out_channels)
-        y = y.transpose(0, 3, 1, 2)
+        if _is_pointwise(kernel, padding):
+            strided = x if stride == (1, 1) else x[:, :, ::stride[0], ::stride[1]]
+            cols = backend.array_module().ascontiguousarray(strided)
+        else:
+            cols = im2col(x, kernel, stride, padding, (oh, ow))
+        self.cols = cols.reshape(n, -1, oh * ow)
+        y = backend.array_module().ascontiguousarray(
+            matmul_arrays(self.cols.transpose(0, 2, 1), self.w.T).transpose(0, 2, 1))
+        y = y.reshape(n, out_channels, oh, ow)
         self.act = act
         if act is not None:
             self.y, self.pre = kernels.bias_act_forward(y, bias, act)
@@ -93,21 +133,27 @@ class Conv2D(Function):
         xp = backend.array_module()
         if self.act is not None:
             dy = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
-        n, c, h, w = self.x_shape
+        n, c = self.x_shape[:2]
         oh, ow = dy.shape[2:]
         out_channels = self.w.shape[0]
-        dym = dy.transpose(0, 2, 3, 1).reshape(-1, out_channels)
+        dy3 = xp.ascontiguousarray(dy).reshape(n, out_channels, oh * ow)
         needs = self.needs_input_grad
-        dweight = matmul_arrays(dym.T, self.cols).reshape((out_channels, c) + self.kernel) \
-            if needs[1] else None
-        dbias = dym.sum(axis=0) if needs[2] else None
-        dx = None
+        dweight = dbias = dx = None
+        if needs[1]:
+            per_sample = matmul_arrays(self.cols, dy3.transpose(0, 2, 1))
+            dweight = per_sample.sum(axis=0).T.reshape((out_channels, c) + self.kernel)
+        if needs[2]:
+            dbias = dy3.sum(axis=(0, 2))
         if needs[0]:
-            dcols = matmul_arrays(dym, self.w)
-            dwin = dcols.reshape(n, oh, ow, c, *self.kernel).transpose(0, 3, 1, 2, 4, 5)
-            dxp = _scatter_windows(dwin, _padded_shape(self.x_shape, self.padding),
-                                   self.kernel, self.stride, xp, dy.dtype)
-            dx = _crop(dxp, self.padding, self.x_shape)
+            dcols = matmul_arrays(self.w.T, dy3)
+            if not _is_pointwise(self.kernel, self.padding):
+                dx = col2im(dcols.reshape((n, c) + self.kernel + (oh, ow)), self.x_shape,
+                            self.kernel, self.stride, self.padding)
+            elif self.stride == (1, 1):
+                dx = dcols.reshape(self.x_shape)
+            else:
+                dx = xp.zeros(self.x_shape, dtype=dcols.dtype)
+                dx[:, :, ::self.stride[0], ::self.stride[1]] = dcols.reshape(n, c, oh, ow)
         return dx, dweight, dbias, None, None, None
 
 
@@ -128,11 +174,11 @@ class MaxPool2D(Function):
     def backward(self, dy):
         xp = backend.array_module()
         kh, kw = self.kernel
-        onehot = self.argmax[..., None] == xp.arange(kh * kw)
-        dwin = (dy[..., None] * onehot).reshape(dy.shape + (kh, kw))
-        dxp = _scatter_windows(dwin, _padded_shape(self.x_shape, self.padding), self.kernel,
-                               self.stride, xp, dy.dtype)
-        return _crop(dxp, self.padding, self.x_shape), None, None, None
+        offsets = xp.arange(kh * kw).reshape(1, 1, kh * kw, 1, 1)
+        dcols = dy[:, :, None] * (self.argmax[:, :, None] == offsets)
+        dcols = dcols.reshape(dy.shape[:2] + (kh, kw) + dy.shape[2:])
+        return col2im(dcols, self.x_shape, self.kernel, self.stride, self.padding), None, None, \
+            None
 
 
 class AvgPool2D(Function):
@@ -153,10 +199,10 @@ class AvgPool2D(Function):
     def backward(self, dy):
         xp = backend.array_module()
         share = dy / self.count
-        dwin = xp.broadcast_to(share[..., None, None], share.shape + self.kernel)
-        dxp = _scatter_windows(dwin, _padded_shape(self.x_shape, self.padding), self.kernel,
-                               self.stride, xp, dy.dtype)
-        return _crop(dxp, self.padding, self.x_shape), None, None, None
+        dcols = xp.broadcast_to(share[:, :, None, None],
+                                share.shape[:2] + self.kernel + share.shape[2:])
+        return col2im(dcols, self.x_shape, self.kernel, self.stride, self.padding), None, None, \
+            None
 
 
 class GlobalAvgPool(Function):
