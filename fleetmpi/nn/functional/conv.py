@@ -1,11 +1,12 @@
 """Convolution and pooling over NCHW images.
 
-A convolution is one batched matrix product per call: the weight ``(O, C*KH*KW)`` times each
-sample's columns ``(C*KH*KW, OH*OW)`` (im2col), which puts the output in NCHW order with no
-transpose. The columns are written kernel offset by kernel offset, each a strided slice of the
-input, with the slices that fall into the padding set to zero instead of padding the input
-first. Backward's input gradient is the transpose product, added back offset by offset into the
-parts of the input each offset saw (col2im), with the same ranges. A 1x1 convolution without
+A convolution is one batched matrix product per call, of each sample's columns
+``(OH*OW, C*KH*KW)`` (im2col, read transposed) and the weight: the orientation OpenBLAS runs
+fastest for these shapes; the result is put back into NCHW order. The columns are written
+kernel offset by kernel offset, each a strided slice of the input, with the slices that fall
+into the padding set to zero instead of padding the input first. Backward's input gradient is
+the transpose product, added back offset by offset into the parts of the input each offset saw
+(col2im), with the same ranges; both poolings use the same col2im. A 1x1 convolution without
 padding needs no columns: the input (strided, for stride 2) is its own column matrix.
 """
 import numpy as np
