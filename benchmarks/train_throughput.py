@@ -1,27 +1,33 @@
 """Training throughput of fleetmpi's trainer next to PyTorch DistributedDataParallel (gloo, CPU),
-and the Python cost of fleetmpi's tape.
+where a ResNet-20 step's time goes, and the Python cost of fleetmpi's tape.
 
-    python benchmarks/train_throughput.py [--steps 30] [--ranks 1 2] [--models mlp resnet20 gpt]
-                                          [--device cpu|gpu]
+    python benchmarks/train_throughput.py [--steps 30] [--ranks 1 2]
+                                          [--models mlp resnet20 gpt resnet50]
+                                          [--device cpu|gpu] [--no-breakdown] [--no-tape]
 
-For each model (an MLP, ResNet-20 and a small GPT), each rank count and each trainer, one
-``mpiexec`` job trains on the same synthetic data with the same per-rank batch, model shape and
-optimizer (Momentum), one BLAS/intra-op thread per rank, and reports samples/s over all ranks
-(for the GPT a sample is a sequence of ``block_size`` tokens). The MLP and ResNet-20 train
-with ``opt.minimize(model, loss_fn, x, y)``, the GPT with ``loss.backward(); opt.step();
-opt.clear_grad()``; PyTorch's GPT is the same model written with ``torch.nn`` (tied embedding,
-``scaled_dot_product_attention``, tanh GELU). Printed: the table, ours/PyTorch ratios, and
+For each model (an MLP, ResNet-20, a small GPT, and ResNet-50 at 224x224 on one rank only),
+each rank count and each trainer, one ``mpiexec`` job trains on the same synthetic data with
+the same per-rank batch, model shape and optimizer (Momentum), one BLAS/intra-op thread per
+rank, and reports samples/s over all ranks (for the GPT a sample is a sequence of
+``block_size`` tokens). The MLP and the ResNets train with ``opt.minimize(model, loss_fn, x,
+y)``, the GPT with ``loss.backward(); opt.step(); opt.clear_grad()``; PyTorch's models are the
+same ones written with ``torch.nn`` (the GPT with a tied embedding,
+``scaled_dot_product_attention`` and tanh GELU). Printed: the table, ours/PyTorch ratios, and
 weak-scaling efficiency (samples/s at N ranks over N times samples/s at 1 rank). PyTorch is
 optional; without it its columns read "torch not installed". ``--device gpu`` runs both on one
 GPU per rank instead (fleetmpi on CuPy, PyTorch on CUDA with DDP over NCCL), timed with the
 device synchronized.
 
-Then, in one process: the tape's cost per recorded operation (a chain of small elementwise
-operations recorded and backpropagated, against the same NumPy arithmetic without a tape,
-forward and backward), the operations one training step of the digits example's MLP records,
-and the share of that step the tape costs (operations x cost per operation / step time).
+Then, on CPU: one ResNet-20 job at the largest rank count timing what each step spends in
+matrix products, im2col/col2im, the gradient allreduce, the optimizer update, elementwise
+operations (batch norm, ReLU, pooling, loss) and the rest. Last, in one process: the tape's
+cost per recorded operation (a chain of small elementwise operations recorded and
+backpropagated, against the same NumPy arithmetic without a tape, forward and backward), the
+operations one training step of the digits example's MLP records, and the share of that step
+the tape costs (operations x cost per operation / step time).
 """
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -37,7 +43,10 @@ MODELS = {
     "mlp": (128, (784,), 10, 5, 1.0),
     "resnet20": (32, (3, 32, 32), 10, 2, 0.2),
     "gpt": (16, (64,), 96, 3, 0.5),
+    "resnet50": (8, (3, 224, 224), 1000, 1, 0.1),
 }
+# Models timed at one rank only (a few steps of a large model).
+ONE_RANK = {"resnet50"}
 MLP_SIZES = [784, 1024, 1024, 10]
 GPT_SIZES = {"vocab_size": 96, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
 DIGITS_SIZES = (64, 256, 256, 10)
@@ -69,6 +78,8 @@ def _our_model(model_name):
         return nn.MLP(MLP_SIZES)
     if model_name == "resnet20":
         return nn.resnet20()
+    if model_name == "resnet50":
+        return nn.resnet50()
     return nn.GPT(**GPT_SIZES)
 
 
@@ -144,6 +155,8 @@ def _torch_model(model_name):
 
     if model_name == "gpt":
         return _torch_gpt(**GPT_SIZES)
+    if model_name == "resnet50":
+        return _torch_resnet50()
     if model_name == "mlp":
         layers = []
         for i, (a, b) in enumerate(zip(MLP_SIZES[:-1], MLP_SIZES[1:])):
@@ -173,6 +186,40 @@ def _torch_model(model_name):
             layers.append(Block(cin, width, 2 if stage > 0 and block == 0 else 1))
             cin = width
     layers += [tnn.AdaptiveAvgPool2d(1), tnn.Flatten(), tnn.Linear(64, 10)]
+    return tnn.Sequential(*layers)
+
+
+def _torch_resnet50():
+    """``nn.resnet50`` written with ``torch.nn``: the stride in each block's 3x3 convolution,
+    a 1x1 convolution and batch norm on the shortcut where the shape changes."""
+    import torch.nn as tnn
+
+    def conv_bn(cin, cout, kernel, stride, relu):
+        layers = [tnn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False),
+                  tnn.BatchNorm2d(cout)]
+        return layers + [tnn.ReLU()] if relu else layers
+
+    class Bottleneck(tnn.Module):
+        def __init__(self, cin, width, stride):
+            super().__init__()
+            cout = 4 * width
+            self.body = tnn.Sequential(*conv_bn(cin, width, 1, 1, True),
+                                       *conv_bn(width, width, 3, stride, True),
+                                       *conv_bn(width, cout, 1, 1, False))
+            self.shortcut = (tnn.Sequential(*conv_bn(cin, cout, 1, stride, False))
+                             if stride != 1 or cin != cout else tnn.Identity())
+            self.relu = tnn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.body(x) + self.shortcut(x))
+
+    layers = conv_bn(3, 64, 7, 2, True) + [tnn.MaxPool2d(3, 2, 1)]
+    channels = 64
+    for stage, (width, blocks) in enumerate(zip((64, 128, 256, 512), (3, 4, 6, 3))):
+        for block in range(blocks):
+            layers.append(Bottleneck(channels, width, 2 if stage > 0 and block == 0 else 1))
+            channels = 4 * width
+    layers += [tnn.AdaptiveAvgPool2d(1), tnn.Flatten(), tnn.Linear(channels, 1000)]
     return tnn.Sequential(*layers)
 
 
@@ -335,11 +382,88 @@ def print_tape_cost(result):
           f"{100 * tape / result['step_us']:.1f}% of the step")
 
 
+# -- where a ResNet-20 step's time goes ------------------------------------------------------
+
+BREAKDOWN_STEPS = 6
+
+
+def _timed_calls(totals, category):
+    """Wrap a function so that its wall time adds to ``totals[category]``."""
+    def wrap(function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[category] += time.perf_counter() - start
+        return timed
+    return wrap
+
+
+def breakdown_worker(steps):
+    """Train ResNet-20 as ``run_ours`` does and time, per step, its matrix products, im2col and
+    col2im, gradient allreduce, optimizer update, batch norm, activations, pooling and loss
+    (elementwise), and the rest (residual additions, the tape, the hooks, Python); rank 0
+    prints the means in ms."""
+    import fleetmpi as fleet
+    from fleetmpi import nn, optimizer
+    from fleetmpi.comm import Communicator
+    from fleetmpi.nn.functional import common, conv, loss, norm
+
+    # the package's name "activation" is its function; the module is the one defining ReLU
+    activation = importlib.import_module("fleetmpi.nn.functional.activation")
+
+    totals = {name: 0.0 for name in ("products", "im2col", "communication", "update",
+                                      "elementwise")}
+    for module in (conv, common):
+        module.matmul_arrays = _timed_calls(totals, "products")(module.matmul_arrays)
+    conv.im2col = _timed_calls(totals, "im2col")(conv.im2col)
+    conv.col2im = _timed_calls(totals, "im2col")(conv.col2im)
+    Communicator.allreduce_many = _timed_calls(totals, "communication")(
+        Communicator.allreduce_many)
+    optimizer.Momentum._fused_update = _timed_calls(totals, "update")(
+        optimizer.Momentum._fused_update)
+    for cls in (norm.BatchNorm, activation.Activation, conv.GlobalAvgPool,
+                loss.SoftmaxCrossEntropy):
+        for stage in ("forward", "backward"):
+            setattr(cls, stage, _timed_calls(totals, "elementwise")(getattr(cls, stage)))
+    fleet.init(is_collective=True)
+    model = fleet.distributed_model(_our_model("resnet20"))
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_all_optimizer_ops = True
+    strategy.fuse_bn_act_ops = True
+    opt = fleet.distributed_optimizer(optimizer.Momentum(
+        learning_rate=0.01, momentum=0.9, parameters=model.parameters()), strategy)
+    loss_fn = nn.CrossEntropyLoss()
+    x, y = _data("resnet20", 2 + steps)
+    for i in range(2):
+        opt.minimize(model, loss_fn, x[i], y[i])
+    for name in totals:
+        totals[name] = 0.0
+    elapsed = _timed(lambda i: opt.minimize(model, loss_fn, x[i + 2], y[i + 2]), 0, steps,
+                     lambda: None)
+    result = {name: seconds / steps * 1e3 for name, seconds in totals.items()}
+    result["step"] = elapsed / steps * 1e3
+    result["rest (residual adds, tape, hooks, Python)"] = result["step"] - sum(totals.values()) / steps * 1e3
+    if _world().Get_rank() == 0:
+        print("RESULT " + json.dumps(result))
+
+
+def print_breakdown(ranks, result):
+    step = result.pop("step")
+    parts = ", ".join(f"{name} {ms:.0f} ms ({100 * ms / step:.0f}%)"
+                      for name, ms in result.items())
+    print(f"ResNet-20 step at {ranks} rank(s), batch {MODELS['resnet20'][0]} per rank: "
+          f"{step:.0f} ms = {parts}")
+
+
 # -- jobs -------------------------------------------------------------------------------------
 
 def worker(args):
     if args.worker == "tape":
         return tape_worker()
+    if args.worker == "breakdown":
+        return breakdown_worker(args.measured)
     if args.worker == "ours":
         seconds = run_ours(args.model, args.measured)
     else:
@@ -378,16 +502,23 @@ def torch_available():
     return True
 
 
+def _rate(samples_per_s):
+    return f"{samples_per_s:,.2f}" if samples_per_s < 10 else f"{samples_per_s:,.0f}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="measured MLP steps "
-                        "(ResNet-20 runs a fifth of them, the GPT half)")
+                        "(ResNet-20 runs a fifth of them, the GPT half, ResNet-50 a tenth)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                         help="gpu: both trainers on one GPU per rank")
     parser.add_argument("--no-tape", action="store_true", help="skip the tape's cost")
-    parser.add_argument("--worker", choices=["ours", "torch", "tape"], help=argparse.SUPPRESS)
+    parser.add_argument("--no-breakdown", action="store_true",
+                        help="skip the ResNet-20 step's time breakdown")
+    parser.add_argument("--worker", choices=["ours", "torch", "tape", "breakdown"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--measured", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=29611, help=argparse.SUPPRESS)
@@ -400,20 +531,23 @@ def main():
     port = 29611
     for model in args.models:
         ours, theirs = {}, {}
-        for ranks in args.ranks:
+        rank_counts = [1] if model in ONE_RANK else args.ranks
+        for ranks in rank_counts:
             ours[ranks] = launch("ours", model, ranks, args.steps, port, args.device)
             port += 1
             theirs[ranks] = launch("torch", model, ranks, args.steps, port, args.device) \
                 if have_torch else None
             port += 1
-        for ranks in args.ranks:
+        first = rank_counts[0]
+        for ranks in rank_counts:
             rows.append((model, ranks, ours[ranks], theirs[ranks],
-                         ours[ranks] / (ranks * ours[args.ranks[0]] / args.ranks[0]),
-                         theirs[ranks] / (ranks * theirs[args.ranks[0]] / args.ranks[0])
+                         ours[ranks] / (ranks * ours[first] / first),
+                         theirs[ranks] / (ranks * theirs[first] / first)
                          if have_torch else None))
     gpt = GPT_SIZES
     print(f"samples/s over all ranks, per-rank batch MLP {MODELS['mlp'][0]} "
           f"({'-'.join(map(str, MLP_SIZES))}), ResNet-20 {MODELS['resnet20'][0]} (3x32x32), "
+          f"ResNet-50 {MODELS['resnet50'][0]} (3x224x224, one rank), "
           f"GPT {MODELS['gpt'][0]} sequences of {gpt['block_size']} tokens (vocab "
           f"{gpt['vocab_size']}, {gpt['n_layer']} layers, {gpt['n_head']} heads, "
           f"{gpt['n_embd']} wide); float32, Momentum; "
@@ -424,10 +558,16 @@ def main():
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for model, ranks, mine, torch_rate, eff, torch_eff in rows:
         if torch_rate is None:
-            print(f"| {model} | {ranks} | {mine:,.0f} | torch not installed | - | {eff:.2f} | - |")
+            print(f"| {model} | {ranks} | {_rate(mine)} | torch not installed | - | {eff:.2f} "
+                  "| - |")
         else:
-            print(f"| {model} | {ranks} | {mine:,.0f} | {torch_rate:,.0f} | "
+            print(f"| {model} | {ranks} | {_rate(mine)} | {_rate(torch_rate)} | "
                   f"{mine / torch_rate:.2f}x | {eff:.2f} | {torch_eff:.2f} |")
+    if not args.no_breakdown and args.device == "cpu":
+        ranks = max(args.ranks)
+        print_breakdown(ranks, _result(local_command(ranks, [
+            sys.executable, os.path.abspath(__file__), "--worker", "breakdown", "--measured",
+            str(BREAKDOWN_STEPS)])))
     if not args.no_tape:
         print_tape_cost(_result([sys.executable, os.path.abspath(__file__), "--worker", "tape"]))
 
