@@ -230,12 +230,25 @@ def rng_state():
     return _rank_rng.bit_generator.state
 
 
+def _generator_from(state):
+    """A NumPy generator in ``state`` (what ``rng_state`` returned); a ValueError when it is
+    not one."""
+    generator = np.random.default_rng()
+    try:
+        generator.bit_generator.state = state
+    except (TypeError, ValueError, KeyError) as error:
+        raise ValueError(f"random state {str(state)[:80]!r} is not a state of the rank "
+                         f"generator ({type(error).__name__}: {error})") from None
+    return generator
+
+
+def check_rng_state(state):
+    """Raise the ValueError ``set_rng_state`` would raise for ``state``, changing nothing."""
+    if state is not None:
+        _generator_from(state)
+
+
 def set_rng_state(state):
     """Restore what ``rng_state`` returned."""
     global _rank_rng
-    if state is None:
-        _rank_rng = None
-        return
-    generator = np.random.default_rng()
-    generator.bit_generator.state = state
-    _rank_rng = generator
+    _rank_rng = None if state is None else _generator_from(state)

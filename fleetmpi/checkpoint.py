@@ -1,11 +1,19 @@
 """Checkpoints: model, optimizer, step counter and the rank's random state, one file per rank
 plus a JSON manifest, without pickle.
 
-Each rank writes ``step-<step>-rank-<rank>.npz`` (``np.savez``; read back with
-``allow_pickle=False``), then rank 0 writes ``manifest.json`` naming every file and its SHA-256.
-Every file goes to a temporary name first and is renamed into place, and the manifest is written
-last, so a crash leaves either the previous checkpoint or the new one, never a mix. Loading checks
-the world size and the digest before touching the model.
+Each rank writes ``step-<step>-rank-<rank>-<save>.npz`` (``np.savez``; read back with
+``allow_pickle=False``), where ``<save>`` is a token rank 0 draws for this save and every rank
+shares, so that no save ever overwrites a file the current manifest names (saving the same
+step again included). Then rank 0 writes ``manifest.json`` naming every file and its SHA-256.
+Every file goes to a temporary name first (``.tmp-rank<r>-*.part``, created exclusively, never
+through a symlink) and is renamed into place; the manifest is renamed last, and only after
+every rank has seen the new manifest does each rank remove its older files and the temporaries
+an earlier, crashed save of its own left behind. A crash at any point therefore leaves the
+previous checkpoint or the new one loadable, never a mix and never neither.
+
+Loading checks the manifest, the world size and the digest, reads everything, and only then
+applies it; if applying fails midway (a shape the model or optimizer refuses, a bad random
+state), the model, the optimizer and the random state are put back as they were.
 
 Re-sharding: the optimizer state of a ``sharding`` run is saved as each rank's shard with its
 range of the parameter space. Loading joins, for the range the loading optimizer updates, the
@@ -15,7 +23,9 @@ or not.
 import hashlib
 import json
 import os
+import re
 import tempfile
+import zipfile
 
 import numpy as np
 
@@ -39,14 +49,23 @@ def _world():
     return topology.world, topology.rank, topology.size
 
 
-def _rank_file(step, rank):
-    return f"step-{step}-rank-{rank}.npz"
+_RANK_FILE = re.compile(r"step-\d+-rank-(\d+)(-[0-9a-f]+)?\.npz")
 
 
-def _write_atomically(path, write):
-    """``write(file object)`` into a temporary file beside ``path``, then rename it there."""
+def _rank_file(step, rank, save):
+    return f"step-{step}-rank-{rank}-{save}.npz"
+
+
+def _temporary_prefix(owner):
+    return f".tmp-{owner}-"
+
+
+def _write_atomically(path, write, owner):
+    """``write(file object)`` into a temporary file beside ``path`` (named for ``owner``, so
+    that a later save can find it if this process dies first), then rename it there."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".part")
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=_temporary_prefix(owner),
+                                     suffix=".part")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -65,6 +84,16 @@ def _digest(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.digest()
+
+
+def _save_token(comm):
+    """Eight hex digits that name this save, drawn by rank 0 and the same on every rank."""
+    token = np.frombuffer(os.urandom(4), dtype=np.uint8).copy()
+    if comm is not None:
+        from mpi4py import MPI
+
+        comm.Bcast([token, MPI.BYTE], root=0)
+    return token.tobytes().hex()
 
 
 def _gather_digests(comm, digest, size):
@@ -98,25 +127,32 @@ def save(directory, model, optimizer, step, extra=None):
     meta = {"step": step, "rank": rank, "world_size": size, "optimizer": scalars,
             "rng_state": backend.rng_state(), "extra": extra}
     arrays[_META] = np.array(json.dumps(meta))
-    path = os.path.join(directory, _rank_file(step, rank))
-    _write_atomically(path, lambda f: np.savez(f, **arrays))
+    save = _save_token(comm)
+    path = os.path.join(directory, _rank_file(step, rank, save))
+    _write_atomically(path, lambda f: np.savez(f, **arrays), f"rank{rank}")
     digests = _gather_digests(comm, _digest(path), size)
     if rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": size,
-                    "files": [{"rank": r, "file": _rank_file(step, r), "sha256": d.hex()}
+                    "files": [{"rank": r, "file": _rank_file(step, r, save), "sha256": d.hex()}
                               for r, d in enumerate(digests)]}
         _write_atomically(os.path.join(directory, MANIFEST),
-                          lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+                          lambda f: f.write(json.dumps(manifest, indent=1).encode()), "manifest")
     if comm is not None:
         comm.Barrier()
-    _remove_older(directory, step, rank)
+    _remove_stale(directory, rank, os.path.basename(path))
     return path
 
 
-def _remove_older(directory, step, rank):
-    suffix = f"-rank-{rank}.npz"
+def _remove_stale(directory, rank, current):
+    """This rank's checkpoint files other than ``current`` and the temporaries its crashed
+    saves left (rank 0 also the manifest's), once the manifest names the new files."""
+    owners = [_temporary_prefix(f"rank{rank}")] + ([_temporary_prefix("manifest")]
+                                                   if rank == 0 else [])
     for name in os.listdir(directory):
-        if name.startswith("step-") and name.endswith(suffix) and name != _rank_file(step, rank):
+        match = _RANK_FILE.fullmatch(name)
+        stale_file = match is not None and int(match.group(1)) == rank and name != current
+        stale_temporary = name.endswith(".part") and name.startswith(tuple(owners))
+        if stale_file or stale_temporary:
             os.remove(os.path.join(directory, name))
 
 
@@ -124,16 +160,30 @@ def read_manifest(directory):
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint in {directory!r}: {MANIFEST} is missing")
-    with open(path, encoding="utf-8") as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); the checkpoint's manifest is "
+                         "damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or manifest.get("version") != VERSION:
         raise ValueError(f"{path} is not a {FORMAT} version {VERSION} manifest")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not isinstance(manifest.get("world_size"), int) \
+            or len(files) != manifest["world_size"] \
+            or not all(isinstance(e, dict) and {"file", "sha256"} <= set(e) for e in files):
+        raise ValueError(f"{path} does not list one file with its sha256 per rank of its "
+                         "world_size; the checkpoint's manifest is damaged")
     return manifest
 
 
 def _verified(directory, entry):
     """The path of a manifest ``entry``'s file, after checking its digest."""
     path = os.path.join(directory, entry["file"])
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}, named in the manifest of {directory!r}, is missing; "
+                                "the checkpoint is incomplete")
     if _digest(path).hex() != entry["sha256"]:
         raise ValueError(f"{path} does not match the SHA-256 in the manifest; the checkpoint "
                          "is damaged or incomplete")
@@ -142,6 +192,16 @@ def _verified(directory, entry):
 
 def _meta(stored):
     return json.loads(str(stored[_META]))
+
+
+def _read(path):
+    """Every array of the checkpoint file ``path`` and its metadata, as ``(arrays, meta)``;
+    a file that is not a readable checkpoint is a ValueError naming it."""
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            return {k: stored[k] for k in stored.files if k != _META}, _meta(stored)
+    except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable checkpoint file ({error})") from None
 
 
 def _join_shards(directory, manifest, state, own):
@@ -157,15 +217,13 @@ def _join_shards(directory, manifest, state, own):
     joined = {k: np.empty(stop - start, dtype=state[k].dtype) for k in keys}
     covered = np.zeros(stop - start, dtype=bool)
     for entry in manifest["files"]:
-        path = os.path.join(directory, entry["file"])
-        with np.load(path, allow_pickle=False) as stored:
-            a, b, _ = _meta(stored)["optimizer"]["shard"]
+        stored, meta = _read(_verified(directory, entry))
+        a, b, _ = meta["optimizer"]["shard"]
         lo, hi = max(a, start), min(b, stop)
         if lo >= hi or covered[lo - start:hi - start].all():
             continue
-        with np.load(_verified(directory, entry), allow_pickle=False) as stored:
-            for k in keys:
-                joined[k][lo - start:hi - start] = stored[_OPTIMIZER + k][lo - a:hi - a]
+        for k in keys:
+            joined[k][lo - start:hi - start] = stored[_OPTIMIZER + k][lo - a:hi - a]
         covered[lo - start:hi - start] = True
     if not covered.all():
         missing = int(np.flatnonzero(~covered)[0]) + start
@@ -189,21 +247,34 @@ def load(directory, model, optimizer=None):
     manifest = read_manifest(directory)
     saved = manifest["world_size"]
     entry = manifest["files"][rank % saved]
-    with np.load(_verified(directory, entry), allow_pickle=False) as stored:
-        meta = _meta(stored)
-        sharded = optimizer is not None and "shard" in meta["optimizer"]
-        if saved != size and not sharded:
-            raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "
-                             f"this job has {size} (only the optimizer state of a sharding "
-                             "run is re-sharded to another number of ranks)")
-        model_state = {k[len(_MODEL):]: stored[k] for k in stored.files if k.startswith(_MODEL)}
-        state = dict(meta["optimizer"])
-        state.update({k[len(_OPTIMIZER):]: stored[k] for k in stored.files
-                      if k.startswith(_OPTIMIZER)})
+    stored, meta = _read(_verified(directory, entry))
+    sharded = optimizer is not None and "shard" in meta["optimizer"]
+    if saved != size and not sharded:
+        raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "
+                         f"this job has {size} (only the optimizer state of a sharding "
+                         "run is re-sharded to another number of ranks)")
+    model_state = {k[len(_MODEL):]: v for k, v in stored.items() if k.startswith(_MODEL)}
+    state = dict(meta["optimizer"])
+    state.update({k[len(_OPTIMIZER):]: v for k, v in stored.items() if k.startswith(_OPTIMIZER)})
     if sharded:
         state = _join_shards(directory, manifest, state, optimizer.shard_range)
-    model.set_state_dict(model_state)
-    if optimizer is not None:
-        optimizer.set_state_dict(state)
-    backend.set_rng_state(meta["rng_state"])
+    backend.check_rng_state(meta["rng_state"])
+    _apply_or_restore(model, optimizer, model_state, state, meta["rng_state"])
     return {"step": meta["step"], "extra": meta["extra"]}
+
+
+def _apply_or_restore(model, optimizer, model_state, optimizer_state, rng_state):
+    """Load the three states; if one is refused, put back all three as they were."""
+    before = (model.state_dict(), optimizer.state_dict() if optimizer is not None else None,
+              backend.rng_state())
+    try:
+        model.set_state_dict(model_state)
+        if optimizer is not None:
+            optimizer.set_state_dict(optimizer_state)
+        backend.set_rng_state(rng_state)
+    except BaseException:
+        model.set_state_dict(before[0])
+        if optimizer is not None:
+            optimizer.set_state_dict(before[1])
+        backend.set_rng_state(before[2])
+        raise

@@ -1,6 +1,12 @@
-"""Checkpoints: resuming continues bit for bit; manifest, digests and errors."""
+"""Checkpoints: resuming continues bit for bit; manifest, digests and errors; a crash while
+saving (the same step again included) keeps the previous checkpoint loadable and the next save
+clears what it left; a load that is refused changes nothing."""
+import hashlib
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -83,11 +89,14 @@ def test_manifest_files_and_replacement(tmp_path):
     checkpoint.save(str(tmp_path), model, opt, 2)
     train(model, opt, range(2, 3), 0)
     checkpoint.save(str(tmp_path), model, opt, 3)
-    assert sorted(os.listdir(tmp_path)) == ["manifest.json", "step-3-rank-0.npz"]
+    names = sorted(os.listdir(tmp_path))
+    assert len(names) == 2 and names[0] == "manifest.json"
+    assert re.fullmatch(r"step-3-rank-0-[0-9a-f]{8}\.npz", names[1]), names
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["world_size"] == 1
+    assert manifest["files"][0]["file"] == names[1]
     assert len(manifest["files"][0]["sha256"]) == 64
-    with np.load(tmp_path / "step-3-rank-0.npz", allow_pickle=False) as stored:
+    with np.load(tmp_path / names[1], allow_pickle=False) as stored:
         assert "model/fc0.weight" in stored.files
         assert "optimizer/moment1.0" in stored.files
 
@@ -99,14 +108,154 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
     checkpoint.save(str(tmp_path), model, opt, 1)
     manifest_path = tmp_path / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["world_size"] = 4
-    manifest_path.write_text(json.dumps(manifest))
+    four = dict(manifest, world_size=4, files=manifest["files"] * 4)
+    manifest_path.write_text(json.dumps(four))
     with pytest.raises(ValueError, match="written by 4 rank"):
         checkpoint.load(str(tmp_path), model, opt)
-    manifest["world_size"] = 1
+    manifest_path.write_text(json.dumps(dict(manifest, world_size=4)))
+    with pytest.raises(ValueError, match="one file with its sha256 per rank"):
+        checkpoint.load(str(tmp_path), model, opt)
     manifest["files"][0]["sha256"] = "0" * 64
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="does not match the SHA-256"):
         checkpoint.load(str(tmp_path), model, opt)
     with pytest.raises(ValueError, match="step must be a non-negative integer"):
         checkpoint.save(str(tmp_path), model, opt, -1)
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+def rank_file(directory):
+    return os.path.join(directory, checkpoint.read_manifest(directory)["files"][0]["file"])
+
+
+def rewrite(directory, change):
+    """Rewrite the rank file with ``change(arrays)`` applied and give the manifest its new
+    digest, as a checkpoint that passes the digest check but holds bad contents."""
+    path = rank_file(directory)
+    with np.load(path, allow_pickle=False) as stored:
+        arrays = {k: stored[k] for k in stored.files}
+    change(arrays)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    manifest = checkpoint.read_manifest(directory)
+    manifest["files"][0]["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def everything(model, opt):
+    """The model's and the optimizer's state and the rank generator's, for comparison."""
+    return model.state_dict(), opt.state_dict(), backend.rng_state()
+
+
+def assert_same(a, b):
+    (model_a, opt_a, rng_a), (model_b, opt_b, rng_b) = a, b
+    assert model_a.keys() == model_b.keys() and opt_a.keys() == opt_b.keys()
+    for name in model_a:
+        np.testing.assert_array_equal(model_a[name], model_b[name], err_msg=name)
+    for key in opt_a:
+        np.testing.assert_array_equal(np.asarray(opt_a[key], dtype=object),
+                                      np.asarray(opt_b[key], dtype=object), err_msg=key)
+    assert rng_a == rng_b
+
+
+def set_meta(field, value):
+    def change(arrays):
+        meta = json.loads(str(arrays["meta"]))
+        meta[field] = value
+        arrays["meta"] = np.array(json.dumps(meta))
+    return change
+
+
+def replace(key, value):
+    def change(arrays):
+        arrays[key] = value
+    return change
+
+
+@pytest.mark.parametrize("damage, message", [
+    (replace("model/fc1.bias", np.zeros(7)), "fc1.bias"),
+    (replace("optimizer/moment1.0", np.zeros(3)), "moment1"),
+    (set_meta("rng_state", {"bit_generator": "PCG64", "state": "garbage"}), "random state"),
+], ids=["model_shape", "optimizer_shape", "rng_state"])
+def test_a_refused_load_changes_nothing(tmp_path, damage, message):
+    model, opt = build(0, False)
+    train(model, opt, range(2), 0)
+    checkpoint.save(str(tmp_path), model, opt, 2)
+    rewrite(str(tmp_path), damage)
+    model, opt = build(5, False)
+    train(model, opt, range(1), 0)
+    before = everything(model, opt)
+    with pytest.raises((ValueError, KeyError), match=message):
+        checkpoint.load(str(tmp_path), model, opt)
+    assert_same(everything(model, opt), before)
+    assert opt.step_count == 1
+
+
+def test_damaged_manifest_and_files_are_named(tmp_path):
+    model, opt = build(0, False)
+    checkpoint.save(str(tmp_path), model, opt, 1)
+    path = rank_file(str(tmp_path))
+    manifest_text = (tmp_path / "manifest.json").read_text()
+    (tmp_path / "manifest.json").write_text(manifest_text[:40])
+    with pytest.raises(ValueError, match=r"manifest.json is not valid JSON"):
+        checkpoint.load(str(tmp_path), model, opt)
+    (tmp_path / "manifest.json").write_text(manifest_text)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+    with pytest.raises(ValueError, match="does not match the SHA-256"):
+        checkpoint.load(str(tmp_path), model, opt)
+    manifest = json.loads(manifest_text)
+    manifest["files"][0]["sha256"] = hashlib.sha256(data[:len(data) // 2]).hexdigest()
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(path) + " is not a readable checkpoint"):
+        checkpoint.load(str(tmp_path), model, opt)
+    os.remove(path)
+    with pytest.raises(FileNotFoundError, match="is missing; the checkpoint is incomplete"):
+        checkpoint.load(str(tmp_path), model, opt)
+
+
+CRASHING_SAVE = """
+import os, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_checkpoint as t
+from fleetmpi import checkpoint
+directory, where = sys.argv[1], sys.argv[2]
+model, opt = t.build(0, False)
+t.train(model, opt, range(2), 0)
+checkpoint.save(directory, model, opt, 2)
+t.train(model, opt, range(2, 3), 0)
+if where == "writing":      # killed while the rank file's temporary is half written
+    def savez(f, **arrays):
+        f.write(b"PK-half-written")
+        f.flush()
+        os._exit(9)
+    np.savez = savez
+else:                       # killed after the new rank file is in place, before the manifest
+    checkpoint._gather_digests = lambda *args: os._exit(9)
+checkpoint.save(directory, model, opt, 2)
+"""
+
+
+@pytest.mark.parametrize("where", ["writing", "before_manifest"])
+def test_a_crash_while_saving_the_same_step_again_keeps_the_checkpoint(tmp_path, where):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    crashed = subprocess.run([sys.executable, "-c", CRASHING_SAVE.format(tests=tests),
+                              str(tmp_path), where], capture_output=True, text=True,
+                             timeout=120, env=dict(os.environ, FLEETMPI_DEVICE="cpu"))
+    assert crashed.returncode == 9, crashed.stdout + crashed.stderr
+    left = sorted(os.listdir(tmp_path))
+    assert len(left) == 3, left     # manifest, the saved file, and the crash's file
+    model, opt = build(0, False)
+    train(model, opt, range(2), 0)
+    want = everything(model, opt)
+    model, opt = build(3, False)
+    assert checkpoint.load(str(tmp_path), model, opt)["step"] == 2
+    assert_same(everything(model, opt), want)
+    checkpoint.save(str(tmp_path), model, opt, 2)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["manifest.json", os.path.basename(rank_file(str(tmp_path)))], names
+
