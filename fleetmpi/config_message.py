@@ -253,7 +253,9 @@ class ConfigView(MutableMapping):
         return lookup_field(self._message, key, self._name)
 
     def __getitem__(self, key):
-        return get_value(self._message, self._field(key))
+        field = self._field(key)
+        value = get_value(self._message, field)
+        return ConfigList(value, self, field.name) if _is_repeated(field) else value
 
     def __setitem__(self, key, value):
         self.update({key: value})
@@ -276,6 +278,38 @@ class ConfigView(MutableMapping):
 
     def __repr__(self):
         return repr(dict(self))
+
+
+class ConfigList(list):
+    """A list-valued key of a ``ConfigView`` (``recompute_configs["checkpoints"]``): a list of
+    the current values whose in-place changes (``append``, ``extend``, ``+=``, item assignment,
+    ``remove``...) are checked like an assignment of the whole key and written back to the
+    strategy, or refused with the same error, changing nothing."""
+
+    def __init__(self, values, view, key):
+        super().__init__(values)
+        self._view, self._key = view, key
+
+    def _change(self, method, *args):
+        candidate = list(self)
+        result = getattr(list, method)(candidate, *args)
+        self._view[self._key] = candidate
+        list.__init__(self, self._view[self._key])
+        return result
+
+
+def _written_back(method):
+    def change(self, *args):
+        result = self._change(method, *args)
+        return self if method in ("__iadd__", "__imul__") else result
+    change.__name__ = method
+    change.__doc__ = getattr(list, method).__doc__
+    return change
+
+
+for _method in ("append", "extend", "insert", "remove", "pop", "clear", "sort", "reverse",
+                "__setitem__", "__delitem__", "__iadd__", "__imul__"):
+    setattr(ConfigList, _method, _written_back(_method))
 
 
 def require_mapping(value, where):

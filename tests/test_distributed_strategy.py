@@ -188,6 +188,42 @@ def test_configs_are_live_views():
     assert strategy.execution_strategy.num_threads == 4
 
 
+def test_list_edits_through_a_live_view_are_kept_or_refused():
+    strategy = fleet.DistributedStrategy()
+    checkpoints = strategy.recompute_configs["checkpoints"]
+    checkpoints.append("act3")
+    checkpoints += ["act5", "act7"]
+    checkpoints[0] = "act1"
+    checkpoints.remove("act5")
+    assert checkpoints.pop() == "act7"
+    checkpoints.insert(0, "act0")
+    assert strategy.recompute_configs["checkpoints"] == ["act0", "act1"] == checkpoints
+    strategy.amp_configs["custom_white_list"].extend(["conv2d", "matmul"])
+    strategy.amp_configs["custom_white_list"].sort()
+    assert strategy.amp_configs["custom_white_list"] == ["conv2d", "matmul"]
+    strategy.dgc_configs["sparsity"].append(0.99)
+    assert strategy.dgc_configs["sparsity"] == [0.999, 0.99]
+    for edit, error in ((lambda: checkpoints.append(5), TypeError),
+                        (lambda: checkpoints.extend([None]), TypeError),
+                        (lambda: strategy.dgc_configs["sparsity"].__setitem__(0, 1.5),
+                         fleet.ConfigError)):
+        with pytest.raises(error, match="allowed"):
+            edit()
+    assert strategy.recompute_configs["checkpoints"] == ["act0", "act1"] == checkpoints
+    assert strategy.dgc_configs["sparsity"] == [0.999, 0.99]
+    other = fleet.DistributedStrategy()
+    other.recompute_configs = strategy.recompute_configs
+    assert other.recompute_configs == strategy.recompute_configs
+
+
+def test_loss_scaling_must_be_finite_in_float32():
+    strategy = fleet.DistributedStrategy()
+    with pytest.raises(fleet.ConfigError, match=r"init_loss_scaling.*3.4028234663852886e\+38"):
+        strategy.amp_configs = {"init_loss_scaling": 1e39}
+    strategy.amp_configs = {"init_loss_scaling": float(np.finfo(np.float32).max)}
+    assert np.isfinite(np.float32(strategy.amp_configs["init_loss_scaling"]))
+
+
 def test_numpy_scalars_and_ints_for_floats_are_accepted():
     strategy = fleet.DistributedStrategy()
     strategy.lars_configs = {"epsilon": 0, "lars_coeff": np.float32(0.5)}

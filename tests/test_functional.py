@@ -420,6 +420,22 @@ def test_comparisons_carry_no_gradient():
     assert {x: 1}[x] == 1    # tensors stay hashable by identity
 
 
+def test_a_mean_loss_over_an_empty_batch_is_an_error_that_names_it():
+    from fleetmpi import nn, optimizer
+
+    model = nn.MLP([4, 3], dtype="float64")
+    empty_x, empty_y = np.zeros((0, 4)), np.zeros(0, dtype=np.int64)
+    for loss in (lambda: F.cross_entropy(model(empty_x), empty_y),
+                 lambda: F.mse_loss(model(empty_x), np.zeros((0, 3))),
+                 lambda: optimizer.SGD(parameters=model.parameters()).minimize(
+                     model, nn.CrossEntropyLoss(), empty_x, empty_y)):
+        with pytest.raises(ValueError, match=r"reduction='mean' got an empty batch "
+                                             r"\(input shape \(0, 3\)\)"):
+            loss()
+    F.cross_entropy(model(empty_x), empty_y, reduction="sum").backward()
+    assert not host(model.parameters()[0].grad).any()
+
+
 def test_numpy_scalars_act_as_python_numbers_and_keep_float32():
     """``x * np.float64(2)`` and ``x / np.sqrt(d)`` stay float32, as in PyTorch and Paddle
     (NumPy itself would promote to float64); a float64 array still promotes."""

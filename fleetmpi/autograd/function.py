@@ -62,16 +62,16 @@ class Function:
         """Every ``op_type`` a Function defined so far names."""
         return frozenset(_op_types)
 
-    def grad_buffer(self, position, like):
+    def grad_buffer(self, position, shape, dtype):
         """In ``backward``: the array to write the gradient of argument ``position`` into
-        directly, when that argument is a parameter whose gradient is zero so far and has
-        ``like``'s shape and dtype (returning the array itself then stores the gradient with
-        no copy); None otherwise."""
+        directly, when that argument is a parameter whose gradient is zero so far and has this
+        shape and dtype (returning the array itself then stores the gradient with no copy);
+        None otherwise."""
         for index, tensor in self._inputs or ():
             if index == position:
                 if (tensor._node is None and getattr(tensor, "_grad_is_zero", False)
-                        and tensor._grad.shape == like.shape
-                        and tensor._grad.dtype == like.dtype):
+                        and tensor._grad.shape == tuple(shape)
+                        and tensor._grad.dtype == dtype):
                     return tensor._grad
                 return None
         return None

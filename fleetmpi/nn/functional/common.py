@@ -15,13 +15,13 @@ def _weight_grads(node, x, weight, dz):
         dz2 = dz.reshape(-1, dz.shape[-1])
         if needs[1]:
             x2 = x.reshape(-1, x.shape[-1]).T
-            dw = node.grad_buffer(1, weight)
+            dw = node.grad_buffer(1, weight.shape, weight.dtype)
             if dw is not None and x2.dtype == dw.dtype and dz2.dtype == dw.dtype:
                 xp.matmul(x2, dz2, out=dw)
             else:
                 dw = matmul_arrays(x2, dz2)
         if needs[2]:
-            db = node.grad_buffer(2, dz2[0])
+            db = node.grad_buffer(2, dz2.shape[1:], dz2.dtype)
             db = dz2.sum(axis=0, out=db) if db is not None else dz2.sum(axis=0)
     return dx, dw, db
 

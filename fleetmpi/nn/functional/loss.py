@@ -32,6 +32,7 @@ class SoftmaxCrossEntropy(Function):
         if logits.ndim != 2:
             raise ValueError(f"cross_entropy expects 2-d logits (rows, classes), got shape "
                              f"{tuple(logits.shape)}")
+        _check_not_empty("cross_entropy", logits, reduction)
         labels = xp.asarray(_labels_2d(logits, labels))
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
@@ -55,6 +56,15 @@ class SoftmaxCrossEntropy(Function):
 
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_not_empty(name, values, reduction):
+    """A mean over no samples has no value: an empty batch is an error naming its shape."""
+    if reduction == "mean" and values.size == 0:
+        raise ValueError(f"{name} with reduction='mean' got an empty batch (input shape "
+                         f"{tuple(values.shape)}); a mean over no samples is undefined. Give "
+                         "every step at least one sample (data.DistributedSampler pads each "
+                         "rank's share), or use reduction='sum'")
 
 
 def _check_reduction(reduction):
@@ -84,6 +94,7 @@ def mse_loss(input, label, reduction="mean"):  # noqa: A002 - Paddle's argument 
     _check_reduction(reduction)
     if not isinstance(input, Tensor):
         input = Tensor(backend.asarray(input))
+    _check_not_empty("mse_loss", input, reduction)
     squared = (input - label) ** 2
     if reduction == "none":
         return squared
