@@ -47,6 +47,8 @@ import os
 import socket
 import time
 
+from . import files
+
 TIMELINE_ENV = "FLEETMPI_TIMELINE"
 LANES = ("compute", "comm")
 SPILL_EVENTS = 1024
@@ -148,7 +150,7 @@ class Recorder:
 
     def _open_part(self):
         self.rank, _, node = _identity()
-        self.part = open(part_path(self.path, self.rank), "w")
+        self.part = files.open_for_writing(part_path(self.path, self.rank))
         header = {"rank": self.rank, "node": node, "host": socket.gethostname(),
                   "wall_ns": time.time_ns(), "mono_ns": time.perf_counter_ns()}
         self.part.write(json.dumps(header) + "\n")
@@ -264,8 +266,7 @@ class _TraceWriter:
 
     def __init__(self, path, other_data):
         self.path = path
-        self.tmp = f"{path}.tmp{os.getpid()}"
-        self.file = open(self.tmp, "w")
+        self.file, self.tmp = files.temporary_beside(path)
         self.file.write('{"displayTimeUnit":"ms","otherData":'
                         + json.dumps(other_data) + ',\n"traceEvents":[\n')
         self.first = True

@@ -177,7 +177,14 @@ def redirect_output(log_path, echo):
     ``echo``; Python's streams become line-buffered so the log follows the run."""
     sys.stdout.flush()
     sys.stderr.flush()
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        # never through a symbolic link planted at the predictable name (fleetmpi.files)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                         0o644)
+    except OSError as error:
+        link = " (it is a symbolic link)" if os.path.islink(log_path) else ""
+        raise SystemExit(f"fleetmpirun: cannot write the rank's log {log_path}: "
+                         f"{error.strerror}{link}") from None
     if echo:
         copier = _tee_into(log_fd)
         atexit.register(_await_copier, copier)

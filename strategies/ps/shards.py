@@ -13,6 +13,8 @@ import os
 
 import numpy as np
 
+from ... import files
+
 
 def shard_path(dirname, server, server_num):
     return os.path.join(dirname, f"server-{server}-of-{server_num}.npz")
@@ -22,14 +24,18 @@ def save_shard(dirname, server, server_num, arrays, meta):
     """Write ``arrays`` (name -> array) and ``meta`` (a JSON-able dict); returns the path."""
     os.makedirs(dirname, exist_ok=True)
     path = shard_path(dirname, server, server_num)
-    temporary = f"{path}.{os.getpid()}.partial"
     payload = dict(arrays)
     payload["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
-    with open(temporary, "wb") as f:
-        np.savez(f, **payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    f, temporary = files.temporary_beside(path, binary=True)
+    try:
+        with f:
+            np.savez(f, **payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.remove(temporary)
+        raise
     return path
 
 
