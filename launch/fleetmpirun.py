@@ -18,9 +18,11 @@ import fcntl
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from . import mpi_command, rank_main, slurm
@@ -175,7 +177,28 @@ def rank_program(args):
         program += ["--log_dir", os.path.abspath(args.log_dir)]
     if args.server_num:
         program += ["--server_num", str(args.server_num), "--worker_num", str(args.worker_num)]
+    if getattr(args, "finished_dir", None):
+        program += ["--finished_dir", args.finished_dir]
     return program + ["--", args.script] + list(args.script_args)
+
+
+def finished_records_dir(args, hosts):
+    """A new folder where each rank records that its script ran to its end (``rank_main``):
+    inside ``--log_dir`` when there is one (shared by the hosts, as the logs are), else a
+    private temporary folder when every rank runs on this host; None for a job over several
+    hosts without ``--log_dir`` (then a rank leaving early with status 0 goes unnoticed)."""
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        return tempfile.mkdtemp(prefix=".finished-", dir=os.path.abspath(args.log_dir))
+    if len(hosts) <= 1 and not args.slurm:
+        return tempfile.mkdtemp(prefix="fleetmpirun-finished-")
+    return None
+
+
+def unfinished_ranks(directory, np):
+    """The ranks that left no record in ``directory``."""
+    done = {name for name in os.listdir(directory) if name.startswith("rank.")}
+    return [rank for rank in range(np) if f"rank.{rank}" not in done]
 
 
 def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
@@ -286,6 +309,27 @@ def run_job(cmd, env):
     return (128 - code if code < 0 else code), interrupted
 
 
+def check_finished(directory, np):
+    """0 when every rank's script ran to its end, else 1 after naming the ranks that did not:
+    the MPI launcher reports success when a rank leaves with status 0 without finalizing MPI
+    (``os._exit(0)``, a kill with status 0), and ends the other ranks without a word."""
+    missing = unfinished_ranks(directory, np)
+    if not missing:
+        return 0
+    print(f"fleetmpirun: the MPI launcher reported success, but rank(s) "
+          f"{', '.join(map(str, missing))} of {np} did not run their script to its end: a "
+          "rank left without an error (os._exit(0), or a kill with status 0) and the MPI "
+          "launcher then ended the others; the job did not finish", file=sys.stderr)
+    return 1
+
+
+def job_command(args, flavour, mpiexec):
+    """The command that starts the job: ``mpiexec`` or, with ``--slurm``, ``srun``."""
+    if args.slurm:
+        return slurm.launch_command(args, rank_program(args), flavour)
+    return launch_command(args, flavour, mpiexec)
+
+
 def main(argv=None):
     p = parser()
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -295,17 +339,23 @@ def main(argv=None):
             slurm.require_allocation(os.environ)
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
         flavour = mpi_command.detect_flavour(mpiexec)
-        if args.slurm:
-            cmd = slurm.launch_command(args, rank_program(args), flavour)
-        else:
-            cmd = launch_command(args, flavour, mpiexec)
+        cmd = job_command(args, flavour, mpiexec)
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         p.error(str(error))
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
+    np, hosts, _ = plan(args)
+    args.finished_dir = finished_records_dir(args, hosts)
     started = time.time() - 1.0
-    code, interrupted = run_job(cmd, dict(os.environ, **job_environment(args)))
+    try:
+        code, interrupted = run_job(job_command(args, flavour, mpiexec),
+                                    dict(os.environ, **job_environment(args)))
+        if code == 0 and args.finished_dir:
+            code = check_finished(args.finished_dir, np)
+    finally:
+        if args.finished_dir:
+            shutil.rmtree(args.finished_dir, ignore_errors=True)
     if code != 0:
         where = f"; per-rank logs in {os.path.abspath(args.log_dir)}" if args.log_dir else ""
         print(f"fleetmpirun: the job exited with code {code}{where}", file=sys.stderr)

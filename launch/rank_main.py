@@ -251,6 +251,8 @@ def parse_args(argv):
     parser.add_argument("--log_dir")
     parser.add_argument("--server_num", type=int, default=0)
     parser.add_argument("--worker_num", type=int, default=0)
+    parser.add_argument("--finished_dir", help="where a rank whose script ran to its end "
+                        "records it, for fleetmpirun to check")
     args = parser.parse_args(argv[:split])
     args.script, args.script_args = argv[split + 1], argv[split + 2:]
     return args
@@ -266,7 +268,19 @@ def main(argv=None):
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         redirect_output(os.path.join(args.log_dir, log_name), echo=rank == 0)
-    return run_script(args.script, args.script_args, rank, size)
+    code = run_script(args.script, args.script_args, rank, size)
+    if code == 0 and args.finished_dir:
+        record_finished(args.finished_dir, rank)
+    return code
+
+
+def record_finished(directory, rank):
+    """Leave ``directory/rank.<rank>``: this rank's script ran to its end. A rank that leaves
+    otherwise (``os._exit``, a kill, even with status 0) leaves none, which is how
+    ``fleetmpirun`` tells a finished job from one whose MPI launcher reported success only
+    because a rank left without an error."""
+    os.close(os.open(os.path.join(directory, f"rank.{rank}"),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
 
 
 if __name__ == "__main__":

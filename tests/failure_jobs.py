@@ -4,12 +4,15 @@
     mpiexec -n N python tests/failure_jobs.py raise-thread
     mpiexec -n N python tests/failure_jobs.py stall LATE COLLECTIVE [sleep|skip]
     mpiexec -n N python tests/failure_jobs.py place       # prints this rank's place
+    mpiexec -n N python tests/failure_jobs.py exit0       # rank 1 leaves with os._exit(0)
 
 ``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
 ``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
 ``stall``: every rank makes one ``COLLECTIVE`` call, then rank ``LATE`` sleeps a minute
 (``sleep``) or leaves without the second call (``skip``) while the others make it.
+``exit0``: rank 1 leaves with status 0 without finalizing MPI while the others train on.
 """
+import os
 import sys
 import threading
 import time
@@ -62,6 +65,11 @@ def main(args):
                 time.sleep(60)
             return
         call(comm, collective)
+        print(f"rank {comm.rank} finished", flush=True)
+    elif mode == "exit0":
+        if comm.rank == 1:
+            os._exit(0)
+        time.sleep(5)
         print(f"rank {comm.rank} finished", flush=True)
     elif mode == "place":
         print(f"place rank {fleet.worker_index()} of {fleet.worker_num()}", flush=True)

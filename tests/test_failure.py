@@ -50,6 +50,25 @@ def test_fleetmpirun_job_ends_when_rank_1_raises():
     assert_rank_one_reported(result, result.stdout + result.stderr)
 
 
+@pytest.mark.parametrize("log_dir", [False, True], ids=["terminal", "log_dir"])
+def test_a_rank_leaving_with_status_0_does_not_pass_for_success(tmp_path, log_dir):
+    """MPICH's launcher can report success when a rank leaves with status 0 without
+    finalizing MPI (it ends the others, sometimes reporting their kill instead);
+    fleetmpirun then names the ranks that did not run their script to its end and exits 1.
+    Either way the job does not pass for success."""
+    logs = ["--log_dir", str(tmp_path / "log")] if log_dir else []
+    result = run_job(fleetmpirun() + ["--np", "2"] + logs + [JOB, "exit0"])
+    text = result.stdout + result.stderr
+    assert result.returncode != 0 and "rank 0 finished" not in text, text
+    if result.returncode == 1:      # the MPI launcher said 0; fleetmpirun's check caught it
+        assert "reported success, but rank(s) 0, 1 of 2 did not run their script to its " \
+               "end" in text, text
+    if log_dir:
+        assert sorted(os.listdir(tmp_path / "log")) == ["workerlog.0", "workerlog.1"]
+    finished = run_job(fleetmpirun() + ["--np", "2"] + logs + [JOB, "place"])
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+
+
 def test_python_m_fleetmpi_launch_job_ends_with_the_traceback_in_the_rank_log(tmp_path):
     result = run_job([sys.executable, "-m", "fleetmpi.launch", "--np", "2",
                       "--log_dir", str(tmp_path), JOB, "raise"])
