@@ -86,25 +86,28 @@ def _digest(path):
     return h.digest()
 
 
+def _exchange(comm, row):
+    """Every rank's int64 ``row``, stacked in rank order, through the stall inspector: a rank
+    that never reaches ``save`` is named after ``FLEETMPI_STALL_TIMEOUT`` instead of hanging
+    the others."""
+    from .comm.stall import gather_rows
+
+    return gather_rows(comm, np.asarray(row, dtype=np.int64), "checkpoint.save")
+
+
 def _save_token(comm):
     """Eight hex digits that name this save, drawn by rank 0 and the same on every rank."""
-    token = np.frombuffer(os.urandom(4), dtype=np.uint8).copy()
+    token = np.frombuffer(os.urandom(8), dtype=np.int64).copy()
     if comm is not None:
-        from mpi4py import MPI
-
-        comm.Bcast([token, MPI.BYTE], root=0)
-    return token.tobytes().hex()
+        token = _exchange(comm, token)[0]
+    return token.tobytes()[:4].hex()
 
 
-def _gather_digests(comm, digest, size):
+def _gather_digests(comm, digest):
+    """Every rank's SHA-256 digest, in rank order."""
     if comm is None:
         return [digest]
-    from mpi4py import MPI
-
-    mine = np.frombuffer(digest, dtype=np.uint8)
-    every = np.empty((size, mine.size), dtype=np.uint8)
-    comm.Allgather([mine, MPI.BYTE], [every, MPI.BYTE])
-    return [bytes(row) for row in every]
+    return [row.tobytes() for row in _exchange(comm, np.frombuffer(digest, dtype=np.int64))]
 
 
 def save(directory, model, optimizer, step, extra=None):
@@ -130,7 +133,7 @@ def save(directory, model, optimizer, step, extra=None):
     save = _save_token(comm)
     path = os.path.join(directory, _rank_file(step, rank, save))
     _write_atomically(path, lambda f: np.savez(f, **arrays), f"rank{rank}")
-    digests = _gather_digests(comm, _digest(path), size)
+    digests = _gather_digests(comm, _digest(path))
     if rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": size,
                     "files": [{"rank": r, "file": _rank_file(step, r, save), "sha256": d.hex()}
@@ -138,7 +141,7 @@ def save(directory, model, optimizer, step, extra=None):
         _write_atomically(os.path.join(directory, MANIFEST),
                           lambda f: f.write(json.dumps(manifest, indent=1).encode()), "manifest")
     if comm is not None:
-        comm.Barrier()
+        _exchange(comm, [0])
     _remove_stale(directory, rank, os.path.basename(path))
     return path
 

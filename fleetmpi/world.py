@@ -1,6 +1,8 @@
 """This process's place in the job: ``init`` and the role queries of Fleet's collective mode."""
 import os
 
+import numpy as np
+
 from . import failure, log
 
 _topology = None
@@ -78,13 +80,17 @@ def is_first_worker():
 
 def barrier_worker():
     """Wait until every worker has reached this call (servers do not take part in
-    parameter-server mode)."""
+    parameter-server mode); a worker that never comes is named by the stall inspector after
+    ``FLEETMPI_STALL_TIMEOUT``, and the job ends."""
+    from .comm.stall import gather_rows
+
     if roles() is not None:
         from .strategies.ps.runtime import worker_communicator
 
-        worker_communicator().Barrier()
-        return
-    topology().world.Barrier()
+        comm = worker_communicator()
+    else:
+        comm = topology().world
+    gather_rows(comm, np.zeros(1, dtype=np.int64), "barrier_worker")
 
 
 def local_rank():

@@ -9,7 +9,9 @@
 ``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
 ``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
 ``stall``: every rank makes one ``COLLECTIVE`` call, then rank ``LATE`` sleeps a minute
-(``sleep``) or leaves without the second call (``skip``) while the others make it.
+(``sleep``) or leaves without the second call (``skip``) while the others make it;
+``COLLECTIVE`` is a communicator's ``allreduce``, ``broadcast`` or ``barrier``,
+``fleet.barrier_worker()``, or ``checkpoint`` (a save into ``$FAILURE_JOB_DIR``).
 ``exit0``: rank 1 leaves with status 0 without finalizing MPI while the others train on.
 """
 import os
@@ -20,6 +22,7 @@ import time
 import numpy as np
 
 import fleetmpi as fleet
+from fleetmpi import checkpoint, nn
 from fleetmpi.comm import Communicator
 from fleetmpi.world import topology
 
@@ -32,7 +35,11 @@ def fail():
 
 def call(comm, collective):
     x = np.ones(4)
-    if collective == "allreduce":
+    if collective == "barrier_worker":
+        fleet.barrier_worker()
+    elif collective == "checkpoint":
+        checkpoint.save(os.environ["FAILURE_JOB_DIR"], nn.Linear(2, 2), None, step=comm.rank)
+    elif collective == "allreduce":
         comm.allreduce(x)
     elif collective == "broadcast":
         comm.broadcast(x)

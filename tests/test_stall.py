@@ -18,8 +18,9 @@ JOB = os.path.join(HERE, "failure_jobs.py")
 JOB_SECONDS = 30
 
 
-def stalled_job(n, late, collective, how="sleep", timeout="1"):
-    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout)
+def stalled_job(n, late, collective, how="sleep", timeout="1", directory=""):
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout,
+               FAILURE_JOB_DIR=str(directory))
     result = subprocess.run(local_command(n, [sys.executable, JOB, "stall", str(late),
                                               collective, how]),
                             env=env, capture_output=True, text=True, timeout=JOB_SECONDS)
@@ -51,6 +52,19 @@ def test_every_waiting_rank_writes_the_report():
     for line in found.values():
         assert "in broadcast, call #2 of its communicator" in line, text
         assert "rank(s) 2 have not arrived there" in line, text
+
+
+@pytest.mark.parametrize("collective", ["barrier_worker", "checkpoint"])
+def test_a_rank_that_never_reaches_barrier_worker_or_a_checkpoint_save_is_named(
+        collective, tmp_path):
+    result, text = stalled_job(3, 1, collective, "skip", directory=tmp_path)
+    assert result.returncode != 0, text
+    found = reports(text)
+    assert set(found) == {0, 2}, text
+    name = {"barrier_worker": "barrier_worker", "checkpoint": "checkpoint.save"}[collective]
+    for line in found.values():
+        assert f"in {name}, call #" in line and "rank(s) 1 have not arrived there" in line, text
+    assert "finished" not in text, text
 
 
 def test_a_missing_rank_0_is_named_by_the_others():
