@@ -279,34 +279,75 @@ def failed_rank_logs(log_dir, since):
     return found[:REPORTED_LOGS]
 
 
-def run_job(cmd, env):
-    """Run the launcher command; ``(exit status, interrupted)``, the status 128 + N when the
-    launcher was ended by signal N, ``interrupted`` when Ctrl-C reached ``fleetmpirun``.
+# After SIGINT or SIGTERM, how long the MPI launcher and the ranks get to end by themselves
+# before whatever is left of them is killed.
+STOP_GRACE_SECONDS = 0.5
 
-    Ctrl-C reaches the MPI launcher too (same process group), which stops the ranks; a
-    SIGINT or SIGTERM sent to ``fleetmpirun`` alone is passed on, and a launcher that has
-    not ended 10 s after an interrupt is killed. Either way no rank is left running."""
+
+def run_job(cmd, env, records=None):
+    """Run the launcher command; ``(exit status, interrupted)``. The status is the launcher's
+    (128 + N when a signal N ended it); when SIGINT (Ctrl-C) or SIGTERM reached
+    ``fleetmpirun`` it is 128 + that signal (130, 143) and ``interrupted`` is True.
+
+    The signal is passed on to the MPI launcher at once (Ctrl-C from a terminal reaches it
+    too, as the same process group). What has not ended ``STOP_GRACE_SECONDS`` later is
+    killed: the launcher, and the ranks whose ``pid.<rank>`` records (``records``, on this
+    host) name a live process, so that none outlives ``fleetmpirun``."""
     process = subprocess.Popen(cmd, env=env)
-    previous = signal.signal(signal.SIGTERM,
-                             lambda signum, frame: process.send_signal(signal.SIGTERM))
-    interrupted = False
+    received = []
+
+    def stop(signum, frame):
+        received.append(signum)
+        process.send_signal(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        try:
-            code = process.wait()
-        except KeyboardInterrupt:
-            interrupted = True
-            try:
-                code = process.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                process.send_signal(signal.SIGINT)
-                try:
-                    code = process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    code = process.wait()
+        code = process.wait()
+        if received:
+            _end_ranks(records)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    return (128 - code if code < 0 else code), interrupted
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        return 128 + received[0], True
+    return (128 - code if code < 0 else code), False
+
+
+def _end_ranks(records):
+    """Kill the ranks ``records`` names that are still alive ``STOP_GRACE_SECONDS`` after the
+    launcher was told to stop."""
+    if records is None:
+        return
+    pids = []
+    for name in os.listdir(records):
+        if name.startswith("pid."):
+            with open(os.path.join(records, name)) as f:
+                pids.append(int(f.read() or 0))
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    while pids and time.monotonic() < deadline:
+        pids = [pid for pid in pids if _alive(pid)]
+        time.sleep(0.02)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid):
+    """Whether ``pid`` is a running process (an exited one its parent has not reaped yet, a
+    zombie, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def check_finished(directory, np):
@@ -349,8 +390,9 @@ def main(argv=None):
     args.finished_dir = finished_records_dir(args, hosts)
     started = time.time() - 1.0
     try:
+        local_records = args.finished_dir if len(hosts) <= 1 and not args.slurm else None
         code, interrupted = run_job(job_command(args, flavour, mpiexec),
-                                    dict(os.environ, **job_environment(args)))
+                                    dict(os.environ, **job_environment(args)), local_records)
         if code == 0 and args.finished_dir:
             code = check_finished(args.finished_dir, np)
     finally:

@@ -268,19 +268,24 @@ def main(argv=None):
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         redirect_output(os.path.join(args.log_dir, log_name), echo=rank == 0)
+    if args.finished_dir:
+        record(args.finished_dir, f"pid.{rank}", str(os.getpid()))
     code = run_script(args.script, args.script_args, rank, size)
     if code == 0 and args.finished_dir:
-        record_finished(args.finished_dir, rank)
+        record(args.finished_dir, f"rank.{rank}")
     return code
 
 
-def record_finished(directory, rank):
-    """Leave ``directory/rank.<rank>``: this rank's script ran to its end. A rank that leaves
-    otherwise (``os._exit``, a kill, even with status 0) leaves none, which is how
-    ``fleetmpirun`` tells a finished job from one whose MPI launcher reported success only
-    because a rank left without an error."""
-    os.close(os.open(os.path.join(directory, f"rank.{rank}"),
-                     os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+def record(directory, name, text=""):
+    """Leave ``directory/name`` for ``fleetmpirun``: ``pid.<rank>`` when the rank starts (so
+    that an interrupted job's ranks can be ended for sure), ``rank.<rank>`` when its script
+    ran to its end. A rank that leaves otherwise (``os._exit``, a kill, even with status 0)
+    leaves no ``rank.<rank>``, which is how ``fleetmpirun`` tells a finished job from one
+    whose MPI launcher reported success only because a rank left without an error."""
+    fd = os.open(os.path.join(directory, name),
+                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """An unhandled exception on one rank ends the whole job, whichever launcher started it."""
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -115,3 +117,50 @@ def test_install_does_nothing_when_switched_off(monkeypatch):
     assert failure.install(0, 1, 0) == []
     assert sys.excepthook is sys.__excepthook__
     assert threading.excepthook is threading.__excepthook__
+
+
+SLEEPING_JOB = """
+import os, sys, time
+import fleetmpi as fleet
+fleet.init(is_collective=True)
+with open(os.path.join(sys.argv[1], f"pid.{fleet.worker_index()}"), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def running(pid):
+    """Whether ``pid`` runs (a zombie waiting for its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_fleetmpirun_ends_every_rank_and_sets_the_status(tmp_path, signum, status):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPING_JOB)
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu")
+    job = subprocess.Popen(fleetmpirun() + ["--np", "2", str(script), str(tmp_path)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + JOB_SECONDS
+        while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(path.read_text()) for path in tmp_path.glob("pid.*")]
+        assert len(pids) == 2, job.stdout.read() if job.poll() is not None else "no pids"
+        job.send_signal(signum)
+        code = job.wait(timeout=JOB_SECONDS)
+        ended = time.monotonic()
+        while any(running(pid) for pid in pids) and time.monotonic() - ended < 1.0:
+            time.sleep(0.02)
+        assert not any(running(pid) for pid in pids), "ranks outlived fleetmpirun by 1 s"
+        assert code == status, job.stdout.read()
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
