@@ -297,19 +297,26 @@ def run_job(cmd, env, records=None):
     received = []
 
     def stop(signum, frame):
-        received.append(signum)
+        if not received:
+            received.append((signum, time.monotonic()))
         process.send_signal(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = process.wait()
+        while True:
+            try:
+                code = process.wait(timeout=0.05)
+                break
+            except subprocess.TimeoutExpired:
+                if received and time.monotonic() - received[0][1] > STOP_GRACE_SECONDS:
+                    process.kill()
         if received:
             _end_ranks(records)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if received:
-        return 128 + received[0], True
+        return 128 + received[0][0], True
     return (128 - code if code < 0 else code), False
 
 
