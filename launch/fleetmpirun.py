@@ -201,6 +201,30 @@ def unfinished_ranks(directory, np):
     return [rank for rank in range(np) if f"rank.{rank}" not in done]
 
 
+def rank_processes(directory):
+    """``{rank: (pid, host)}`` from the ``pid.<rank>`` records the ranks left."""
+    found = {}
+    for name in os.listdir(directory):
+        if name.startswith("pid."):
+            with open(os.path.join(directory, name)) as f:
+                pid, _, host = f.read().partition(" ")
+            found[int(name[4:])] = (int(pid), host)
+    return found
+
+
+def describe_unfinished(directory, np):
+    """A line naming the ranks that did not run their script to its end, with the process id
+    and host of each, so that the MPI launcher's report of a process (which names a PID)
+    can be read as a rank; None when every rank finished."""
+    missing = unfinished_ranks(directory, np)
+    if not missing:
+        return None
+    processes = rank_processes(directory)
+    places = [f"{rank} (pid {processes[rank][0]} on {processes[rank][1]})" if rank in processes
+              else f"{rank} (never started)" for rank in missing]
+    return f"fleetmpirun: rank(s) that did not run their script to its end: {', '.join(places)}"
+
+
 def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
     """The whole ``mpiexec`` command for the parsed ``args`` and an MPI of ``flavour``."""
     np, hosts, ranks_per_host = plan(args)
@@ -325,11 +349,7 @@ def _end_ranks(records):
     launcher was told to stop."""
     if records is None:
         return
-    pids = []
-    for name in os.listdir(records):
-        if name.startswith("pid."):
-            with open(os.path.join(records, name)) as f:
-                pids.append(int(f.read() or 0))
+    pids = [pid for pid, _ in rank_processes(records).values()]
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     while pids and time.monotonic() < deadline:
         pids = [pid for pid in pids if _alive(pid)]
@@ -402,12 +422,16 @@ def main(argv=None):
                                     dict(os.environ, **job_environment(args)), local_records)
         if code == 0 and args.finished_dir:
             code = check_finished(args.finished_dir, np)
+        unfinished = describe_unfinished(args.finished_dir, np) \
+            if code != 0 and args.finished_dir else None
     finally:
         if args.finished_dir:
             shutil.rmtree(args.finished_dir, ignore_errors=True)
     if code != 0:
         where = f"; per-rank logs in {os.path.abspath(args.log_dir)}" if args.log_dir else ""
         print(f"fleetmpirun: the job exited with code {code}{where}", file=sys.stderr)
+        if unfinished:
+            print(unfinished, file=sys.stderr)
         reported = args.log_dir and not interrupted
         for path, excerpt in failed_rank_logs(args.log_dir, started) if reported else ():
             print(f"fleetmpirun: {path} ends with:\n{excerpt}", file=sys.stderr)

@@ -29,6 +29,7 @@ import fcntl
 import os
 import runpy
 import signal
+import socket
 import sys
 import time
 
@@ -269,7 +270,7 @@ def main(argv=None):
         os.makedirs(args.log_dir, exist_ok=True)
         redirect_output(os.path.join(args.log_dir, log_name), echo=rank == 0)
     if args.finished_dir:
-        record(args.finished_dir, f"pid.{rank}", str(os.getpid()))
+        record(args.finished_dir, f"pid.{rank}", f"{os.getpid()} {socket.gethostname()}")
     code = run_script(args.script, args.script_args, rank, size)
     if code == 0 and args.finished_dir:
         record(args.finished_dir, f"rank.{rank}")
@@ -277,8 +278,9 @@ def main(argv=None):
 
 
 def record(directory, name, text=""):
-    """Leave ``directory/name`` for ``fleetmpirun``: ``pid.<rank>`` when the rank starts (so
-    that an interrupted job's ranks can be ended for sure), ``rank.<rank>`` when its script
+    """Leave ``directory/name`` for ``fleetmpirun``: ``pid.<rank>`` ("<pid> <host>") when the
+    rank starts (so that an interrupted job's ranks can be ended for sure, and a failed job's
+    report can name ranks by their process ids), ``rank.<rank>`` when its script
     ran to its end. A rank that leaves otherwise (``os._exit``, a kill, even with status 0)
     leaves no ``rank.<rank>``, which is how ``fleetmpirun`` tells a finished job from one
     whose MPI launcher reported success only because a rank left without an error."""

@@ -5,6 +5,7 @@
     mpiexec -n N python tests/failure_jobs.py stall LATE COLLECTIVE [sleep|skip]
     mpiexec -n N python tests/failure_jobs.py place       # prints this rank's place
     mpiexec -n N python tests/failure_jobs.py exit0       # rank 1 leaves with os._exit(0)
+    mpiexec -n N python tests/failure_jobs.py kill9       # rank 1 is killed with SIGKILL
 
 ``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
 ``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
@@ -12,9 +13,11 @@
 (``sleep``) or leaves without the second call (``skip``) while the others make it;
 ``COLLECTIVE`` is a communicator's ``allreduce``, ``broadcast`` or ``barrier``,
 ``fleet.barrier_worker()``, or ``checkpoint`` (a save into ``$FAILURE_JOB_DIR``).
-``exit0``: rank 1 leaves with status 0 without finalizing MPI while the others train on.
+``exit0``: rank 1 leaves with status 0 without finalizing MPI while the others train on;
+``kill9``: rank 1 prints its process id and kills itself with SIGKILL.
 """
 import os
+import signal
 import sys
 import threading
 import time
@@ -72,6 +75,12 @@ def main(args):
                 time.sleep(60)
             return
         call(comm, collective)
+        print(f"rank {comm.rank} finished", flush=True)
+    elif mode == "kill9":
+        if comm.rank == 1:
+            print(f"rank 1 pid {os.getpid()}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(5)
         print(f"rank {comm.rank} finished", flush=True)
     elif mode == "exit0":
         if comm.rank == 1:

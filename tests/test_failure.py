@@ -1,6 +1,8 @@
 """An unhandled exception on one rank ends the whole job, whichever launcher started it."""
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +119,19 @@ def test_install_does_nothing_when_switched_off(monkeypatch):
     assert failure.install(0, 1, 0) == []
     assert sys.excepthook is sys.__excepthook__
     assert threading.excepthook is threading.__excepthook__
+
+
+def test_a_killed_rank_is_named_with_its_process_id():
+    """MPICH's report of a killed process names one PID (not always the killed one's);
+    fleetmpirun's report says which rank each process id was."""
+    result = run_job(fleetmpirun() + ["--np", "3", JOB, "kill9"])
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text
+    pid = re.search(r"rank 1 pid (\d+)", text).group(1)
+    line = re.search(r"fleetmpirun: rank\(s\) that did not run their script to its end: (.*)",
+                     text).group(1)
+    assert f"1 (pid {pid} on {socket.gethostname()})" in line, text
+    assert "finished" not in text, text
 
 
 SLEEPING_JOB = """
