@@ -114,6 +114,19 @@ def test_sync_worker_that_stops_pushing_is_named_after_the_timeout():
 
 
 @pytest.mark.parametrize("mode", ["async", "geo"])
+def test_async_and_geo_servers_stop_when_only_a_silent_worker_is_left(mode):
+    """Worker 1 hangs (sleeps three timeouts) after 2 steps; worker 0 trains on and stops;
+    then the servers wait one timeout for the silent worker, stop naming it, and the job
+    ends instead of hanging."""
+    code, output, _ = run_job(4, 2, "stall", "--mode", mode,
+                              env={"FLEETMPI_ABORT_ON_ERROR": "0", "FLEETMPI_PS_TIMEOUT": "2"})
+    assert code != 0, output
+    assert re.search(r"worker\(s\) \[1\] \(rank\(s\) \[1\]\) sent nothing for 2 s "
+                     r"\(FLEETMPI_PS_TIMEOUT\) and no other worker is training", output), output
+    assert f"ok leave {mode} worker 0" in output, output
+
+
+@pytest.mark.parametrize("mode", ["async", "geo"])
 def test_async_and_geo_servers_go_on_without_a_worker_that_left(mode):
     code, output, _ = run_job(4, 2, "leave", "--mode", mode)
     assert code == 0, output

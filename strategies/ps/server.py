@@ -13,7 +13,10 @@ synchronous training: the server tells the workers still waiting, then raises
 Asynchronous: each push is applied at once with its own gradient, and answered; the answer
 carries the push's staleness, the number of updates the server applied between the pusher's
 last pull and this push. GEO: each push carries parameter deltas, which are added. In both a
-worker that leaves is logged and training goes on with the others.
+worker that leaves is logged and training goes on with the others. A worker may be silent as
+long as others train; but when every worker still counted has sent nothing for
+``FLEETMPI_PS_TIMEOUT`` seconds (a hung worker after the others stopped, say), the server stops
+naming them, as in synchronous training, instead of waiting forever.
 """
 import os
 import time
@@ -56,6 +59,7 @@ class Server:
         self.pushes = [0] * worker_num
         self.lost = []
         self.save_dirname = None
+        self.last_heard = None      # worker: when its last message came, from the first one
 
     # -- sending ----------------------------------------------------------------------------
     def _reply(self, worker, arrays=(), version=0, extra=0):
@@ -87,6 +91,10 @@ class Server:
         while self.active:
             message = wire.receive(self.comm, MPI.ANY_SOURCE, wire.TAG_REQUEST,
                                    on_poll=self._check_timeout)
+            now = time.monotonic()
+            if self.last_heard is None:     # the silence clocks start with training
+                self.last_heard = dict.fromkeys(range(self.worker_num), now)
+            self.last_heard[message.source] = now
             self.handle(message)
         self._finish_sends()
         return self.report()
@@ -197,6 +205,9 @@ class Server:
         self._reply(worker, [wire.text_array(path)], self.state.version)
 
     def _check_timeout(self):
+        if self.mode != SYNC:
+            self._check_silence()
+            return
         if self.pending_since is None or time.monotonic() - self.pending_since < self.timeout:
             return
         missing = sorted(self.active - set(self.pending))
@@ -204,6 +215,18 @@ class Server:
                    f"{next(iter(self.pending.values())).step} within {self.timeout:g} s "
                    f"({TIMEOUT_ENV}) while the others waited; synchronous training cannot go "
                    "on")
+
+    def _check_silence(self):
+        """Asynchronous and GEO: stop when every worker still counted has been silent for the
+        timeout, naming them."""
+        now = time.monotonic()
+        if self.last_heard is None or any(now - self.last_heard[w] < self.timeout
+                                          for w in self.active):
+            return
+        silent = sorted(self.active)
+        self._fail(f"worker(s) {silent} (rank(s) {silent}) sent nothing for {self.timeout:g} s "
+                   f"({TIMEOUT_ENV}) and no other worker is training; the server stops "
+                   "instead of waiting forever")
 
     def _fail(self, why):
         """Tell every worker still training why this server stops, then raise."""
