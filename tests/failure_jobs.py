@@ -36,6 +36,11 @@ def fail():
     raise RuntimeError(FAILURE_TEXT)
 
 
+def fault():
+    """Print when the fault happens (``FAULT <epoch seconds>``), for benchmarks/faults.py."""
+    print(f"FAULT {time.time():.6f}", flush=True)
+
+
 def call(comm, collective):
     x = np.ones(4)
     if collective == "barrier_worker":
@@ -58,6 +63,7 @@ def main(args):
     mode = args[0]
     if mode.startswith("raise"):
         if comm.rank == 1:
+            fault()
             if mode == "raise-thread":
                 worker = threading.Thread(target=fail, name="loader")
                 worker.start()
@@ -71,6 +77,7 @@ def main(args):
         late, collective, how = int(args[1]), args[2], args[3]
         call(comm, collective)
         if comm.rank == late:
+            fault()
             if how == "sleep":
                 time.sleep(60)
             return
@@ -79,11 +86,13 @@ def main(args):
     elif mode == "kill9":
         if comm.rank == 1:
             print(f"rank 1 pid {os.getpid()}", flush=True)
+            fault()
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(5)
         print(f"rank {comm.rank} finished", flush=True)
     elif mode == "exit0":
         if comm.rank == 1:
+            fault()
             os._exit(0)
         time.sleep(5)
         print(f"rank {comm.rank} finished", flush=True)

@@ -1,0 +1,88 @@
+"""How fast a job ends after a fault, for each fault-injection scenario, under ``mpiexec`` and
+under ``fleetmpirun``.
+
+    python benchmarks/faults.py [--ranks 2] [--repeats 3]
+
+Each scenario runs ``tests/failure_jobs.py`` (the jobs the fault-injection tests start): the
+job prints ``FAULT <time>`` at the moment of the fault, and the time from there to the
+launcher's exit is the measure (median of ``--repeats`` runs), next to the exit status and
+whether the job's output names the failing rank. Stalls run with ``FLEETMPI_STALL_TIMEOUT=2``,
+so their time includes those 2 s. A job that has not ended after 60 s counts as hung.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from fleetmpi.launch.mpi_command import local_command
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "failure_jobs.py")
+HANG_SECONDS = 60
+SCENARIOS = [
+    # (name, job arguments, extra environment, and per launcher: the text that names the
+    # failing rank, or why none can)
+    ("rank 1 raises while rank 0 waits in an allreduce", ["raise"], {},
+     {"mpiexec": "rank 1/", "fleetmpirun": "rank 1/"}),
+    ("rank 1 raises in a thread", ["raise-thread"], {},
+     {"mpiexec": "rank 1/", "fleetmpirun": "rank 1/"}),
+    ("rank 1 is killed (SIGKILL)", ["kill9"], {},
+     {"mpiexec": "no: MPICH names one process id", "fleetmpirun": "did not run their script"}),
+    ("rank 1 leaves with os._exit(0)", ["exit0"], {},
+     {"mpiexec": "no: reported as success", "fleetmpirun": "did not run their script"}),
+    ("rank 1 skips an allreduce (stall)", ["stall", "1", "allreduce", "skip"],
+     {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "rank(s) 1 have not arrived", "fleetmpirun": "rank(s) 1 have not arrived"}),
+    ("rank 1 never reaches barrier_worker (stall)", ["stall", "1", "barrier_worker", "skip"],
+     {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "rank(s) 1 have not arrived", "fleetmpirun": "rank(s) 1 have not arrived"}),
+]
+
+
+def fleetmpirun(ranks):
+    script = os.path.join(os.path.dirname(sys.executable), "fleetmpirun")
+    launcher = [script] if os.path.exists(script) else [sys.executable, "-m", "fleetmpi.launch"]
+    return launcher + ["--np", str(ranks)]
+
+
+def run(command, env):
+    """``(status, seconds from the fault to the exit, output)``; status None: hung."""
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=HANG_SECONDS)
+    except subprocess.TimeoutExpired as hung:
+        return None, None, (hung.stdout or "") + (hung.stderr or "")
+    ended = time.time()
+    output = done.stdout + done.stderr
+    faults = [float(line.split()[1]) for line in output.splitlines() if line.startswith("FAULT ")]
+    return done.returncode, (ended - faults[0]) if faults else None, output
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"{args.ranks} ranks, median of {args.repeats} runs; seconds from the fault to the "
+          "launcher's exit")
+    print("| scenario | launcher | exit status | fault to exit (s) | failing rank named |")
+    print("| --- | --- | ---: | ---: | --- |")
+    for name, job, extra, named in SCENARIOS:
+        env = dict(os.environ, FLEETMPI_DEVICE="cpu", **extra)
+        for launcher, prefix in (("mpiexec", local_command(args.ranks) + [sys.executable]),
+                                 ("fleetmpirun", fleetmpirun(args.ranks))):
+            results = [run(prefix + [JOB] + job, env) for _ in range(args.repeats)]
+            statuses = sorted({"hung" if s is None else str(s) for s, _, _ in results})
+            times = [t for _, t, _ in results if t is not None]
+            seconds = f"{statistics.median(times):.2f}" if times else "-"
+            text = named[launcher]
+            if text.startswith("no: "):
+                said = text
+            else:
+                said = "yes" if all(text in out for _, _, out in results) else "no"
+            print(f"| {name} | {launcher} | {', '.join(statuses)} | {seconds} | {said} |")
+
+
+if __name__ == "__main__":
+    main()
