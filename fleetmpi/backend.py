@@ -230,6 +230,30 @@ def rng_state():
     return _rank_rng.bit_generator.state
 
 
+def rng_device_state():
+    """On a GPU, the rank generator's whole state (CuPy's per-thread generator states) as a
+    host array, for checkpoints; None on NumPy (``rng_state`` holds it there) or before the
+    generator was first used."""
+    if _rank_rng is None or not on_gpu():
+        return None
+    return to_numpy(_rank_rng.bit_generator._state).copy()
+
+
+def set_rng_device_state(state):
+    """Restore what ``rng_device_state`` returned (None: nothing to restore); a ValueError when
+    it was saved on a GPU whose generator has another number of threads."""
+    if state is None:
+        return
+    if not on_gpu():
+        raise ValueError("the checkpoint holds a GPU generator state, but this process runs "
+                         "on NumPy; its random state cannot be restored here")
+    target = rank_rng().bit_generator._state
+    if target.shape != state.shape or target.dtype != state.dtype:
+        raise ValueError(f"the checkpoint's GPU generator state has {state.size} bytes; this "
+                         f"GPU's generator has {target.size} (another number of threads)")
+    target[...] = asarray(state)
+
+
 def _generator_from(state):
     """A NumPy generator in ``state`` (what ``rng_state`` returned); a ValueError when it is
     not one."""

@@ -37,6 +37,7 @@ MANIFEST = "manifest.json"
 _META = "meta"
 _MODEL = "model/"
 _OPTIMIZER = "optimizer/"
+_RNG_DEVICE = "rng/device_state"
 
 
 def _world():
@@ -129,6 +130,9 @@ def save(directory, model, optimizer, step, extra=None):
                 scalars[key] = value
     meta = {"step": step, "rank": rank, "world_size": size, "optimizer": scalars,
             "rng_state": backend.rng_state(), "extra": extra}
+    device_state = backend.rng_device_state()
+    if device_state is not None:
+        arrays[_RNG_DEVICE] = device_state
     arrays[_META] = np.array(json.dumps(meta))
     save = _save_token(comm)
     path = os.path.join(directory, _rank_file(step, rank, save))
@@ -262,22 +266,30 @@ def load(directory, model, optimizer=None):
     if sharded:
         state = _join_shards(directory, manifest, state, optimizer.shard_range)
     backend.check_rng_state(meta["rng_state"])
-    _apply_or_restore(model, optimizer, model_state, state, meta["rng_state"])
+    _apply_or_restore(model, optimizer, model_state, state,
+                      (meta["rng_state"], stored.get(_RNG_DEVICE)))
     return {"step": meta["step"], "extra": meta["extra"]}
 
 
-def _apply_or_restore(model, optimizer, model_state, optimizer_state, rng_state):
-    """Load the three states; if one is refused, put back all three as they were."""
+def _set_rng(rng):
+    state, device_state = rng
+    backend.set_rng_state(state)
+    backend.set_rng_device_state(device_state)
+
+
+def _apply_or_restore(model, optimizer, model_state, optimizer_state, rng):
+    """Load the three states (``rng``: the rank generator's, and on a GPU its device state);
+    if one is refused, put back all three as they were."""
     before = (model.state_dict(), optimizer.state_dict() if optimizer is not None else None,
-              backend.rng_state())
+              (backend.rng_state(), backend.rng_device_state()))
     try:
         model.set_state_dict(model_state)
         if optimizer is not None:
             optimizer.set_state_dict(optimizer_state)
-        backend.set_rng_state(rng_state)
+        _set_rng(rng)
     except BaseException:
         model.set_state_dict(before[0])
         if optimizer is not None:
             optimizer.set_state_dict(before[1])
-        backend.set_rng_state(before[2])
+        _set_rng(before[2])
         raise
