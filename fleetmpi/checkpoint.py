@@ -24,12 +24,11 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import zipfile
 
 import numpy as np
 
-from . import backend
+from . import backend, files
 
 FORMAT = "fleetmpi-checkpoint"
 VERSION = 1
@@ -59,24 +58,6 @@ def _rank_file(step, rank, save):
 
 def _temporary_prefix(owner):
     return f".tmp-{owner}-"
-
-
-def _write_atomically(path, write, owner):
-    """``write(file object)`` into a temporary file beside ``path`` (named for ``owner``, so
-    that a later save can find it if this process dies first), then rename it there."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, temporary = tempfile.mkstemp(dir=directory, prefix=_temporary_prefix(owner),
-                                     suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
 
 
 def _digest(path):
@@ -136,14 +117,16 @@ def save(directory, model, optimizer, step, extra=None):
     arrays[_META] = np.array(json.dumps(meta))
     save = _save_token(comm)
     path = os.path.join(directory, _rank_file(step, rank, save))
-    _write_atomically(path, lambda f: np.savez(f, **arrays), f"rank{rank}")
+    files.write_atomically(path, lambda f: np.savez(f, **arrays),
+                           _temporary_prefix(f"rank{rank}"))
     digests = _gather_digests(comm, _digest(path))
     if rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": size,
                     "files": [{"rank": r, "file": _rank_file(step, r, save), "sha256": d.hex()}
                               for r, d in enumerate(digests)]}
-        _write_atomically(os.path.join(directory, MANIFEST),
-                          lambda f: f.write(json.dumps(manifest, indent=1).encode()), "manifest")
+        files.write_atomically(os.path.join(directory, MANIFEST),
+                               lambda f: f.write(json.dumps(manifest, indent=1).encode()),
+                               _temporary_prefix("manifest"))
     if comm is not None:
         _exchange(comm, [0])
     _remove_stale(directory, rank, os.path.basename(path))

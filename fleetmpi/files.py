@@ -3,7 +3,9 @@ parameter-server shards): never through a symbolic link planted at that name.
 
 ``open_for_writing`` refuses a path that is a symbolic link (``O_NOFOLLOW``);
 ``temporary_beside`` creates a new file exclusively under a random name in the same folder,
-to be renamed over the final name, which replaces a link instead of writing through it.
+to be renamed over the final name, which replaces a link instead of writing through it;
+``write_atomically`` does the whole of that for a file written in one go (checkpoints,
+parameter-server shards), so a crash leaves the old file or the new one, never a part.
 ``launch/rank_main.py`` opens the rank logs the same way, written out there because it imports
 nothing of fleetmpi.
 """
@@ -22,9 +24,27 @@ def open_for_writing(path, binary=False):
     return os.fdopen(fd, "wb" if binary else "w")
 
 
-def temporary_beside(path, binary=False):
+def temporary_beside(path, binary=False, prefix=None):
     """``(file, name)``: a new file beside ``path``, created exclusively under a random name
-    (``.<basename>.<random>.part``), for writing before it is renamed to ``path``."""
+    (``<prefix><random>.part``, the prefix ``.<basename>.`` by default), for writing before it
+    is renamed to ``path``."""
     fd, name = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                prefix=f".{os.path.basename(path)}.", suffix=".part")
+                                prefix=prefix or f".{os.path.basename(path)}.", suffix=".part")
     return os.fdopen(fd, "wb" if binary else "w"), name
+
+
+def write_atomically(path, write, prefix=None):
+    """``write(binary file object)`` into a temporary beside ``path`` (``temporary_beside``'s
+    ``prefix``: a caller that names its temporaries can find those a killed process left),
+    flushed to disk, then renamed over ``path``; on an error the temporary is removed."""
+    f, temporary = temporary_beside(path, binary=True, prefix=prefix)
+    try:
+        with f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise

@@ -26,16 +26,7 @@ def save_shard(dirname, server, server_num, arrays, meta):
     path = shard_path(dirname, server, server_num)
     payload = dict(arrays)
     payload["meta"] = np.frombuffer(json.dumps(meta).encode("utf-8"), dtype=np.uint8)
-    f, temporary = files.temporary_beside(path, binary=True)
-    try:
-        with f:
-            np.savez(f, **payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.remove(temporary)
-        raise
+    files.write_atomically(path, lambda f: np.savez(f, **payload))
     return path
 
 
