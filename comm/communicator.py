@@ -20,6 +20,7 @@ import functools
 import numbers
 import os
 import time
+import zlib
 
 import numpy as np
 from mpi4py import MPI
@@ -42,7 +43,7 @@ ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
 BROADCAST_ALGORITHMS = ("tree", "chain", "native")
 GATHER_ALGORITHMS = ("ring", "native")
 COLLECTIVES = ("allreduce", "allreduce_many", "broadcast", "broadcast_many", "allgather",
-               "reduce_scatter", "barrier")
+               "reduce_scatter", "barrier", "allgatherv")
 _TABLES = {
     "collective": COLLECTIVES,
     "op": (None,) + OPS,
@@ -232,7 +233,9 @@ class Communicator:
                              f"(this job: transport {self.transport_name!r}, "
                              f"{self.topology.num_nodes} node(s))")
 
-    def _agree(self, collective, arrays, problem, **fields):
+    def _agree(self, collective, arrays, problem, layout=None, **fields):
+        """Check that every rank called ``collective`` alike; ``layout`` (a tuple of integers
+        every rank must agree on, such as per-rank counts) joins the shapes' checksum."""
         if problem is None:
             self._count_payload(arrays, fields.get("compression"))
         if not self.check:
@@ -241,6 +244,8 @@ class Communicator:
             return
         if problem is None:
             dtype, count, n, shapes = describe_arrays(arrays)
+            if layout is not None:
+                shapes = zlib.crc32(repr(tuple(layout)).encode(), shapes)
             fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
         agree(self._control, collective, _TABLES, problem, **fields)
 
@@ -479,10 +484,49 @@ class Communicator:
             self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
         return out.reshape((self.size,) + x.shape)
 
+    def _check_counts(self, counts, total=None, what=None):
+        """``counts`` as a list of ``size`` non-negative integers (adding up to ``total``, the
+        size of ``what``, when given)."""
+        if (not isinstance(counts, (list, tuple)) or len(counts) != self.size
+                or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool)
+                           and c >= 0 for c in counts)):
+            raise ValueError(f"counts={counts!r} must be a list of {self.size} non-negative "
+                             f"integers, one per rank")
+        if total is not None and sum(counts) != total:
+            raise ValueError(f"counts={list(counts)!r} add up to {sum(counts)}, but {what} "
+                             f"is {total}")
+
+    @_recorded("allgatherv")
+    def allgatherv(self, x, counts):
+        """Every rank's 1-d ``x`` (``counts[r]`` elements on rank ``r``, zero allowed)
+        joined in rank order, as MPI's ``Allgatherv``; every rank passes the same ``counts``."""
+        def check():
+            self._check_array(x)
+            if x.ndim != 1:
+                raise ValueError(f"allgatherv takes a 1-d array, not shape {tuple(x.shape)}")
+            self._check_counts(counts)
+            if x.size != counts[self.rank]:
+                raise ValueError(f"allgatherv got {x.size} elements on rank {self.rank}, "
+                                 f"but counts[{self.rank}]={counts[self.rank]}")
+        problem = _capture(check)
+        # The element count differs per rank by design; the counts themselves must agree.
+        self._agree("allgatherv", [] if problem else [x[:0]], problem,
+                    layout=None if problem else tuple(int(c) for c in counts))
+        self._count_payload([x], None)
+        xp = array_module(x)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        out = xp.empty(offsets[-1], x.dtype)
+        out[offsets[self.rank]:offsets[self.rank + 1]] = x
+        transport = self.transports[0]
+        self._note("ring")
+        self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
+        return out
+
     @_recorded("reduce_scatter")
-    def reduce_scatter(self, x, op="sum", algorithm=None, compression=None):
+    def reduce_scatter(self, x, op="sum", algorithm=None, compression=None, counts=None):
         """This rank's block of the reduction of ``x``: blocks split ``x`` along its first axis
-        as ``numpy.array_split(reduced, size)`` does, so any length works.
+        as ``numpy.array_split(reduced, size)`` does, so any length works; or, as MPI's
+        ``Reduce_scatter``, ``counts[r]`` rows for rank ``r`` (zero allowed).
 
         ``algorithm``: ``"ring"`` (default) or ``"native"``; ``compression`` as for allreduce.
         """
@@ -490,6 +534,8 @@ class Communicator:
             self._check_array(x)
             if x.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension")
+            if counts is not None:
+                self._check_counts(counts, x.shape[0], "the length of x")
             if algorithm is not None and algorithm not in GATHER_ALGORITHMS:
                 raise ValueError(f"algorithm={algorithm!r} is not a reduce_scatter algorithm; "
                                  f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
@@ -497,10 +543,12 @@ class Communicator:
                                   compression)
         problem = _capture(check)
         self._agree("reduce_scatter", [x], problem, op=op, algorithm=algorithm,
-                    compression=compression)
+                    compression=compression,
+                    layout=None if counts is None or problem else tuple(map(int, counts)))
         xp = array_module(x)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
-        rows = split_offsets(x.shape[0], self.size)
+        rows = (split_offsets(x.shape[0], self.size) if counts is None
+                else np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist())
         offsets = [r * row for r in rows]
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank],) + x.shape[1:]

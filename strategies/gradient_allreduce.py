@@ -39,6 +39,14 @@ def layer_of(parameter):
     return name.rsplit(".", 1)[0] if "." in name else name
 
 
+def fusion_limits(strategy):
+    """``(bucket_bytes, max_layers)`` of the fusion fields: ``fuse_all_reduce_ops`` off means
+    no fusion (a bucket per parameter)."""
+    if not strategy.fuse_all_reduce_ops:
+        return None, None
+    return int(strategy.fuse_grad_size_in_MB * 2 ** 20), strategy.fuse_grad_size_in_TFLOPS
+
+
 def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
     """Buckets over the contiguous runs of the optimizer's parameters, each holding at most
     ``bucket_bytes`` (a parameter bigger than that alone) and the parameters of at most
@@ -63,16 +71,50 @@ def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
     return buckets
 
 
-class GradientAllreduce(Strategy):
-    """Averages the gradients over the ranks, bucket by bucket, on every step whose
-    ``ctx.sync_gradients`` is on.
-
-    Buckets are reduced in their index order only (as PyTorch DDP launches its buckets): a
+class BucketSchedule:
+    """Reduces buckets in their index order only (as PyTorch DDP launches its buckets): a
     bucket whose parameters are all final waits until every bucket before it has been
     reduced. A bucket never completed during backward (a parameter that got no gradient this
-    step, a branch not taken on this rank) is reduced in the reduce stage with every bucket
-    after it, still in index order, so every rank issues the same collectives in the same
-    order even when ranks take different branches, and a parameter unused on some ranks gets
+    step, a branch not taken on this rank) is reduced by ``finish`` with every bucket after
+    it, still in index order, so every rank issues the same collectives in the same order even
+    when ranks take different branches. ``reduce(bucket)`` does the reduction."""
+
+    def __init__(self, buckets, reduce):
+        self.buckets = buckets
+        self._reduce = reduce
+        self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.parameters}
+        self._next = 0
+
+    def bucket_of(self, parameter):
+        return self._bucket_of.get(id(parameter))
+
+    def ready(self, parameters):
+        """``parameters``' gradients are final: reduce every bucket that can go now."""
+        for p in parameters:
+            bucket = self._bucket_of.get(id(p))
+            if bucket is not None:
+                bucket.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._run(self.buckets[self._next])
+            self._next += 1
+
+    def _run(self, bucket):
+        self._reduce(bucket)
+        bucket.pending = -1
+
+    def finish(self, reduce_rest=True):
+        """The end of the step's backward: reduce the buckets not reduced yet (unless
+        ``reduce_rest`` is off), and start the next step afresh."""
+        for bucket in self.buckets:
+            if reduce_rest and bucket.pending >= 0:
+                self._run(bucket)
+            bucket.pending = bucket.size
+        self._next = 0
+
+
+class GradientAllreduce(Strategy):
+    """Averages the gradients over the ranks, bucket by bucket (``BucketSchedule``'s order),
+    on every step whose ``ctx.sync_gradients`` is on; a parameter unused on some ranks gets
     the average of the gradients (zero where unused) over all ranks."""
 
     name = "gradient_allreduce"
@@ -80,12 +122,8 @@ class GradientAllreduce(Strategy):
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        bucket_bytes = (int(strategy.fuse_grad_size_in_MB * 2 ** 20)
-                        if strategy.fuse_all_reduce_ops else None)
-        max_layers = strategy.fuse_grad_size_in_TFLOPS if strategy.fuse_all_reduce_ops else None
-        self.buckets = plan_gradient_buckets(optimizer._runs, bucket_bytes, max_layers)
-        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
-        self._next = 0
+        self.buckets = plan_gradient_buckets(optimizer._runs, *fusion_limits(strategy))
+        self.schedule = BucketSchedule(self.buckets, self._reduce)
 
     def _reduce(self, bucket):
         grad = bucket.grad
@@ -96,26 +134,13 @@ class GradientAllreduce(Strategy):
                     algorithm=self.communicator.allreduce_algorithm(grad.nbytes,
                                                                     self.compression))
             self.communicator.allreduce_many([grad], op="mean", compression=self.compression)
-        bucket.pending = -1
 
     def on_gradient(self, ctx, parameters):
-        if not ctx.sync_gradients:
-            return
-        for p in parameters:
-            bucket = self._bucket_of.get(id(p))
-            if bucket is None:
-                continue
-            bucket.pending -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-            self._reduce(self.buckets[self._next])
-            self._next += 1
+        if ctx.sync_gradients:
+            self.schedule.ready(parameters)
 
     def reduce(self, ctx, proceed):
-        for bucket in self.buckets:
-            if ctx.sync_gradients and bucket.pending >= 0:
-                self._reduce(bucket)
-            bucket.pending = bucket.size
-        self._next = 0
+        self.schedule.finish(ctx.sync_gradients)
         return proceed(ctx)
 
 

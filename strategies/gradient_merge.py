@@ -6,6 +6,11 @@ accumulator as backward reports it, and the step neither communicates nor update
 step the accumulator is folded into the fresh gradient as backward reports it, before the
 gradient allreduce sees the bucket, so the merged gradient travels once, overlapped with backward
 as usual. With ``avg`` and equal batches, k steps of batch b are exactly one step of batch k·b.
+
+Under sharding stage 2 or 3 there is no full-size gradient to merge into: every step's
+gradients are reduce-scattered as usual, and the window is merged in the optimizer's
+``shard_gradient`` instead (``ctx.keep_gradients`` between updates; with ``avg`` divided by
+``k_steps`` before the update), so a rank holds 1/N of the merged gradient.
 """
 from .. import backend
 from .base import Strategy
@@ -19,9 +24,10 @@ class GradientMerge(Strategy):
         self.k_steps = int(self.configs["k_steps"])
         self.avg = bool(self.configs["avg"])
         self.micro_step = 0
+        self.in_shard = bool(strategy.sharding) and strategy.sharding_configs["stage"] >= 2
         xp = backend.array_module()
-        self._accumulators = [xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
-                              for run in optimizer._runs]
+        self._accumulators = [] if self.in_shard else [
+            xp.zeros(run.stop - run.start, dtype=run.buffer.dtype) for run in optimizer._runs]
         self._views = {id(p): run.view(flat, p)
                        for run, flat in zip(optimizer._runs, self._accumulators)
                        for p in run.parameters}
@@ -35,8 +41,11 @@ class GradientMerge(Strategy):
 
     def forward(self, ctx, proceed):
         if not self.boundary:
-            ctx.sync_gradients = False
             ctx.apply_update = False
+            if self.in_shard:
+                ctx.keep_gradients = True
+            else:
+                ctx.sync_gradients = False
         self._merged.clear()
         return proceed(ctx)
 
@@ -55,12 +64,20 @@ class GradientMerge(Strategy):
                 accumulator += p.grad
 
     def on_gradient(self, ctx, parameters):
-        self._merge(parameters)
+        if not self.in_shard:
+            self._merge(parameters)
 
     def reduce(self, ctx, proceed):
         """Parameters backward never reported (no gradient this step) are merged here, before
         the gradient allreduce reduces the buckets left over."""
-        self._merge(self._parameters)
+        if not self.in_shard:
+            self._merge(self._parameters)
+        return proceed(ctx)
+
+    def update(self, ctx, proceed):
+        if self.in_shard and self.boundary and self.avg and self.k_steps > 1:
+            for _, grad in self.optimizer.flat_runs():
+                grad *= 1.0 / self.k_steps
         return proceed(ctx)
 
     def after_step(self, ctx, proceed):

@@ -1,10 +1,13 @@
-"""``sharding``: ZeRO-DP stage 1, the optimizer state partitioned over the ranks of a group.
+"""``sharding``: ZeRO-DP, the optimizer state (stage 1), the gradients too (stage 2) and the
+parameters too (stage 3) partitioned over the ranks of a group (``sharding_configs["stage"]``).
 
 The optimizer's parameter space (its flat buffers' runs back to back) is cut into as many
 contiguous shards as the sharding group has ranks, the lengths differing by at most one element
-(the comm layer's ``reduce_scatter`` blocks, so no padding is needed and any group size works).
-Each rank's optimizer holds state (velocity, moments) for its own shard alone and updates only
-that shard (``Optimizer.shard``). A step then:
+(the comm layer's collectives take per-rank counts, so no padding is needed and any group size
+works). Each rank's optimizer holds state (velocity, moments) for its own shard alone and
+updates only that shard (``Optimizer.shard``).
+
+Stage 1, a step:
 
 1. reduce-scatters the gradients over the group (``op="mean"``, float16 on the wire with
    ``fp16_allreduce``), so each rank receives the averaged gradient of its own shard instead of
@@ -16,29 +19,49 @@ that shard (``Optimizer.shard``). A step then:
 4. broadcasts each shard from its owner to the group, in messages of at most
    ``fuse_broadcast_MB``.
 
-Group: the whole world, or with ``hybrid_dp`` runs of ``sharding_group_size`` consecutive ranks,
-``world size / sharding_group_size`` of them training as data-parallel replicas. Steps that do
-not update (gradient_merge between its updates, amp's overflow) communicate nothing here.
+Stage 2 keeps no full-size gradient: the flat gradient buffer is freed, a gradient bucket
+(``fuse_grad_size_in_MB``, as data parallelism's) gets storage when backward first writes into
+it, and as soon as backward has finished the bucket it is reduce-scattered to the owners of the
+shards it overlaps (``BucketSchedule``'s order, as the data-parallel allreduce) and freed. The
+owner adds its part into the optimizer's ``shard_gradient``, where gradient_merge accumulates
+its window too. Steps 2-4 follow as in stage 1.
 
-Under amp the parameters are the float32 master weights and every rank needs all of them for
-its forward pass (the float16 copies are made per layer and step), so what is partitioned is the
-optimizer state; the gradients of the other shards are not kept after the reduce-scatter.
-Everything happens after backward: the reduce-scatter does not overlap it, unlike the bucketed
-allreduce of plain data parallelism.
+Stage 3 keeps no full-size parameters either: the optimizer updates ``shard_parameters`` and
+the flat values are freed; ``sharding_parameters.ParameterGatherer`` all-gathers a layer's
+parameters when an operation uses them and frees them when another layer's are needed, and
+again in backward for the operations that saved them. Nothing is broadcast after the update.
+
+Group: the whole world, or with ``hybrid_dp`` runs of ``sharding_group_size`` (Paddle's later
+name: ``sharding_degree``) consecutive ranks, ``world size / group size`` of them training as
+data-parallel replicas. Steps that do not update (gradient_merge between its updates, amp's
+overflow) broadcast nothing.
 """
-from .. import backend, world
+from .. import backend, timeline, world
 from ..comm.communicator import NATIVE_BELOW_BYTES
 from ..comm.ring import split_offsets
 from ..log import logger
 from .base import Strategy
+from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
 DEFAULT_GROUP_SIZE = 8
 
 
+def configured_group_size(configs):
+    """``sharding_group_size`` or Paddle's ``sharding_degree``, whichever is set (differs
+    from the default 8); both set to different values is an error."""
+    size, degree = int(configs["sharding_group_size"]), int(configs["sharding_degree"])
+    if size != degree and DEFAULT_GROUP_SIZE not in (size, degree):
+        raise ValueError(f"sharding_configs['sharding_group_size']={size} and "
+                         f"sharding_configs['sharding_degree']={degree} name the same group "
+                         f"size (sharding_degree is Paddle's later name for it); set one, or "
+                         f"both to one value")
+    return degree if size == DEFAULT_GROUP_SIZE else size
+
+
 def group_size(configs, world_size):
     """The ranks per sharding group: the world, or with ``hybrid_dp`` the
-    ``sharding_group_size``, which must divide the world size."""
-    size = int(configs["sharding_group_size"])
+    ``sharding_group_size`` (or ``sharding_degree``), which must divide the world size."""
+    size = configured_group_size(configs)
     if not configs["hybrid_dp"]:
         if size not in (DEFAULT_GROUP_SIZE, world_size) and world.worker_index() == 0:
             logger.warning("sharding_configs['sharding_group_size']=%d has no effect without "
@@ -83,14 +106,16 @@ def sharding_communicators(communicator, size, fuse_broadcast_MB):
 
 
 class Sharding(Strategy):
-    """``sharding``. Observable: ``group_size``, ``replicas_num`` (the data-parallel ways),
-    ``offsets`` (the shard boundaries in the parameter space), ``shard`` (this rank's range),
-    ``group`` and ``replicas`` (the communicators, None where alone)."""
+    """``sharding``. Observable: ``stage``, ``group_size``, ``replicas_num`` (the
+    data-parallel ways), ``offsets`` (the shard boundaries in the parameter space), ``shard``
+    (this rank's range), ``group`` and ``replicas`` (the communicators, None where alone),
+    from stage 2 ``buckets`` and from stage 3 ``gatherer``."""
 
     name = "sharding"
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
+        self.stage = int(self.configs["stage"])
         self.fuse_broadcast_MB = float(self.configs["fuse_broadcast_MB"])
         self.group_size = group_size(self.configs, self.world_size)
         self.replicas_num = self.world_size // self.group_size
@@ -100,7 +125,15 @@ class Sharding(Strategy):
         self.offsets = split_offsets(optimizer.space_size, self.group_size)
         group_rank = 0 if self.group is None else self.group.rank
         self.shard = (self.offsets[group_rank], self.offsets[group_rank + 1])
-        optimizer.shard(*self.shard, None if self.group is None else self._sum_over_group)
+        optimizer.shard(*self.shard, None if self.group is None else self._sum_over_group,
+                        own_gradient=self.stage >= 2, own_parameters=self.stage == 3)
+        self.buckets = self.schedule = self.gatherer = None
+        if self.stage >= 2:
+            self._partition_gradients(strategy)
+        if self.stage == 3:
+            from .sharding_parameters import ParameterGatherer
+
+            self.gatherer = ParameterGatherer(optimizer, self.group, self.offsets)
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -110,17 +143,99 @@ class Sharding(Strategy):
             raise ValueError(f"strategy sharding cuts one parameter space of one dtype into "
                              f"shards, but the optimizer has parameters of "
                              f"{', '.join(dtypes)}; build the model in one dtype")
+        configured_group_size(strategy.sharding_configs)
+        if strategy.sharding_configs["stage"] >= 2:
+            for run in optimizer._runs:
+                if run.stop - run.start != run.buffer.size:
+                    stage = strategy.sharding_configs["stage"]
+                    raise ValueError(f"sharding stage {stage} frees the model's flat "
+                                     "buffers, but the optimizer updates only part of one; "
+                                     "give the optimizer all of model.parameters() (freeze a "
+                                     "parameter with trainable=False instead), or use stage 1")
 
     def _sum_over_group(self, array):
         return self.group.allreduce(array, op="sum")
 
     # -- gradients --------------------------------------------------------------------------
+    def _partition_gradients(self, strategy):
+        """Stage 2 and 3: free the flat gradient buffers; gradients live in buckets from the
+        first write of backward until the bucket is reduce-scattered."""
+        runs = self.optimizer._runs
+        self.buckets = plan_gradient_buckets(runs, *fusion_limits(strategy))
+        self.schedule = BucketSchedule(self.buckets, self._reduce_scatter_bucket)
+        self._space_start = {}
+        for run, (low, _) in zip(runs, self.optimizer._run_spans):
+            for bucket in self.buckets:
+                if bucket.buffer is run.buffer and run.start <= bucket.start < run.stop:
+                    self._space_start[bucket.index] = low + bucket.start - run.start
+        self._storage = {}
+        for buffer in {id(run.buffer): run.buffer for run in runs}.values():
+            buffer.release_gradient(self._bind_bucket)
+
+    def _bind_bucket(self, parameter):
+        """Gradient storage for ``parameter``'s bucket, every parameter of it bound to its
+        part, holding zero."""
+        xp = backend.array_module()
+        bucket = self.schedule.bucket_of(parameter)
+        if bucket is None:
+            parameter.bind_gradient(xp.zeros(parameter.shape, parameter.dtype))
+            return
+        storage = xp.empty(bucket.stop - bucket.start, dtype=bucket.buffer.dtype)
+        self._storage[bucket.index] = storage
+        for p in bucket.parameters:
+            begin = p.offset - bucket.start
+            p.bind_gradient(storage[begin:begin + p.size].reshape(p.shape))
+
+    def _reduce_scatter_bucket(self, bucket):
+        """Reduce ``bucket``'s gradients to the owners of the shards it overlaps, add this
+        rank's part to the shard's gradient and free the bucket."""
+        storage = self._storage.pop(bucket.index, None)
+        if storage is None:
+            self._bind_bucket(bucket.parameters[0])
+            storage = self._storage.pop(bucket.index)
+        for p in bucket.parameters:
+            p.settle_gradient()
+        first = self._space_start[bucket.index]
+        last = first + storage.size
+        counts = [max(0, min(last, self.offsets[r + 1]) - max(first, self.offsets[r]))
+                  for r in range(self.group_size)]
+        with timeline.span(f"bucket {bucket.index}", "comm") as event:
+            if event:
+                event.args.update(bucket=bucket.index, bytes=int(storage.nbytes),
+                                  parameters=bucket.size)
+            block = self._reduce_over_group(storage, counts)
+            if self.replicas is not None and block.size:
+                self.replicas.allreduce(block, op="mean", compression=self.compression,
+                                        out=block)
+        start, stop = self.shard
+        lo, hi = max(first, start), min(last, stop)
+        if lo < hi:
+            self.optimizer.shard_gradient[lo - start:hi - start] += block
+        for p in bucket.parameters:
+            p.unbind_gradient(self._bind_bucket)
+
+    def _reduce_over_group(self, flat, counts):
+        if self.group is None:
+            return flat
+        # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
+        native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
+        return self.group.reduce_scatter(flat, op="mean", compression=self.compression,
+                                         algorithm="native" if native else None,
+                                         counts=counts)
+
+    def on_gradient(self, ctx, parameters):
+        if self.schedule is not None:
+            self.schedule.ready(parameters)
+
     def reduce(self, ctx, proceed):
-        if ctx.sync_gradients:
+        if self.schedule is not None:
+            self.schedule.finish()
+        elif ctx.sync_gradients:
             self._reduce_scatter_gradients()
         return proceed(ctx)
 
     def _reduce_scatter_gradients(self):
+        """Stage 1: the whole gradient space at once, after backward."""
         if self.group is None:
             # A group of one rank: its shard is the whole space, the gradients stay in place.
             if self.replicas is not None:
@@ -132,10 +247,7 @@ class Sharding(Strategy):
         grads = [run.grad for run in self.optimizer._runs]
         flat = grads[0] if len(grads) == 1 else xp.concatenate(grads)
         start, stop = self.shard
-        # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
-        native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
-        block = self.group.reduce_scatter(flat, op="mean", compression=self.compression,
-                                          algorithm="native" if native else None)
+        block = self._reduce_over_group(flat, None)
         if self.replicas is not None and block.size:
             self.replicas.allreduce(block, op="mean", compression=self.compression, out=block)
         for run, (low, high) in zip(self.optimizer._runs, self.optimizer._run_spans):
@@ -147,9 +259,18 @@ class Sharding(Strategy):
     # -- parameters -------------------------------------------------------------------------
     def update(self, ctx, proceed):
         result = proceed(ctx)
-        if ctx.apply_update and self.group is not None:
+        if self.gatherer is not None:
+            self.gatherer.forget()
+        elif ctx.apply_update and self.group is not None:
             self._broadcast_parameters()
         return result
+
+    def after_step(self, ctx, proceed):
+        """From stage 2 the shard's gradient is the step's (or gradient_merge's window's):
+        zeroed once it has been used."""
+        if self.optimizer.shard_gradient is not None and not ctx.keep_gradients:
+            self.optimizer.shard_gradient[...] = 0
+        return proceed(ctx)
 
     def _messages(self, start, stop):
         """Views of the parameters in ``[start, stop)`` of the space, each at most

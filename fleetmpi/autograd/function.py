@@ -51,6 +51,8 @@ class Function:
     """Base of every differentiable operation (module docstring)."""
 
     op_type = None
+    # What a tensor's keeper packed of this call's saved arrays (``Tensor._keeper``).
+    _packed = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -69,11 +71,9 @@ class Function:
         None otherwise."""
         for index, tensor in self._inputs or ():
             if index == position:
-                if (tensor._node is None and getattr(tensor, "_grad_is_zero", False)
-                        and tensor._grad.shape == tuple(shape)
-                        and tensor._grad.dtype == dtype):
-                    return tensor._grad
-                return None
+                storage = (getattr(tensor, "zero_gradient_storage", None)
+                           if tensor._node is None else None)
+                return None if storage is None else storage(shape, dtype)
         return None
 
     def save_for_backward(self, *values):
@@ -102,9 +102,14 @@ class Function:
         record = _grad_mode._enabled
         arrays = []
         inputs = []
+        kept = None
         for position, arg in enumerate(args):
             if isinstance(arg, Tensor):
-                arrays.append(arg.data)
+                if arg._keeper is None:
+                    arrays.append(arg.data)
+                else:
+                    arrays.append(arg._keeper.fetch(arg))
+                    kept = (kept or []) + [arg]
                 if record and not arg.stop_gradient:
                     inputs.append((position, arg if arg._node is None else Edge(arg)))
             elif type(arg) is np.ndarray and backend.on_gpu():
@@ -125,6 +130,9 @@ class Function:
         else:
             node.needs_input_grad = (False,) * len(args)
         result = cls.forward(node, *arrays, **kwargs)
+        if kept is not None and inputs:
+            for keeper in {id(t._keeper): t._keeper for t in kept}.values():
+                keeper.after_forward(node)
         if not inputs:
             if isinstance(result, tuple):
                 return tuple(Tensor(r) for r in result)

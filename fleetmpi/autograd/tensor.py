@@ -20,6 +20,11 @@ class Tensor:
 
     # NumPy defers to the Tensor's reflected operators (ndarray + Tensor gives a Tensor).
     __array_ufunc__ = None
+    # What provides a leaf's values while an operation uses them, when they are not kept
+    # (sharding stage 3 sets one per parameter): ``fetch(tensor)`` gives the array, and
+    # ``after_forward(node)`` may replace what the call saved of them by a record
+    # (``node._packed``) that ``unpack(node)`` turns back before its backward.
+    _keeper = None
 
     def __init__(self, data, stop_gradient=True):
         self.data = data

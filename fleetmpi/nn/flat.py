@@ -38,7 +38,20 @@ class FlatBuffer:
 
     @property
     def size(self):
-        return self.data.size
+        return self.offsets[-1] + self.parameters[-1].size if self.parameters else 0
+
+    def release_gradient(self, home):
+        """Free the flat gradient; each parameter gets storage from ``home(parameter)`` when
+        backward first needs it (sharding stages 2 and 3)."""
+        self.grad = None
+        for p in self.parameters:
+            p.unbind_gradient(home)
+
+    def release_data(self):
+        """Free the flat values; each parameter keeps a placeholder (sharding stage 3)."""
+        self.data = None
+        for p in self.parameters:
+            p.release_data()
 
     def span(self, parameter):
         """``(start, stop)`` of ``parameter`` in the buffer."""

@@ -221,8 +221,9 @@ class Layer:
         return [b for _, b in self.named_buffers()]
 
     def state_dict(self):
-        """Parameters and buffers by dotted name, as host NumPy copies."""
-        state = OrderedDict((name, backend.to_numpy(p.data).copy())
+        """Parameters and buffers by dotted name, as host NumPy copies (under sharding stage 3
+        gathered: every rank calls it)."""
+        state = OrderedDict((name, backend.to_numpy(p.values()).copy())
                             for name, p in self.named_parameters())
         for name, b in self.named_buffers():
             state[name] = backend.to_numpy(b).copy()
@@ -239,7 +240,7 @@ class Layer:
             raise KeyError(f"state dict does not match the model: missing {missing}, "
                            f"unexpected {unexpected}")
         for name, p in params.items():
-            p.data[...] = backend.asarray(_checked(name, as_array(state[name]), p.shape))
+            p.assign(backend.asarray(_checked(name, as_array(state[name]), p.shape)))
         for name, b in buffers.items():
             b[...] = backend.asarray(_checked(name, as_array(state[name]), b.shape))
 

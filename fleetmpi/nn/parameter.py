@@ -15,12 +15,20 @@ class Parameter(Tensor):
     first gradient backward accumulates is then copied in instead of added to zeros (one pass
     over the gradient memory instead of three). Reading ``grad`` writes the zeros first, and
     ``settle_gradient`` does it for a gradient no backward reached, before anything reads the
-    flat buffer directly."""
+    flat buffer directly.
+
+    Under sharding stages 2 and 3 the flat gradient buffer does not exist: a parameter has
+    gradient storage only from the moment backward first needs it (``home(parameter)``, given
+    to ``unbind_gradient``, binds it through ``bind_gradient``) until its bucket is reduced,
+    and ``grad`` is None outside that time. Under stage 3 the values too exist only while a
+    layer uses them (``release_data``/``bind_data``); in between ``data`` is a placeholder of
+    the right shape that holds NaN and takes no memory."""
 
     def __init__(self, value, trainable=True):
         super().__init__(backend.asarray(value), stop_gradient=not trainable)
         self._grad_is_zero = False
         self.grad = backend.array_module().zeros_like(self.data)
+        self._grad_home = None
         self.buffer = None
         self.offset = None
         self.pipeline_stage = None
@@ -36,7 +44,7 @@ class Parameter(Tensor):
 
     def settle_gradient(self):
         """Write the zeros ``clear_gradient`` promised, if no gradient came since."""
-        if self._grad_is_zero:
+        if self._grad_is_zero and self._grad is not None:
             self._grad[...] = 0
             self._grad_is_zero = False
 
@@ -48,12 +56,58 @@ class Parameter(Tensor):
     def accumulate_grad(self, grad):
         """Add ``grad`` (already of this parameter's shape and dtype) to the gradient; ``grad``
         may be the gradient array itself, written by a Function through ``grad_buffer``."""
+        if self._grad is None:
+            self._grad_home(self)
         if self._grad_is_zero:
             if grad is not self._grad:
                 self._grad[...] = grad
             self._grad_is_zero = False
         else:
             self._grad += grad
+
+    def zero_gradient_storage(self, shape, dtype):
+        """The gradient array, for a Function's backward to write this parameter's gradient
+        into directly, when it is zero so far and has this shape and dtype; else None."""
+        if self._grad is None and self._grad_home is not None:
+            self._grad_home(self)
+        if (self._grad_is_zero and self._grad.shape == tuple(shape)
+                and self._grad.dtype == dtype):
+            return self._grad
+        return None
+
+    def bind_gradient(self, array):
+        """Give the parameter ``array`` (its shape) as gradient storage, holding zero."""
+        self._grad = array
+        self._grad_is_zero = True
+
+    def unbind_gradient(self, home):
+        """Drop the gradient storage; ``home(self)`` binds new storage when a gradient comes."""
+        self._grad = None
+        self._grad_is_zero = False
+        self._grad_home = home
+
+    def bind_data(self, array):
+        """Make ``array`` (the parameter's shape) the parameter's values."""
+        self.data = array
+
+    def values(self):
+        """The parameter's values: ``data``, or under sharding stage 3 a gathered copy (a
+        collective: every rank of the group calls it in the same order)."""
+        return self.data if self._keeper is None else self._keeper.fetch(self)
+
+    def assign(self, values):
+        """Set the values from ``values`` (an array of the parameter's shape); under stage 3
+        the part in this rank's shard."""
+        if self._keeper is None:
+            self.data[...] = values
+        else:
+            self._keeper.assign(self, values)
+
+    def release_data(self):
+        """Drop the values, keeping shape and dtype in a placeholder that holds NaN (so a
+        computation that reads them by mistake shows it) and takes no memory."""
+        xp = backend.array_module()
+        self.data = xp.broadcast_to(xp.full((), np.nan, dtype=self.data.dtype), self.data.shape)
 
     @property
     def trainable(self):

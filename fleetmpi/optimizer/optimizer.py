@@ -24,21 +24,25 @@ from .step import StepContext, minimize_loss, run_step
 
 class _Run:
     """A contiguous range ``[start, stop)`` of one flat buffer and the parameters in it (for a
-    piece of a shard, the parameters it holds part of too)."""
+    piece of a shard, the parameters it holds part of too). Its values and gradient are that
+    range of the buffer's, or arrays of its own (``data``, ``grad``: a shard that holds its
+    gradient or its parameters apart from the buffer)."""
 
-    def __init__(self, buffer, start, stop, parameters):
+    def __init__(self, buffer, start, stop, parameters, data=None, grad=None):
         self.buffer = buffer
         self.start = start
         self.stop = stop
         self.parameters = parameters
+        self._data = data
+        self._grad = grad
 
     @property
     def data(self):
-        return self.buffer.data[self.start:self.stop]
+        return self.buffer.data[self.start:self.stop] if self._data is None else self._data
 
     @property
     def grad(self):
-        return self.buffer.grad[self.start:self.stop]
+        return self.buffer.grad[self.start:self.stop] if self._grad is None else self._grad
 
     def view(self, flat, parameter):
         """The part of ``flat`` (an array of this run's length) that belongs to ``parameter``:
@@ -133,6 +137,8 @@ class Optimizer:
         self._spans = self._run_spans
         self._shard = None
         self._sum_over_shards = None
+        self.shard_gradient = None
+        self.shard_parameters = None
         xp = backend.array_module()
         self._state = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
                         for name in self.state_names} for run in self._runs]
@@ -155,8 +161,10 @@ class Optimizer:
         return list(self._parameters)
 
     def flat_runs(self):
-        """``(flat data, flat grad)`` of every contiguous run of the parameters."""
-        return [(run.data, run.grad) for run in self._runs]
+        """``(flat data, flat grad)`` of every contiguous run of the parameters, or of the
+        shard's pieces when the shard holds its own gradient (the gradient the update uses)."""
+        runs = self._runs if self.shard_gradient is None else self._update_runs
+        return [(run.data, run.grad) for run in runs]
 
     def owns(self, parameter):
         """Whether ``parameter`` is one this optimizer updates."""
@@ -261,13 +269,18 @@ class Optimizer:
         """Bytes of optimizer state this process holds (velocity, moments)."""
         return sum(int(flat.nbytes) for run_state in self._state for flat in run_state.values())
 
-    def shard(self, start, stop, sum_over_shards=None):
+    def shard(self, start, stop, sum_over_shards=None, own_gradient=False,
+              own_parameters=False):
         """From now on update only elements ``[start, stop)`` of the parameter space and hold
         optimizer state for them alone; the state held so far for them is kept.
 
         ``sum_over_shards(array)``: ``array`` summed over the processes that hold the other
         shards of the space (an allreduce), for ``grad_clip``'s norms of whole tensors; None
-        when nothing else is held elsewhere. An optimizer is sharded once."""
+        when nothing else is held elsewhere. ``own_gradient``: the update reads the gradient
+        from ``shard_gradient``, a zeroed flat array of the shard's length, instead of the flat
+        buffers (sharding stage 2). ``own_parameters``: it updates ``shard_parameters``, a
+        copy of the shard's values taken now, instead of the flat buffers (stage 3). An
+        optimizer is sharded once."""
         if self._shard is not None:
             raise RuntimeError(f"this {type(self).__name__} is already sharded to "
                                f"{self._shard}; build a new optimizer to shard it otherwise")
@@ -276,6 +289,12 @@ class Optimizer:
                    for v in (start, stop)) or not 0 <= start <= stop <= total:
             raise ValueError(f"shard ({start!r}, {stop!r}) must be integers with 0 <= start <= "
                              f"stop <= {total}, the size of the parameter space")
+        xp = backend.array_module()
+        dtype = self._runs[0].buffer.dtype
+        if own_gradient:
+            self.shard_gradient = xp.zeros(stop - start, dtype=dtype)
+        if own_parameters:
+            self.shard_parameters = xp.empty(stop - start, dtype=dtype)
         pieces, spans, state = [], [], []
         for run, (low, high), run_state in zip(self._runs, self._run_spans, self._state):
             lo, hi = max(start, low), min(stop, high)
@@ -283,7 +302,13 @@ class Optimizer:
                 continue
             first, last = run.start + lo - low, run.start + hi - low
             held = [p for p in run.parameters if p.offset < last and p.offset + p.size > first]
-            pieces.append(_Run(run.buffer, first, last, held))
+            data = grad = None
+            if own_parameters:
+                data = self.shard_parameters[lo - start:hi - start]
+                data[...] = run.buffer.data[first:last]
+            if own_gradient:
+                grad = self.shard_gradient[lo - start:hi - start]
+            pieces.append(_Run(run.buffer, first, last, held, data, grad))
             spans.append((lo, hi))
             state.append({name: flat[lo - low:hi - low].copy()
                           for name, flat in run_state.items()})

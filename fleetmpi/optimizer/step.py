@@ -35,7 +35,9 @@ class StepContext:
     parameters this step (off while gradients are being merged, or when they overflowed).
     ``gradients_ready``: set by a strategy whose forward stage already computed this step's
     gradients into the parameters (pipeline's micro-batch schedule); the backward stage then
-    reports them to the hooks instead of running the loss's backward."""
+    reports them to the hooks instead of running the loss's backward. ``keep_gradients``: the
+    reduced gradients of this step are kept for the next steps to add to (gradient_merge's
+    window, where the gradient lives in a shard: sharding stages 2 and 3)."""
 
     def __init__(self, model, loss_fn, x, y, optimizer, step=0):
         self.model = model
@@ -50,6 +52,7 @@ class StepContext:
         self.output = None
         self.loss_scale = 1
         self.gradients_ready = False
+        self.keep_gradients = False
 
 
 class StepHook:

@@ -1,0 +1,208 @@
+"""Sharding stage 3: parameters that exist whole only while an operation uses them.
+
+The optimizer updates ``shard_parameters`` (this rank's range of the parameter space), and the
+model's flat values are freed. The parameters are grouped into units: those of one layer
+(``gradient_allreduce.layer_of``, from the dotted name), cut where they are not contiguous in
+the parameter space. When an operation is called with a parameter (``Function.apply`` asks the
+parameter's keeper, ``Tensor._keeper``), its unit is all-gathered from the shards (one
+``allgatherv`` over the group) unless it is the unit gathered last, which it then replaces:
+at most one unit is whole at a time besides what recorded operations keep for their backward.
+
+A recorded operation usually saves the arrays of its parameters, or views of them, for its
+backward. Those are packed right after its forward: each saved array that is a view of the
+gathered unit is replaced by where in the unit it lies, so the unit's memory goes when the
+next unit is gathered; the operation's backward gathers the unit again and rebuilds the views
+(``_Packed.unpack``, called by the engine). A recomputed segment gathers again in the same way.
+The values do not change between forward and backward, so an array that is not packed (held
+somewhere else) still holds the right values, only its memory stays.
+
+Every rank of a group must therefore run the same operations on the same parameters in the
+same order, as with FSDP or ZeRO-3; a unit gathered on one rank only is a collective that the
+others do not enter, reported by the comm layer's checks.
+"""
+import numpy as np
+
+from .. import backend
+from .gradient_allreduce import layer_of
+
+
+def _address(array):
+    """The address of ``array``'s first element (NumPy or CuPy)."""
+    data = array.data
+    return data.ptr if hasattr(data, "ptr") else array.__array_interface__["data"][0]
+
+
+def _owned_by(array, owner):
+    """Whether ``array`` is ``owner`` or a view of it."""
+    while array is not None:
+        if array is owner:
+            return True
+        array = getattr(array, "base", None)
+    return False
+
+
+class _Unit:
+    """Parameters of one layer that lie back to back in ``[start, stop)`` of the parameter
+    space; ``counts``: how many of its elements each rank of the group holds; ``values``: the
+    gathered array, while it is whole."""
+
+    def __init__(self, index, parameters, start, stop, offsets):
+        self.index = index
+        self.parameters = parameters
+        self.start = start
+        self.stop = stop
+        self.counts = [max(0, min(stop, offsets[r + 1]) - max(start, offsets[r]))
+                       for r in range(len(offsets) - 1)]
+        self.values = None
+
+
+class _Packed:
+    """The saved arrays of one recorded call that were views of gathered units: for each,
+    ``(attribute, position in a tuple or list or None, unit, element offset, shape, byte
+    strides)``."""
+
+    def __init__(self, gatherer, entries):
+        self.gatherer = gatherer
+        self.entries = entries
+
+    def unpack(self, node):
+        """Put the views back on ``node``, gathering their units again where needed."""
+        xp = backend.array_module()
+        for attribute, position, unit, offset, shape, strides in self.entries:
+            values = self.gatherer.gathered(unit)
+            view = xp.lib.stride_tricks.as_strided(values[offset:], shape, strides)
+            if position is None:
+                setattr(node, attribute, view)
+            else:
+                held = getattr(node, attribute)
+                items = list(held)
+                items[position] = view
+                setattr(node, attribute, type(held)(items))
+
+
+class ParameterGatherer:
+    """The keeper of every parameter of a stage-3 optimizer (module docstring). ``units``:
+    the units in parameter-space order; ``gathers``: how many all-gathers ran."""
+
+    def __init__(self, optimizer, group, offsets):
+        self.optimizer = optimizer
+        self.group = group
+        self.offsets = offsets
+        rank = 0 if group is None else group.rank
+        self.shard = (offsets[rank], offsets[rank + 1])
+        self.units = []
+        self._unit_of = {}
+        self._position = {}
+        self._current = None
+        self.gathers = 0
+        placed = []
+        for run, (low, _) in zip(optimizer._runs, optimizer._run_spans):
+            placed += [(low + p.offset - run.start, p) for p in run.parameters]
+        placed.sort(key=lambda item: item[0])
+        by_layer = {}
+        for start, p in placed:
+            by_layer.setdefault(layer_of(p), []).append((start, p))
+        for members in by_layer.values():
+            run = [members[0]]
+            for start, p in members[1:]:
+                if start == run[-1][0] + run[-1][1].size:
+                    run.append((start, p))
+                else:
+                    self._add_unit(run)
+                    run = [(start, p)]
+            self._add_unit(run)
+        self.units.sort(key=lambda unit: unit.start)
+        for index, unit in enumerate(self.units):
+            unit.index = index
+        for buffer in {id(run.buffer): run.buffer for run in optimizer._runs}.values():
+            buffer.release_data()
+        for _, p in placed:
+            p._keeper = self
+
+    def _add_unit(self, members):
+        start = members[0][0]
+        stop = members[-1][0] + members[-1][1].size
+        unit = _Unit(len(self.units), [p for _, p in members], start, stop, self.offsets)
+        self.units.append(unit)
+        for position, p in members:
+            self._unit_of[id(p)] = unit
+            self._position[id(p)] = position
+
+    # -- the keeper's protocol (Tensor._keeper) ---------------------------------------------
+    def fetch(self, parameter):
+        """``parameter``'s whole values, its unit gathered if it is not the current one."""
+        self.gathered(self._unit_of[id(parameter)])
+        return parameter.data
+
+    def after_forward(self, node):
+        """Replace what ``node`` saved of the current unit by where it lies in the unit."""
+        unit = self._current
+        if unit is None:
+            return
+        entries = []
+        for attribute, value in list(vars(node).items()):
+            if isinstance(value, (tuple, list)):
+                items = list(value)
+                packed = False
+                for position, item in enumerate(items):
+                    entry = self._pack(attribute, position, item, unit)
+                    if entry is not None:
+                        entries.append(entry)
+                        items[position] = None
+                        packed = True
+                if packed:
+                    setattr(node, attribute, type(value)(items))
+            else:
+                entry = self._pack(attribute, None, value, unit)
+                if entry is not None:
+                    entries.append(entry)
+                    setattr(node, attribute, None)
+        if entries:
+            node._packed = _Packed(self, entries)
+
+    def _pack(self, attribute, position, value, unit):
+        if not hasattr(value, "strides") or not _owned_by(value, unit.values):
+            return None
+        itemsize = unit.values.dtype.itemsize
+        offset = (_address(value) - _address(unit.values)) // itemsize
+        return attribute, position, unit, offset, tuple(value.shape), tuple(value.strides)
+
+    # -- gathering --------------------------------------------------------------------------
+    def gathered(self, unit):
+        """``unit``'s values, all-gathered unless it is the current unit; the unit gathered
+        before is released."""
+        if self._current is unit:
+            return unit.values
+        self.forget()
+        start, stop = self.shard
+        lo, hi = max(unit.start, start), min(unit.stop, stop)
+        piece = self.optimizer.shard_parameters[max(0, lo - start):max(0, hi - start)]
+        if self.group is None:
+            values = piece.copy()
+        else:
+            values = self.group.allgatherv(piece, unit.counts)
+        self.gathers += 1
+        unit.values = values
+        for p in unit.parameters:
+            begin = self._position[id(p)] - unit.start
+            p.bind_data(values[begin:begin + p.size].reshape(p.shape))
+        self._current = unit
+        return values
+
+    def forget(self):
+        """Release the unit gathered last (after an update its values are stale)."""
+        unit, self._current = self._current, None
+        if unit is not None:
+            unit.values = None
+            for p in unit.parameters:
+                p.release_data()
+
+    def assign(self, parameter, values):
+        """Write the part of ``values`` (``parameter``'s whole values) in this rank's shard."""
+        begin = self._position[id(parameter)]
+        start, stop = self.shard
+        lo, hi = max(begin, start), min(begin + parameter.size, stop)
+        if lo < hi:
+            flat = values.reshape(-1)
+            self.optimizer.shard_parameters[lo - start:hi - start] = flat[lo - begin:hi - begin]
+        self.forget()
