@@ -197,7 +197,8 @@ def test_sharding():
         "hybrid_dp": True,
     }
     assert dict(strategy.sharding_configs) == {"fuse_broadcast_MB": 32.0, "hybrid_dp": True,
-                                               "sharding_group_size": 8}
+                                               "sharding_group_size": 8, "sharding_degree": 8,
+                                               "stage": 1}
 
 
 def test_amp_recompute_lars_combination():
