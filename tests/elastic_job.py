@@ -1,13 +1,14 @@
 """The training job of tests/test_elastic.py, started under ``fleetmpirun [--elastic]``.
 
-    python elastic_job.py CHECKPOINTS OUT STEPS COMMIT_EVERY [DIE_RANK DIE_STEP]
+    python elastic_job.py CHECKPOINTS OUT STEPS COMMIT_EVERY [DIE_RANK DIE_STEP [DIE_ATTEMPTS]]
 
 Data parallelism with a fixed global batch of ``GLOBAL_BATCH`` samples, dealt by
 ``DistributedSampler`` (the same global batches at any number of ranks that divides it), and
 Momentum, whose state must survive a restart. ``fleetmpi.elastic.State`` commits every
-``COMMIT_EVERY`` steps and restores at start. On the first attempt only, rank ``DIE_RANK``
-kills itself with SIGKILL before step ``DIE_STEP``. At the end every rank writes its
-parameters, the world size and the attempt into ``OUT.<rank>.npz``.
+``COMMIT_EVERY`` steps and restores at start. In the first ``DIE_ATTEMPTS`` attempts (1 by
+default), rank ``DIE_RANK`` kills itself with SIGKILL before step ``DIE_STEP``. Rank 0 prints
+the MPICH shared-memory segments it mapped (``SEGMENTS name ...``). At the end every rank
+writes its parameters, the world size and the attempt into ``OUT.<rank>.npz``.
 """
 import os
 import signal
@@ -18,6 +19,7 @@ import numpy as np
 import fleetmpi as fleet
 from fleetmpi import elastic, nn
 from fleetmpi.data import ArrayDataset, DistributedSampler
+from fleetmpi.launch import shm
 from strategy_support import make_mlp, make_strategy, momentum
 
 GLOBAL_BATCH = 12
@@ -29,9 +31,11 @@ def dataset():
     return ArrayDataset(rng.standard_normal((SAMPLES, 6)), rng.integers(0, 4, SAMPLES))
 
 
-def main(directory, out, steps, commit_every, die_rank=-1, die_step=-1):
+def main(directory, out, steps, commit_every, die_rank=-1, die_step=-1, die_attempts=1):
     fleet.init(is_collective=True)
     rank, size = fleet.worker_index(), fleet.worker_num()
+    if rank == 0:
+        print("SEGMENTS", *sorted(shm.mapped_segments(os.getpid())), flush=True)
     fleet.seed(0)
     model = fleet.distributed_model(make_mlp((6, 16, 4)))
     opt = fleet.distributed_optimizer(momentum(model.parameters()), make_strategy())
@@ -46,7 +50,7 @@ def main(directory, out, steps, commit_every, die_rank=-1, die_step=-1):
         for indices in batches[step % len(sampler):]:
             if step >= steps:
                 break
-            if rank == die_rank and step == die_step and state.restart_count == 0:
+            if rank == die_rank and step == die_step and state.restart_count < die_attempts:
                 print(f"FAULT rank {rank} before step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = data.batch(indices)
