@@ -285,3 +285,17 @@ def test_restart_count_is_validated(monkeypatch):
     monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "x")
     with pytest.raises(ValueError, match="FLEETMPI_RESTART_COUNT='x'"):
         elastic.restart_count()
+
+
+def test_strategy_elastic_is_reported_as_not_applied_outside_fleetmpirun_elastic(monkeypatch):
+    from fleetmpi import DistributedStrategy
+    from fleetmpi.strategies import applied
+
+    strategy = DistributedStrategy()
+    assert strategy.elastic is False
+    strategy.elastic = True
+    monkeypatch.delenv(elastic.RESTART_COUNT_ENV, raising=False)
+    assert "not started by fleetmpirun --elastic" in applied.not_applied(strategy, None,
+                                                                         False)["elastic"]
+    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "0")
+    assert "elastic" not in applied.not_applied(strategy, None, False)
