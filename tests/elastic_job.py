@@ -6,13 +6,15 @@ Data parallelism with a fixed global batch of ``GLOBAL_BATCH`` samples, dealt by
 ``DistributedSampler`` (the same global batches at any number of ranks that divides it), and
 Momentum, whose state must survive a restart. ``fleetmpi.elastic.State`` commits every
 ``COMMIT_EVERY`` steps and restores at start. In the first ``DIE_ATTEMPTS`` attempts (1 by
-default), rank ``DIE_RANK`` kills itself with SIGKILL before step ``DIE_STEP``. Rank 0 prints
+default), rank ``DIE_RANK`` kills itself with SIGKILL before step ``DIE_STEP``, printing ``FAULT <time> ...``; after a
+restart rank 0 prints ``RESUMED <time> ...`` once restored (benchmarks/faults.py). Rank 0 prints
 the MPICH shared-memory segments it mapped (``SEGMENTS name ...``). At the end every rank
 writes its parameters, the world size and the attempt into ``OUT.<rank>.npz``.
 """
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -44,6 +46,8 @@ def main(directory, out, steps, commit_every, die_rank=-1, die_step=-1, die_atte
     sampler = DistributedSampler(SAMPLES, GLOBAL_BATCH // size, seed=5)
     loss_fn = nn.CrossEntropyLoss()
     step = state.restore()
+    if rank == 0 and state.restart_count:
+        print(f"RESUMED {time.time():.6f} at step {step} on {size} rank(s)", flush=True)
     while step < steps:
         sampler.set_epoch(step // len(sampler))
         batches = list(sampler)
@@ -51,7 +55,7 @@ def main(directory, out, steps, commit_every, die_rank=-1, die_step=-1, die_atte
             if step >= steps:
                 break
             if rank == die_rank and step == die_step and state.restart_count < die_attempts:
-                print(f"FAULT rank {rank} before step {step}", flush=True)
+                print(f"FAULT {time.time():.6f} rank {rank} before step {step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             x, y = data.batch(indices)
             opt.minimize(model, loss_fn, x, y)

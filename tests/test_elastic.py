@@ -63,7 +63,9 @@ def test_a_run_that_lost_a_rank_resumes_at_two_and_ends_as_an_uninterrupted_one(
                   str(tmp_path / "out"), str(STEPS), str(COMMIT_EVERY), str(DIE_RANK),
                   str(DIE_STEP)])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"FAULT rank {DIE_RANK} before step {DIE_STEP}" in result.stdout
+    assert re.search(rf"^FAULT \S+ rank {DIE_RANK} before step {DIE_STEP}$", result.stdout,
+                     re.MULTILINE), result.stdout[-2000:]
+    assert re.search(r"^RESUMED \S+ at step 4 on 2 rank\(s\)$", result.stdout, re.MULTILINE)
     restart_line = re.search(r"fleetmpirun: elastic: attempt 0 with 3 rank\(s\) failed: (.*); "
                              r"restart 1 of at most 2 with 2 rank\(s\)", result.stderr)
     assert restart_line, result.stderr[-3000:]
