@@ -8,6 +8,7 @@
     fleetmpirun --dry-run --np 2 train.py            # print the mpiexec command only
     fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
     fleetmpirun --slurm train.py                     # in an sbatch script: srun starts the ranks
+    fleetmpirun --elastic --max_restarts 3 --np 4 train.py  # restart after a failure (restart.py)
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and
