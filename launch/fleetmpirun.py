@@ -138,6 +138,12 @@ def check_inputs(args):
     check_elastic_inputs(args)
 
 
+def elastic_limits(args):
+    """``(max_restarts, min_np)`` of ``--elastic``, the defaults where not given."""
+    return (restart.DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
+            restart.DEFAULT_MIN_NP if args.min_np is None else args.min_np)
+
+
 def check_elastic_inputs(args):
     """ValueError naming an elastic option that cannot work (``launch/restart.py``)."""
     given = [name for name, value in (("--np_file", args.np_file),
@@ -147,14 +153,11 @@ def check_elastic_inputs(args):
         if given:
             raise ValueError(f"{', '.join(given)} only apply with --elastic")
         return
-    if args.max_restarts is None:
-        args.max_restarts = restart.DEFAULT_MAX_RESTARTS
-    if args.min_np is None:
-        args.min_np = restart.DEFAULT_MIN_NP
-    if args.max_restarts < 0:
-        raise ValueError(f"--max_restarts must be at least 0, got {args.max_restarts}")
-    if args.min_np < 1:
-        raise ValueError(f"--min_np must be at least 1, got {args.min_np}")
+    max_restarts, min_np = elastic_limits(args)
+    if max_restarts < 0:
+        raise ValueError(f"--max_restarts must be at least 0, got {max_restarts}")
+    if min_np < 1:
+        raise ValueError(f"--min_np must be at least 1, got {min_np}")
     if args.server_num or args.worker_num:
         raise ValueError("--elastic restarts collective jobs; parameter-server mode "
                          "(--server_num/--worker_num) has fixed roles and cannot lose a rank")
@@ -484,14 +487,16 @@ def run_attempt(args, flavour, mpiexec, exclude=()):
 def run_elastic(args, flavour, mpiexec):
     """``--elastic``: attempts until one succeeds or no restart is allowed (``restart.run``),
     then the summary; the last attempt's status."""
-    first_np = run_attempt_count(args)
+    first_np, given_np = run_attempt_count(args), args.np
+    max_restarts, min_np = elastic_limits(args)
     folder = os.path.abspath(args.log_dir) if args.log_dir else None
     private = tempfile.mkdtemp(prefix="fleetmpirun-elastic-") if folder is None else None
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
 
     def attempt(restart_count, np, exclude):
         args.restart_count = restart_count
-        if np != first_np:
-            args.np = np
+        args.np = given_np if np == first_np else np
         fd, args.progress_file = tempfile.mkstemp(prefix=".elastic-progress-",
                                                   dir=folder or private)
         os.close(fd)
@@ -502,8 +507,8 @@ def run_elastic(args, flavour, mpiexec):
 
     failed_nodes = (lambda: slurm.unusable_nodes(os.environ)) if args.slurm else None
     try:
-        attempts, reason = restart.run(first_np, attempt, args.max_restarts, args.min_np,
-                                       args.np_file, failed_nodes)
+        attempts, reason = restart.run(first_np, attempt, max_restarts, min_np, args.np_file,
+                                       failed_nodes)
     finally:
         if private:
             shutil.rmtree(private, ignore_errors=True)
@@ -531,7 +536,7 @@ def main(argv=None):
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
         flavour = mpi_command.detect_flavour(mpiexec)
         cmd = job_command(args, flavour, mpiexec)
-        if args.elastic and args.min_np > run_attempt_count(args):
+        if args.elastic and elastic_limits(args)[1] > run_attempt_count(args):
             raise ValueError(f"--min_np {args.min_np} is more than the "
                              f"{run_attempt_count(args)} rank(s) the job starts with")
     except (ValueError, FileNotFoundError, RuntimeError) as error:

@@ -89,9 +89,13 @@ def test_a_run_that_lost_a_rank_resumes_at_two_and_ends_as_an_uninterrupted_one(
 
 
 def test_exhausted_restarts_end_the_job_non_zero_with_the_cause(tmp_path):
-    result = run(["--elastic", "--np", "2", "--max_restarts", "1", JOB, str(tmp_path / "ckpt"),
-                  str(tmp_path / "out"), str(STEPS), str(COMMIT_EVERY), "1", "3", "99"])
+    logs = tmp_path / "log"
+    result = run(["--elastic", "--np", "2", "--max_restarts", "1", "--log_dir", str(logs), JOB,
+                  str(tmp_path / "ckpt"), str(tmp_path / "out"), str(STEPS), str(COMMIT_EVERY),
+                  "1", "3", "99"])
     assert result.returncode == 9, result.stderr[-3000:]
+    assert sorted(os.listdir(logs)) == ["workerlog.0", "workerlog.1"]  # no records left behind
+    assert "FAULT" in (logs / "workerlog.1").read_text()
     assert "restart 1 of at most 1 with 2 rank(s)" in result.stderr
     assert re.search(r"gave up: attempt 1 with 2 rank\(s\) failed: exit status 9.*no restart "
                      r"left \(--max_restarts 1\)", result.stderr), result.stderr[-3000:]
