@@ -4,6 +4,7 @@ the shared-memory segments an aborted job leaves.
 The jobs run ``tests/elastic_job.py`` under ``fleetmpirun``; each is bounded by
 ``JOB_SECONDS``, so a regression fails instead of hanging.
 """
+import mmap
 import os
 import re
 import subprocess
@@ -170,8 +171,22 @@ def test_only_this_jobs_mpich_segments_of_this_user_are_removed(tmp_path, monkey
                                             "mpich_shm_ef56_0", "other_0"]
 
 
-def test_the_segments_a_process_maps_are_read_from_its_maps(tmp_path):
-    assert shm.mapped_segments(os.getpid()) == set()
+def test_the_segments_a_process_maps_are_read_from_its_maps():
+    if not os.path.isdir(shm.SHM_DIR):
+        pytest.skip(f"no {shm.SHM_DIR} on this system")
+    name = f"mpich_shm_{os.urandom(4).hex()}_0"
+    path = os.path.join(shm.SHM_DIR, name)
+    with open(path, "w+b") as f:
+        f.truncate(4096)
+        mapped = mmap.mmap(f.fileno(), 4096)
+    try:
+        assert name in shm.mapped_segments(os.getpid())
+        os.unlink(path)  # still mapped, now "(deleted)": not a file left in /dev/shm
+        assert name not in shm.mapped_segments(os.getpid())
+    finally:
+        mapped.close()
+        if os.path.exists(path):
+            os.unlink(path)
     assert shm.mapped_segments(2 ** 22 + 7) == set()  # no such process
 
 
