@@ -1,12 +1,14 @@
 """What ``fleetmpirun`` observes of a running job's ranks on its own host.
 
 Each rank leaves ``pid.<rank>`` ("<pid> <host>") in the job's records folder when it starts
-(``rank_main``). While the MPI launcher runs, ``fleetmpirun`` polls those processes a few times
-a second (``RankWatch.wait``), which tells it two things nothing else does:
+(``rank_main``). While the MPI launcher runs, ``fleetmpirun`` watches those processes
+(``RankWatch.wait``, on pidfds where the system has them), which tells it two things nothing
+else does:
 
-* which rank ended first without finishing its script: when a rank dies, MPICH kills the others with SIGKILL and names one
-  process id, not always the right one; the rank seen gone while others still ran is the
-  cause of the failure (several when they went within one poll of each other);
+* which rank ended first without finishing its script: when a rank dies, MPICH kills the
+  others with SIGKILL and names one process id, not always the right one. The rank seen gone
+  while the others still ran is the likely cause (several when they went within one wake-up
+  of each other; on a busy machine MPICH's kill can complete first, see docs/launch.md);
 * which MPICH shared-memory segments the job's ranks mapped (``launch/shm.py``), so that those
   an aborted job leaves in ``/dev/shm`` can be removed, and nothing else.
 """
@@ -46,8 +48,8 @@ def alive(pid):
 class RankWatch:
     """Watches the ranks of ``records`` (their records folder, on this host): each rank's
     process is opened as a pidfd as soon as its record appears, and ``wait`` sleeps in
-    ``poll(2)`` on them, so the first rank to end wakes the launcher before MPICH's clean-up
-    kills the others (without pidfds, where the system lacks them, a rank is seen gone only at
+    ``poll(2)`` on them, so the first rank to end wakes the launcher, usually before MPICH's
+    clean-up has killed the others (without pidfds, where the system lacks them, a rank is seen gone only at
     the next poll, and the one that ended first may not be told from the others)."""
 
     def __init__(self, records):

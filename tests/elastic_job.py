@@ -6,10 +6,11 @@ Data parallelism with a fixed global batch of ``GLOBAL_BATCH`` samples, dealt by
 ``DistributedSampler`` (the same global batches at any number of ranks that divides it), and
 Momentum, whose state must survive a restart. ``fleetmpi.elastic.State`` commits every
 ``COMMIT_EVERY`` steps and restores at start. In the first ``DIE_ATTEMPTS`` attempts (1 by
-default), rank ``DIE_RANK`` kills itself with SIGKILL before step ``DIE_STEP``, printing ``FAULT <time> ...``; after a
-restart rank 0 prints ``RESUMED <time> ...`` once restored (benchmarks/faults.py). Rank 0 prints
-the MPICH shared-memory segments it mapped (``SEGMENTS name ...``). At the end every rank
-writes its parameters, the world size and the attempt into ``OUT.<rank>.npz``.
+default), rank ``DIE_RANK`` prints ``FAULT <time> ...`` and kills itself with SIGKILL before
+step ``DIE_STEP``; after a restart rank 0 prints ``RESUMED <time> ...`` once restored
+(benchmarks/faults.py). Rank 0 prints the MPICH shared-memory segments it mapped
+(``SEGMENTS name ...``). At the end every rank writes its parameters, the world size and the
+attempt into ``OUT.<rank>.npz``.
 """
 import os
 import signal
