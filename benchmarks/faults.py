@@ -8,17 +8,24 @@ job prints ``FAULT <time>`` at the moment of the fault, and the time from there 
 launcher's exit is the measure (median of ``--repeats`` runs), next to the exit status and
 whether the job's output names the failing rank. Stalls run with ``FLEETMPI_STALL_TIMEOUT=2``,
 so their time includes those 2 s. A job that has not ended after 60 s counts as hung.
+
+    python benchmarks/faults.py --elastic [--repeats 5]
+
+measures instead the time from a rank's SIGKILL to training resumed under ``fleetmpirun
+--elastic`` (``tests/elastic_job.py``: 3 ranks, rank 2 killed, resumed at 2).
 """
 import argparse
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from fleetmpi.launch.mpi_command import local_command
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "failure_jobs.py")
+ELASTIC_JOB = os.path.join(os.path.dirname(JOB), "elastic_job.py")
 HANG_SECONDS = 60
 SCENARIOS = [
     # (name, job arguments, extra environment, and per launcher: the text that names the
@@ -59,11 +66,43 @@ def run(command, env):
     return done.returncode, (ended - faults[0]) if faults else None, output
 
 
+def elastic_restart(repeats):
+    """Seconds from a rank's SIGKILL to training resumed at one rank fewer under
+    ``fleetmpirun --elastic`` (3 ranks, then 2), median of ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as folder:
+            np_file = os.path.join(folder, "np")
+            with open(np_file, "w") as f:
+                f.write("2")
+            command = [fleetmpirun(3)[0], "--elastic", "--np", "3", "--np_file", np_file,
+                       ELASTIC_JOB, os.path.join(folder, "ckpt"), os.path.join(folder, "out"),
+                       "10", "2", "2", "5"]
+            done = subprocess.run(command, env=dict(os.environ, FLEETMPI_DEVICE="cpu"),
+                                  capture_output=True, text=True, timeout=HANG_SECONDS)
+            marks = {line.split()[0]: float(line.split()[1])
+                     for line in done.stdout.splitlines()
+                     if line.startswith(("FAULT ", "RESUMED "))}
+            if done.returncode == 0 and len(marks) == 2:
+                times.append(marks["RESUMED"] - marks["FAULT"])
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--elastic", action="store_true",
+                        help="measure only the time from a killed rank to training resumed "
+                             "under fleetmpirun --elastic")
     args = parser.parse_args()
+    if args.elastic:
+        times = elastic_restart(args.repeats)
+        print(f"fleetmpirun --elastic, 3 ranks, rank 2 killed, resumed at 2: fault to resumed "
+              f"training {statistics.median(times):.2f} s (median of {len(times)} of "
+              f"{args.repeats} runs that resumed; all: "
+              f"{', '.join(f'{t:.2f}' for t in times)})")
+        return
     print(f"{args.ranks} ranks, median of {args.repeats} runs; seconds from the fault to the "
           "launcher's exit")
     print("| scenario | launcher | exit status | fault to exit (s) | failing rank named |")

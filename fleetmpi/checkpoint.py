@@ -224,25 +224,29 @@ def _join_shards(directory, manifest, state, own):
     return state
 
 
-def load(directory, model, optimizer=None):
+def load(directory, model, optimizer=None, replicated=False):
     """Restore this rank's model, optimizer and random state from ``directory``; returns
     ``{"step": int, "extra": ...}``.
 
     The checkpoint must come from a job of the same size, unless its optimizer state is
-    sharded: then the optimizer's state for the range it updates is joined from the shards of
-    every file that holds part of it, and in a job of another size rank ``r`` takes the model,
-    random state and extra of the saved rank ``r % saved size`` (data parallelism keeps the
-    parameters equal on every rank)."""
+    sharded, or ``replicated`` says that every rank holds the same model and optimizer state
+    (plain data parallelism, as after an elastic restart with fewer ranks; see
+    ``fleetmpi.elastic``). A sharded optimizer's state for the range it updates is joined from
+    the shards of every file that holds part of it. In a job of another size rank ``r`` takes
+    the model, random state and extra of the saved rank ``r % saved size`` (data parallelism
+    keeps the parameters equal on every rank), and with ``replicated`` its optimizer state
+    too."""
     _, rank, size = _world()
     manifest = read_manifest(directory)
     saved = manifest["world_size"]
     entry = manifest["files"][rank % saved]
     stored, meta = _read(_verified(directory, entry))
     sharded = optimizer is not None and "shard" in meta["optimizer"]
-    if saved != size and not sharded:
+    if saved != size and not sharded and not replicated:
         raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "
                          f"this job has {size} (only the optimizer state of a sharding "
-                         "run is re-sharded to another number of ranks)")
+                         "run is re-sharded to another number of ranks, or a state that "
+                         "load(..., replicated=True) is told every rank holds alike)")
     model_state = {k[len(_MODEL):]: v for k, v in stored.items() if k.startswith(_MODEL)}
     state = dict(meta["optimizer"])
     state.update({k[len(_OPTIMIZER):]: v for k, v in stored.items() if k.startswith(_OPTIMIZER)})

@@ -8,6 +8,7 @@
     fleetmpirun --dry-run --np 2 train.py            # print the mpiexec command only
     fleetmpirun --np 4 --timeline trace.json train.py  # every rank records into one timeline
     fleetmpirun --slurm train.py                     # in an sbatch script: srun starts the ranks
+    fleetmpirun --elastic --max_restarts 3 --np 4 train.py  # restart after a failure (restart.py)
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and
@@ -25,7 +26,8 @@ import sys
 import tempfile
 import time
 
-from . import mpi_command, rank_main, slurm
+from .. import elastic
+from . import mpi_command, rank_main, restart, shm, slurm, watch
 
 
 def parse_list(text):
@@ -97,6 +99,18 @@ def parser():
     p.add_argument("--slurm", action="store_true",
                    help="inside a Slurm allocation (sbatch, salloc): start the ranks with srun "
                         "(-n from --np, else the allocation's tasks); --mpi_args go to srun")
+    p.add_argument("--elastic", action="store_true",
+                   help="restart the job after a failure, with the ranks still available; the "
+                        "script resumes with fleetmpi.elastic.State (see docs/launch.md)")
+    p.add_argument("--max_restarts", type=int,
+                   help=f"--elastic: restart at most this many times (default "
+                        f"{restart.DEFAULT_MAX_RESTARTS})")
+    p.add_argument("--min_np", type=int,
+                   help=f"--elastic: never restart with fewer ranks than this (default "
+                        f"{restart.DEFAULT_MIN_NP})")
+    p.add_argument("--np_file", metavar="FILE",
+                   help="--elastic: before each restart, read the number of ranks still "
+                        "available from FILE (at most the first run's count)")
     p.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
                    help="print the command instead of running it")
     p.add_argument("script", help="the training script")
@@ -121,6 +135,39 @@ def check_inputs(args):
         if os.path.isdir(args.timeline) or not os.path.isdir(folder):
             raise ValueError(f"--timeline {args.timeline!r} must name a file in an existing "
                              f"folder")
+    check_elastic_inputs(args)
+
+
+def elastic_limits(args):
+    """``(max_restarts, min_np)`` of ``--elastic``, the defaults where not given."""
+    return (restart.DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
+            restart.DEFAULT_MIN_NP if args.min_np is None else args.min_np)
+
+
+def check_elastic_inputs(args):
+    """ValueError naming an elastic option that cannot work (``launch/restart.py``)."""
+    given = [name for name, value in (("--np_file", args.np_file),
+                                      ("--max_restarts", args.max_restarts),
+                                      ("--min_np", args.min_np)) if value is not None]
+    if not args.elastic:
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with --elastic")
+        return
+    max_restarts, min_np = elastic_limits(args)
+    if max_restarts < 0:
+        raise ValueError(f"--max_restarts must be at least 0, got {max_restarts}")
+    if min_np < 1:
+        raise ValueError(f"--min_np must be at least 1, got {min_np}")
+    if args.server_num or args.worker_num:
+        raise ValueError("--elastic restarts collective jobs; parameter-server mode "
+                         "(--server_num/--worker_num) has fixed roles and cannot lose a rank")
+    if args.np_file is not None and args.gpus:
+        raise ValueError("--np_file cannot change the rank count of --gpus, which is one "
+                         "rank per listed GPU; give --np_file with --np instead")
+    if args.slurm and not args.log_dir:
+        raise ValueError("--elastic under --slurm needs --log_dir (shared by the nodes): the "
+                         "ranks record there which node each ran on, so that the ranks of a "
+                         "failed node are left out of the restart")
 
 
 def plan(args):
@@ -164,6 +211,10 @@ def job_environment(args):
     env = {}
     if args.timeline is not None:
         env["FLEETMPI_TIMELINE"] = os.path.abspath(args.timeline)
+    if getattr(args, "elastic", False):
+        env[elastic.RESTART_COUNT_ENV] = str(getattr(args, "restart_count", 0))
+        if getattr(args, "progress_file", None):
+            env[elastic.PROGRESS_FILE_ENV] = args.progress_file
     return env
 
 
@@ -201,17 +252,6 @@ def unfinished_ranks(directory, np):
     return [rank for rank in range(np) if f"rank.{rank}" not in done]
 
 
-def rank_processes(directory):
-    """``{rank: (pid, host)}`` from the ``pid.<rank>`` records the ranks left."""
-    found = {}
-    for name in os.listdir(directory):
-        if name.startswith("pid."):
-            with open(os.path.join(directory, name)) as f:
-                pid, _, host = f.read().partition(" ")
-            found[int(name[4:])] = (int(pid), host)
-    return found
-
-
 def describe_unfinished(directory, np):
     """A line naming the ranks that did not run their script to its end, with the process id
     and host of each, so that the MPI launcher's report of a process (which names a PID)
@@ -219,7 +259,7 @@ def describe_unfinished(directory, np):
     missing = unfinished_ranks(directory, np)
     if not missing:
         return None
-    processes = rank_processes(directory)
+    processes = watch.rank_processes(directory)
     places = [f"{rank} (pid {processes[rank][0]} on {processes[rank][1]})" if rank in processes
               else f"{rank} (never started)" for rank in missing]
     return f"fleetmpirun: rank(s) that did not run their script to its end: {', '.join(places)}"
@@ -306,9 +346,11 @@ def failed_rank_logs(log_dir, since):
 # After SIGINT or SIGTERM, how long the MPI launcher and the ranks get to end by themselves
 # before whatever is left of them is killed.
 STOP_GRACE_SECONDS = 0.5
+# How often fleetmpirun looks at the MPI launcher (and at most how long it sleeps between).
+POLL_SECONDS = 0.05
 
 
-def run_job(cmd, env, records=None):
+def run_job(cmd, env, records=None, rank_watch=None):
     """Run the launcher command; ``(exit status, interrupted)``. The status is the launcher's
     (128 + N when a signal N ended it); when SIGINT (Ctrl-C) or SIGTERM reached
     ``fleetmpirun`` it is 128 + that signal (130, 143) and ``interrupted`` is True.
@@ -316,7 +358,8 @@ def run_job(cmd, env, records=None):
     The signal is passed on to the MPI launcher at once (Ctrl-C from a terminal reaches it
     too, as the same process group). What has not ended ``STOP_GRACE_SECONDS`` later is
     killed: the launcher, and the ranks whose ``pid.<rank>`` records (``records``, on this
-    host) name a live process, so that none outlives ``fleetmpirun``."""
+    host) name a live process, so that none outlives ``fleetmpirun``. A ``rank_watch``
+    (``watch.RankWatch``) watches the ranks while the launcher runs."""
     process = subprocess.Popen(cmd, env=env)
     received = []
 
@@ -328,8 +371,10 @@ def run_job(cmd, env, records=None):
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
+            if rank_watch is not None:
+                rank_watch.wait(POLL_SECONDS)
             try:
-                code = process.wait(timeout=0.05)
+                code = process.wait(timeout=0 if rank_watch is not None else POLL_SECONDS)
                 break
             except subprocess.TimeoutExpired:
                 if received and time.monotonic() - received[0][1] > STOP_GRACE_SECONDS:
@@ -349,32 +394,16 @@ def _end_ranks(records):
     launcher was told to stop."""
     if records is None:
         return
-    pids = [pid for pid, _ in rank_processes(records).values()]
+    pids = [pid for pid, _ in watch.rank_processes(records).values()]
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     while pids and time.monotonic() < deadline:
-        pids = [pid for pid in pids if _alive(pid)]
+        pids = [pid for pid in pids if watch.alive(pid)]
         time.sleep(0.02)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _alive(pid):
-    """Whether ``pid`` is a running process (an exited one its parent has not reaped yet, a
-    zombie, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
 
 
 def check_finished(directory, np):
@@ -391,11 +420,110 @@ def check_finished(directory, np):
     return 1
 
 
-def job_command(args, flavour, mpiexec):
-    """The command that starts the job: ``mpiexec`` or, with ``--slurm``, ``srun``."""
+def job_command(args, flavour, mpiexec, exclude=()):
+    """The command that starts the job: ``mpiexec`` or, with ``--slurm``, ``srun`` (leaving
+    out the nodes ``exclude`` names)."""
     if args.slurm:
-        return slurm.launch_command(args, rank_program(args), flavour)
+        return slurm.launch_command(args, rank_program(args), flavour, exclude=exclude)
     return launch_command(args, flavour, mpiexec)
+
+
+def ranks_per_host(records):
+    """``{host: number of ranks}`` from the ``pid.<rank>`` records (short host names, as
+    Slurm names nodes)."""
+    counts = {}
+    for _, host in watch.rank_processes(records).values():
+        short = host.split(".")[0]
+        counts[short] = counts.get(short, 0) + 1
+    return counts
+
+
+def run_attempt(args, flavour, mpiexec, exclude=()):
+    """Run the job once and report a failure; a ``restart.Attempt`` with what came of it."""
+    np, hosts, _ = plan(args)
+    if args.slurm:
+        np = slurm.plan(args, os.environ, exclude)[0] or np
+    attempt = restart.Attempt(getattr(args, "restart_count", 0), np, excluded=tuple(exclude))
+    args.finished_dir = finished_records_dir(args, hosts)
+    local = len(hosts) <= 1 and not args.slurm
+    rank_watch = watch.RankWatch(args.finished_dir) if local else None
+    shm_before = shm.existing() if local else set()
+    started = time.time() - 1.0
+    try:
+        code, interrupted = run_job(job_command(args, flavour, mpiexec, exclude),
+                                    dict(os.environ, **job_environment(args)),
+                                    args.finished_dir if local else None, rank_watch)
+        if code == 0 and args.finished_dir:
+            code = check_finished(args.finished_dir, np)
+        unfinished = describe_unfinished(args.finished_dir, np) \
+            if code != 0 and args.finished_dir else None
+        if args.finished_dir:
+            attempt.ranks_on_host = ranks_per_host(args.finished_dir)
+    finally:
+        if rank_watch is not None:
+            rank_watch.close()
+        if args.finished_dir:
+            shutil.rmtree(args.finished_dir, ignore_errors=True)
+    attempt.code, attempt.interrupted = code, interrupted
+    if rank_watch is not None:
+        attempt.first_gone = watch.describe_first_gone(rank_watch.first_gone)
+        removed = shm.remove_left_segments(rank_watch.segments, shm_before)
+        if removed:
+            print(f"fleetmpirun: removed what the job left in {shm.SHM_DIR}: "
+                  f"{', '.join(removed)}", file=sys.stderr)
+    if getattr(args, "progress_file", None):
+        attempt.progress = elastic.read_progress(args.progress_file)
+    if code != 0:
+        where = f"; per-rank logs in {os.path.abspath(args.log_dir)}" if args.log_dir else ""
+        print(f"fleetmpirun: the job exited with code {code}{where}", file=sys.stderr)
+        if unfinished:
+            print(unfinished, file=sys.stderr)
+        reported = args.log_dir and not interrupted
+        for path, excerpt in failed_rank_logs(args.log_dir, started) if reported else ():
+            print(f"fleetmpirun: {path} ends with:\n{excerpt}", file=sys.stderr)
+    return attempt
+
+
+def run_elastic(args, flavour, mpiexec):
+    """``--elastic``: attempts until one succeeds or no restart is allowed (``restart.run``),
+    then the summary; the last attempt's status."""
+    first_np, given_np = run_attempt_count(args), args.np
+    max_restarts, min_np = elastic_limits(args)
+    folder = os.path.abspath(args.log_dir) if args.log_dir else None
+    private = tempfile.mkdtemp(prefix="fleetmpirun-elastic-") if folder is None else None
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+
+    def attempt(restart_count, np, exclude):
+        args.restart_count = restart_count
+        args.np = given_np if np == first_np else np
+        fd, args.progress_file = tempfile.mkstemp(prefix=".elastic-progress-",
+                                                  dir=folder or private)
+        os.close(fd)
+        try:
+            return run_attempt(args, flavour, mpiexec, exclude)
+        finally:
+            os.remove(args.progress_file)
+
+    failed_nodes = (lambda: slurm.unusable_nodes(os.environ)) if args.slurm else None
+    try:
+        attempts, reason = restart.run(first_np, attempt, max_restarts, min_np, args.np_file,
+                                       failed_nodes)
+    finally:
+        if private:
+            shutil.rmtree(private, ignore_errors=True)
+    print(restart.summary(attempts), file=sys.stderr)
+    if reason:
+        print(f"fleetmpirun: elastic: gave up: {reason}", file=sys.stderr)
+    return attempts[-1].code
+
+
+def run_attempt_count(args):
+    """The first attempt's rank count (``--slurm``: srun's, when fleetmpirun decides it)."""
+    np = plan(args)[0]
+    if args.slurm:
+        np = slurm.plan(args, os.environ)[0] or np
+    return np
 
 
 def main(argv=None):
@@ -408,34 +536,17 @@ def main(argv=None):
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
         flavour = mpi_command.detect_flavour(mpiexec)
         cmd = job_command(args, flavour, mpiexec)
+        if args.elastic and elastic_limits(args)[1] > run_attempt_count(args):
+            raise ValueError(f"--min_np {args.min_np} is more than the "
+                             f"{run_attempt_count(args)} rank(s) the job starts with")
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         p.error(str(error))
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    np, hosts, _ = plan(args)
-    args.finished_dir = finished_records_dir(args, hosts)
-    started = time.time() - 1.0
-    try:
-        local_records = args.finished_dir if len(hosts) <= 1 and not args.slurm else None
-        code, interrupted = run_job(job_command(args, flavour, mpiexec),
-                                    dict(os.environ, **job_environment(args)), local_records)
-        if code == 0 and args.finished_dir:
-            code = check_finished(args.finished_dir, np)
-        unfinished = describe_unfinished(args.finished_dir, np) \
-            if code != 0 and args.finished_dir else None
-    finally:
-        if args.finished_dir:
-            shutil.rmtree(args.finished_dir, ignore_errors=True)
-    if code != 0:
-        where = f"; per-rank logs in {os.path.abspath(args.log_dir)}" if args.log_dir else ""
-        print(f"fleetmpirun: the job exited with code {code}{where}", file=sys.stderr)
-        if unfinished:
-            print(unfinished, file=sys.stderr)
-        reported = args.log_dir and not interrupted
-        for path, excerpt in failed_rank_logs(args.log_dir, started) if reported else ():
-            print(f"fleetmpirun: {path} ends with:\n{excerpt}", file=sys.stderr)
-    return code
+    if args.elastic:
+        return run_elastic(args, flavour, mpiexec)
+    return run_attempt(args, flavour, mpiexec).code
 
 
 if __name__ == "__main__":

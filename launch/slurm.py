@@ -82,9 +82,10 @@ def _count(environ, name):
     return int(value) if value.isdigit() else None
 
 
-def plan(args, environ):
+def plan(args, environ, exclude=()):
     """``(np, ranks_per_node)`` of the srun step; either is None where srun is left to take it
-    from the allocation. ValueError names a conflict."""
+    from the allocation. ``exclude`` are nodes of the allocation left out (an elastic restart).
+    ValueError names a conflict."""
     if args.ips or args.hostfile:
         raise ValueError("--slurm runs on the allocation's nodes; --ips and --hostfile are not "
                          "allowed with it (ask sbatch or salloc for --nodes instead)")
@@ -92,6 +93,7 @@ def plan(args, environ):
         raise ValueError(f"--np must be at least 1, got {args.np}")
     gpus = [gpu for gpu in (args.gpus or "").split(",") if gpu.strip()]
     nodes = _count(environ, "SLURM_JOB_NUM_NODES") or _count(environ, "SLURM_NNODES") or 1
+    nodes = max(nodes - len(exclude), 1)
     implied, why = None, None
     if args.server_num or args.worker_num:
         if args.server_num < 1 or args.worker_num < 1:
@@ -114,12 +116,14 @@ def names_plugin(srun_args):
     return any(word == "--mpi" or word.startswith("--mpi=") for word in srun_args)
 
 
-def build_command(srun, plugin, np, program, ranks_per_node=None, extra_args=()):
+def build_command(srun, plugin, np, program, ranks_per_node=None, extra_args=(), exclude=()):
     """The ``srun`` argument list that starts ``program`` as ``np`` tasks (srun's choice when
-    None) with MPI plugin ``plugin`` (none named when None); ``extra_args`` go to srun as
-    given, before the program."""
+    None) with MPI plugin ``plugin`` (none named when None), on the allocation's nodes but
+    ``exclude``; ``extra_args`` go to srun as given, before the program."""
     cmd = [srun] if plugin is None else [srun, f"--mpi={plugin}"]
     cmd.append("--kill-on-bad-exit=1")
+    if exclude:
+        cmd.append(f"--exclude={','.join(exclude)}")
     if np is not None:
         cmd += ["-n", str(np)]
     if ranks_per_node:
@@ -127,19 +131,60 @@ def build_command(srun, plugin, np, program, ranks_per_node=None, extra_args=())
     return cmd + list(extra_args) + list(program)
 
 
-def launch_command(args, program, flavour, environ=None, srun=None, plugins=None):
+def launch_command(args, program, flavour, environ=None, srun=None, plugins=None,
+                   exclude=()):
     """The whole ``srun`` command of ``fleetmpirun --slurm`` for the parsed ``args``.
 
     ``environ`` defaults to ``os.environ``, ``srun`` to the one on PATH, ``plugins`` to what
-    that srun reports (asked only when the plugin is not given in ``--mpi_args``).
+    that srun reports (asked only when the plugin is not given in ``--mpi_args``);
+    ``exclude`` names nodes to leave out (``fleetmpirun --elastic`` after a node failed).
     """
     environ = os.environ if environ is None else environ
     require_allocation(environ)
-    np, ranks_per_node = plan(args, environ)
+    np, ranks_per_node = plan(args, environ, exclude)
     extra = [word for text in args.mpi_args for word in shlex.split(text)]
     srun = srun or find_srun()
     if names_plugin(extra):
         plugin = None
     else:
         plugin = mpi_plugin(flavour, available_plugins(srun) if plugins is None else plugins)
-    return build_command(srun, plugin, np, program, ranks_per_node, extra)
+    return build_command(srun, plugin, np, program, ranks_per_node, extra, exclude)
+
+
+# Node states (sinfo's short form, %t) in which a node cannot run a rank; a "*" after any state
+# means the node does not respond.
+UNUSABLE_STATES = frozenset({"down", "drain", "drng", "drained", "fail", "failg", "maint",
+                             "unk", "npc", "pow_dn", "powering_down", "inval"})
+
+
+def parse_node_states(text):
+    """The nodes that cannot run a rank, from ``sinfo -h -N -o "%N %t"`` output (one
+    "node state" a line), in the order listed, each once."""
+    nodes = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) != 2:
+            continue
+        node, state = fields
+        base = state.rstrip("*~#!%$@^-+")
+        if (state.endswith("*") or base in UNUSABLE_STATES) and node not in nodes:
+            nodes.append(node)
+    return nodes
+
+
+def unusable_nodes(environ, sinfo=None):
+    """The allocation's nodes that Slurm reports as down, drained, failing or not responding
+    (``sinfo`` on ``SLURM_JOB_NODELIST``); the nodes an elastic restart leaves out."""
+    sinfo = sinfo or shutil.which("sinfo")
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if sinfo is None or not nodelist:
+        return []
+    try:
+        result = subprocess.run([sinfo, "-h", "-N", "-n", nodelist, "-o", "%N %t"],
+                                capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{sinfo} did not answer within 30 s") from None
+    if result.returncode != 0:
+        raise RuntimeError(f"{sinfo} failed with exit code {result.returncode}: "
+                           f"{(result.stdout + result.stderr).strip()[:300]!r}")
+    return parse_node_states(result.stdout)

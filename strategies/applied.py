@@ -7,10 +7,12 @@ field a user set that changes nothing here, why.
 ``auto``, ``calibration`` (the measurements that decided it). The startup log shows the same:
 the active strategies at INFO, every field that is not applied as a warning on the first worker.
 """
+import os
 import types
 
 from .. import world
 from ..distributed_strategy import DistributedStrategy
+from ..elastic import RESTART_COUNT_ENV
 from ..log import logger
 from ..nn import BatchNorm, Sequential
 from .compose import ORDER
@@ -41,6 +43,9 @@ def not_applied(strategy, communicator, on_gpu):
         if hasattr(default, configs) and not getattr(strategy, name) \
                 and changed(strategy, default, configs):
             reasons[configs] = f"strategy {name} is off, so its configs are not used"
+    if strategy.elastic and RESTART_COUNT_ENV not in os.environ:
+        reasons["elastic"] = ("the job was not started by fleetmpirun --elastic, so nothing "
+                              "restarts it after a failure")
     if communicator is None or communicator.size == 1:
         alone = _ALONE.format("local=True" if communicator is None else "one rank")
         for name in COMMUNICATION_FIELDS:

@@ -34,6 +34,7 @@ TOP_LEVEL_DEFAULTS = {
     "dgc": False,
     "fp16_allreduce": False,
     "sharding": False,
+    "elastic": False,
 }
 
 CONFIG_DEFAULTS = {
