@@ -1,10 +1,10 @@
 """A sharded training job for the re-sharding test, started under ``mpiexec -n N``.
 
-    python sharding_checkpoint_job.py save DIRECTORY      # steps [0, HALF), checkpoint
-    python sharding_checkpoint_job.py resume DIRECTORY OUT  # load, steps [HALF, STEPS), write OUT
+    python sharding_checkpoint_job.py STAGE save DIRECTORY      # steps [0, HALF), checkpoint
+    python sharding_checkpoint_job.py STAGE resume DIRECTORY OUT  # load, steps [HALF, STEPS)
 
 Every rank trains on its shard of ``strategy_support.global_batch(step)`` with Adam under
-``sharding``; ``resume`` starts from other parameters (seed 7) and writes the final parameters
+``sharding`` of ``STAGE``; ``resume`` starts from other parameters (seed 7) and writes the final parameters
 and each rank's optimizer-state bytes into ``OUT`` (``np.savez``).
 """
 import sys
@@ -23,10 +23,12 @@ def adam(parameters):
     return optimizer.Adam(learning_rate=0.01, parameters=parameters)
 
 
-def build(seed):
+def build(seed, stage):
     backend.manual_seed(seed)
     model = fleet.distributed_model(make_mlp())
-    opt = fleet.distributed_optimizer(adam(model.parameters()), make_strategy(sharding=True))
+    opt = fleet.distributed_optimizer(adam(model.parameters()),
+                                      make_strategy(sharding=True,
+                                                    sharding_configs={"stage": int(stage)}))
     return model, opt
 
 
@@ -37,23 +39,24 @@ def train(model, opt, steps):
         opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
 
 
-def main(mode, directory, out=None):
+def main(stage, mode, directory, out=None):
     fleet.init(is_collective=True)
     if mode == "save":
-        model, opt = build(0)
+        model, opt = build(0, stage)
         train(model, opt, range(HALF))
         checkpoint.save(directory, model, opt, HALF)
         return
-    model, opt = build(7)
+    model, opt = build(7, stage)
     info = checkpoint.load(directory, model, opt)
     train(model, opt, range(info["step"], STEPS))
-    for name, value in model.state_dict().items():
+    final = model.state_dict()        # under stage 3 a collective: every rank calls it
+    for name, value in final.items():
         every = world_gather(value)
         if not all(np.array_equal(every[0], other) for other in every[1:]):
             raise AssertionError(f"{name} differs between the ranks after resuming")
     state_bytes = world_gather(np.array([opt.inner.state_nbytes()]))[:, 0]
     if fleet.worker_index() == 0:
-        np.savez(out, state_bytes=state_bytes, **model.state_dict())
+        np.savez(out, state_bytes=state_bytes, **final)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""sharding: N ranks holding 1/N of the optimizer state each train exactly as plain data
-parallelism does (float64, 1e-10), with hybrid_dp, amp, recompute, gradient_merge and grad_clip;
-shards cut parameters anywhere; parameters travel back in fuse_broadcast_MB messages; sharded
-checkpoints load into jobs of other sizes."""
+"""sharding, every stage: N ranks holding 1/N of the optimizer state (from stage 2 of the
+gradients, at stage 3 of the parameters too) each train exactly as plain data parallelism does
+(float64, 1e-10), with hybrid_dp, amp, recompute, gradient_merge and grad_clip; shards cut
+parameters anywhere; parameters travel back in fuse_broadcast_MB messages; sharded checkpoints
+load into jobs of other sizes."""
 import os
 import subprocess
 import sys
@@ -25,6 +26,9 @@ def adam(parameters):
 
 
 OPTIMIZERS = {"momentum": momentum, "adam": adam}
+
+
+STAGES = (1, 2, 3)
 
 
 def sharding(**configs):
@@ -161,9 +165,10 @@ def test_group_size_that_does_not_divide_one_process_is_refused():
 # -- N ranks ------------------------------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_n_ranks_equal_data_parallel_with_1_over_n_of_the_state(name):
-    model, opt, _ = train(sharding(), OPTIMIZERS[name], steps=STEPS)
+def test_n_ranks_equal_data_parallel_with_1_over_n_of_the_state(name, stage):
+    model, opt, _ = train(sharding(stage=stage), OPTIMIZERS[name], steps=STEPS)
     expected, plain, _ = train(make_strategy(), OPTIMIZERS[name], steps=STEPS, local=True)
     assert_close_everywhere(model, expected.state_dict())
     size = fleet.worker_num()
@@ -173,17 +178,34 @@ def test_n_ranks_equal_data_parallel_with_1_over_n_of_the_state(name):
     per_element = whole // opt.inner.space_size
     ok(every.max() <= -(-opt.inner.space_size // size) * per_element,
        f"state bytes per rank {every} for {whole} in all")
-    ok(opt.strategies["sharding"].shard == opt.inner.shard_range)
+    start, stop = opt.strategies["sharding"].shard
+    ok((start, stop) == opt.inner.shard_range)
+    buffers = model.flat_buffers()
+    # From stage 2 the gradient is this rank's shard alone, at stage 3 the parameters too.
+    ok((opt.inner.shard_gradient is None) == (stage == 1))
+    ok(all((b.grad is None) == (stage >= 2) for b in buffers))
+    if stage >= 2:
+        equal(opt.inner.shard_gradient.size, stop - start)
+    ok(all((b.data is None) == (stage == 3) for b in buffers))
+    if stage == 3:
+        equal(opt.inner.shard_parameters.size, stop - start)
+        whole = [unit for unit in opt.strategies["sharding"].gatherer.units
+                 if unit.values is not None]
+        ok(len(whole) <= 1, f"{len(whole)} units whole at once")
+        held = {id(p) for unit in whole for p in unit.parameters}
+        ok(all((p.data.strides == (0,) * p.data.ndim) == (id(p) not in held)
+               for p in model.parameters()), "stage 3 keeps whole parameters beyond one unit")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hybrid_dp_equals_data_parallel_for_every_group_size():
+@pytest.mark.parametrize("stage", STAGES)
+def test_hybrid_dp_equals_data_parallel_for_every_group_size(stage):
     fleet.init(is_collective=True)
     size = fleet.worker_num()
     expected, plain, _ = train(make_strategy(), adam, steps=STEPS, local=True)
     for group in divisors(size):
-        model, opt, _ = train(sharding(hybrid_dp=True, sharding_group_size=group), adam,
-                              steps=STEPS)
+        model, opt, _ = train(sharding(hybrid_dp=True, sharding_degree=group, stage=stage),
+                              adam, steps=STEPS)
         assert_close_everywhere(model, expected.state_dict())
         hook = opt.strategies["sharding"]
         ok((hook.group_size, hook.replicas_num) == (group, size // group))
@@ -205,12 +227,13 @@ def test_group_size_that_does_not_divide_the_world_is_refused_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("clip", [optimizer.ClipGradByNorm, optimizer.ClipGradByGlobalNorm])
-def test_grad_clip_norms_are_of_whole_tensors_across_shards(clip):
+def test_grad_clip_norms_are_of_whole_tensors_across_shards(clip, stage):
     def clipped(parameters):
         return optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=parameters,
                                   grad_clip=clip(0.05))
-    model, _, _ = train(sharding(), clipped, steps=STEPS)
+    model, _, _ = train(sharding(stage=stage), clipped, steps=STEPS)
     expected, _, _ = train(make_strategy(), clipped, steps=STEPS, local=True)
     unclipped, _, _ = train(make_strategy(), steps=STEPS, local=True)
     ok(not np.allclose(unclipped.state_dict()["fc0.weight"], expected.state_dict()["fc0.weight"]),
@@ -219,30 +242,37 @@ def test_grad_clip_norms_are_of_whole_tensors_across_shards(clip):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_gradient_merge_with_sharding_communicates_only_on_updates():
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradient_merge_with_sharding(stage):
+    """Stage 1 merges whole gradients locally and communicates only on updates; from stage 2
+    every step's gradients are reduce-scattered and the window is merged in the shard."""
     configs = {"k_steps": 2, "avg": True}
     fleet.init(is_collective=True)
     size, rank = fleet.worker_num(), fleet.worker_index()
     backend.manual_seed(0)
     model = fleet.distributed_model(make_mlp())
-    strategy = make_strategy(sharding=True, gradient_merge=True, gradient_merge_configs=configs)
+    strategy = make_strategy(sharding=True, sharding_configs={"stage": stage},
+                             gradient_merge=True, gradient_merge_configs=configs)
     opt = fleet.distributed_optimizer(adam(model.parameters()), strategy)
+    group = opt.strategies["sharding"].group
     for step in range(2 * STEPS):
-        sent = opt.communicator.payload_bytes
+        sent = group.payload_bytes
         x, y = global_batch(step)
         opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
-        ok((opt.communicator.payload_bytes > sent) == (step % 2 == 1), f"step {step}")
+        ok((group.payload_bytes > sent) == (stage >= 2 or step % 2 == 1), f"step {step}")
     expected, _, _ = train(make_strategy(gradient_merge=True, gradient_merge_configs=configs),
                            adam, steps=2 * STEPS, local=True)
     assert_close_everywhere(model, expected.state_dict())
 
 
 @pytest.mark.mpi(min_size=2)
-def test_recompute_with_sharding_is_bit_for_bit_sharding_alone():
+@pytest.mark.parametrize("stage", STAGES)
+def test_recompute_with_sharding_is_bit_for_bit_sharding_alone(stage):
     configs = {"checkpoints": ["act0", "act1"]}
-    model, _, losses = train(make_strategy(sharding=True, recompute=True,
-                                           recompute_configs=configs), steps=STEPS)
-    alone, _, alone_losses = train(sharding(), steps=STEPS)
+    model, _, losses = train(make_strategy(sharding=True, sharding_configs={"stage": stage},
+                                           recompute=True, recompute_configs=configs),
+                             steps=STEPS)
+    alone, _, alone_losses = train(sharding(stage=stage), steps=STEPS)
     equal(np.array(losses), np.array(alone_losses))
     for key, value in alone.state_dict().items():
         equal(model.state_dict()[key], value, err_msg=key)
@@ -260,12 +290,14 @@ def overflowing_on_rank_0(size):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_amp_with_sharding_matches_amp_data_parallel_and_skips_the_same_step():
+@pytest.mark.parametrize("stage", STAGES)
+def test_amp_with_sharding_matches_amp_data_parallel_and_skips_the_same_step(stage):
     fleet.init(is_collective=True)
     size = fleet.worker_num()
     amp = {"init_loss_scaling": 1024.0, "decr_every_n_nan_or_inf": 1}
     runs = {}
-    for name, strategy in {"sharded": make_strategy(sharding=True, amp=True, amp_configs=amp),
+    for name, strategy in {"sharded": make_strategy(sharding=True, amp=True, amp_configs=amp,
+                                                    sharding_configs={"stage": stage}),
                            "plain": make_strategy(amp=True, amp_configs=amp)}.items():
         runs[name] = train(strategy, adam, steps=STEPS, batch=overflowing_on_rank_0(size),
                            make_model=lambda: make_mlp(dtype="float32"))
@@ -338,13 +370,14 @@ def run_job(size, *arguments):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_a_checkpoint_of_2_sharded_ranks_continues_identically_on_3_and_on_1(tmp_path):
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_checkpoint_of_2_sharded_ranks_continues_identically_on_3_and_on_1(tmp_path, stage):
     from sharding_checkpoint_job import HALF, STEPS as JOB_STEPS, adam as job_adam
 
     directory, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
-    run_job(2, "save", directory)
+    run_job(2, str(stage), "save", directory)
     assert checkpoint.read_manifest(directory)["world_size"] == 2
-    run_job(3, "resume", directory, out)
+    run_job(3, str(stage), "resume", directory, out)
     expected, plain, _ = train(make_strategy(), job_adam, steps=JOB_STEPS, local=True)
     with np.load(out, allow_pickle=False) as final:
         for key, value in expected.state_dict().items():
