@@ -201,3 +201,27 @@ def test_an_optimizer_over_part_of_the_model_is_refused_from_stage_2(stage):
     with pytest.raises(ValueError, match=f"sharding stage {stage} frees the model's flat"):
         fleet.distributed_optimizer(OPTIMIZERS["adam"](part), sharding(stage), local=True)
 
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_checkpoint_inside_a_gradient_merge_window_keeps_the_merged_shard(stage, tmp_path):
+    """From stage 2 the window's gradient lives in the shard: a checkpoint taken between two
+    steps of a window carries it, and the resumed run ends as the uninterrupted one."""
+    from fleetmpi import checkpoint
+    from strategy_support import momentum
+
+    merge = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}
+    strategy = make_strategy(sharding=True, sharding_configs={"stage": stage}, **merge)
+    uninterrupted, _, _ = train(strategy, momentum, steps=4, local=True)
+    model, opt, _ = train(strategy, momentum, steps=3, local=True)
+    ok(np.abs(opt.inner.shard_gradient).max() > 0, "no merged gradient at the checkpoint")
+    checkpoint.save(str(tmp_path), model, opt, 3)
+    backend.manual_seed(5)
+    resumed = make_mlp()
+    again = fleet.distributed_optimizer(momentum(resumed.parameters()), strategy, local=True)
+    info = checkpoint.load(str(tmp_path), resumed, again)
+    x, y = global_batch(info["step"])
+    again.minimize(resumed, nn.CrossEntropyLoss(), x, y)
+    expected = uninterrupted.state_dict()
+    for name, value in resumed.state_dict().items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)

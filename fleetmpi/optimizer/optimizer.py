@@ -53,6 +53,10 @@ class _Run:
         return piece.reshape(parameter.shape) if end - begin == parameter.size else piece
 
 
+# The key of a shard's own gradient in a sharded state_dict ("gradient.shard").
+_GRADIENT = "gradient"
+
+
 def _runs(parameters):
     by_buffer = {}
     for p in parameters:
@@ -334,6 +338,9 @@ class Optimizer:
             pieces = [backend.to_numpy(run_state[name]) for run_state in self._state]
             dtype = self._runs[0].buffer.dtype
             state[f"{name}.shard"] = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+        if self.shard_gradient is not None:
+            # What gradient_merge has gathered of its window so far lives here.
+            state[f"{_GRADIENT}.shard"] = backend.to_numpy(self.shard_gradient).copy()
         return state
 
     def set_state_dict(self, state):
@@ -359,9 +366,14 @@ class Optimizer:
         if not start <= own[0] <= own[1] <= stop:
             raise ValueError(f"optimizer state covers elements [{start}, {stop}) of the "
                              f"parameter space, but this optimizer updates [{own[0]}, {own[1]})")
+        gradient = None
+        if self.shard_gradient is not None and f"{_GRADIENT}.shard" in state:
+            gradient = _stored(state, f"{_GRADIENT}.shard", (stop - start,))
         for (lo, hi), run_state in zip(self._spans, self._state):
             for name, flat in run_state.items():
                 flat[...] = backend.asarray(sources[name][lo - start:hi - start])
+        if gradient is not None:
+            self.shard_gradient[...] = backend.asarray(gradient[own[0] - start:own[1] - start])
 
 
 class SGD(Optimizer):
