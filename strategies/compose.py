@@ -7,12 +7,15 @@ this order. The gradient reduction (``fp16_allreduce`` or the plain one) is alwa
 the strategies before it see gradients before they travel (gradient_merge folds its
 accumulator in, amp unscales) and act on the averaged gradients after (amp's overflow check,
 the lars/lamb update). With ``sharding`` its reduce-scatter is the gradient reduction (with
-float16 on the wire under ``fp16_allreduce``), and its update broadcasts the shards back.
+float16 on the wire under ``fp16_allreduce``), and its update broadcasts the shards back;
+under ``pipeline`` it partitions each stage over that stage's replicas.
 ``python -m fleetmpi.strategies.pairs_doc`` writes
 ``docs/strategy_pairs.md`` from ``ORDER`` and ``CONFLICTS``.
 """
 import importlib
 import itertools
+
+from .sharding import WITH_PIPELINE
 
 ORDER = ("sync_batch_norm", "recompute", "amp", "gradient_merge", "localsgd",
          "adaptive_localsgd", "lars", "lamb", "dgc", "pipeline", "fp16_allreduce", "sharding")
@@ -91,8 +94,6 @@ CONFLICTS = {
     frozenset({"pipeline", "localsgd"}): _across_stages("localsgd", "averages parameters"),
     frozenset({"pipeline", "adaptive_localsgd"}): _across_stages("adaptive_localsgd",
                                                                  "averages parameters"),
-    frozenset({"pipeline", "sharding"}): _across_stages("sharding", "partitions the optimizer "
-                                                        "state"),
     frozenset({"localsgd", "sharding"}): _sharded_state("localsgd"),
     frozenset({"adaptive_localsgd", "sharding"}): _sharded_state("adaptive_localsgd"),
     frozenset({"dgc", "sharding"}): "dgc keeps momentum and residuals of every parameter on "
@@ -101,6 +102,12 @@ CONFLICTS = {
                                     "owner of each shard, the only rank holding its state",
     frozenset({"lars", "sharding"}): _whole_tensor_norms("lars"),
     frozenset({"lamb", "sharding"}): _whole_tensor_norms("lamb"),
+}
+
+
+# Pairs that combine with a restriction the strategies check themselves, and what it is.
+LIMITS = {
+    frozenset({"pipeline", "sharding"}): f"sharding {WITH_PIPELINE}",
 }
 
 
@@ -141,9 +148,11 @@ def build_strategies(strategy, optimizer, communicator):
     # strategies see it, and the gradients are averaged over the replicas of that stage only.
     pipeline = strategy_class("pipeline")(strategy, optimizer, communicator) \
         if "pipeline" in names else None
-    hooks = [pipeline if cls.name == "pipeline" else cls(strategy, optimizer, communicator)
-             for cls in classes if cls.name != "fp16_allreduce"]
     replicas = communicator if pipeline is None else pipeline.replica_communicator
+    # Under pipeline, sharding partitions a stage's optimizer over that stage's replicas.
+    hooks = [pipeline if cls.name == "pipeline"
+             else cls(strategy, optimizer, replicas if cls.name == "sharding" else communicator)
+             for cls in classes if cls.name != "fp16_allreduce"]
     if replicas is not None and replicas.size > 1 and not strategy.sharding:
         reduction = strategy_class("fp16_allreduce") if strategy.fp16_allreduce \
             else GradientAllreduce

@@ -4,7 +4,7 @@ import itertools
 import os
 import sys
 
-from .compose import CONFLICTS, ORDER, SEARCHED
+from .compose import CONFLICTS, LIMITS, ORDER, SEARCHED
 
 
 def pair_table():
@@ -17,7 +17,10 @@ def pair_table():
              "| strategy | with | combined |", "| --- | --- | --- |"]
     for a, b in itertools.combinations(ORDER, 2):
         reason = CONFLICTS.get(frozenset({a, b}))
-        lines.append(f"| `{a}` | `{b}` | {'works' if reason is None else 'refused: ' + reason} |")
+        limit = LIMITS.get(frozenset({a, b}))
+        verdict = ("refused: " + reason if reason is not None
+                   else "works" if limit is None else "works with " + limit)
+        lines.append(f"| `{a}` | `{b}` | {verdict} |")
     lines += ["", "Searched, not combined: "
               + ", ".join(f"`{name}`" for name in SEARCHED)
               + " is replaced by the strategy its calibration measures fastest, which obeys "

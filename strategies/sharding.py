@@ -44,6 +44,9 @@ from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
 DEFAULT_GROUP_SIZE = 8
+WITH_PIPELINE = ("stage 1 only, which partitions each pipeline stage's optimizer state over "
+                 "that stage's replicas; a pipeline stage's optimizer covers part of the "
+                 "model's flat buffers, which stages 2 and 3 free whole")
 
 
 def configured_group_size(configs):
@@ -144,7 +147,11 @@ class Sharding(Strategy):
                              f"shards, but the optimizer has parameters of "
                              f"{', '.join(dtypes)}; build the model in one dtype")
         configured_group_size(strategy.sharding_configs)
-        if strategy.sharding_configs["stage"] >= 2:
+        stage = strategy.sharding_configs["stage"]
+        if strategy.pipeline and stage >= 2:
+            raise ValueError(f"sharding stage {stage} cannot be combined with pipeline: "
+                             f"{WITH_PIPELINE}")
+        if stage >= 2:
             for run in optimizer._runs:
                 if run.stop - run.start != run.buffer.size:
                     stage = strategy.sharding_configs["stage"]

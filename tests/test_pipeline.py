@@ -589,3 +589,36 @@ def test_schedules_run_each_pass_once_in_dependency_order(stages, micro_batches)
             micro_batches
     assert bubble_fraction(stages, micro_batches) == \
         pytest.approx((stages - 1) / (micro_batches + stages - 1))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sharding_stage_1_partitions_each_stage_over_its_replicas():
+    """Pipeline with sharding (stage 1) trains as pipeline alone, and each rank holds the
+    optimizer state of its share of its own stage only."""
+    fleet.init(is_collective=True)
+    for stages, replicas in layouts(fleet.worker_num()):
+        sharded = pipeline_strategy(sharding=True)
+        model, opt, losses = train_pipeline(stages, sharded, replicas)
+        plain, plain_opt, plain_losses = train_pipeline(stages, pipeline_strategy(), replicas)
+        label = f"{stages} stages x {replicas} replicas"
+        close(np.array(losses), np.array(plain_losses), rtol=1e-12, err_msg=label)
+        expected = plain.state_dict()
+        for name, value in model.state_dict().items():
+            close(value, expected[name], rtol=1e-10, atol=1e-13, err_msg=f"{label}: {name}")
+        hook = opt.strategies["sharding"]
+        ok(hook.group_size == replicas, f"{label}: group of {hook.group_size}")
+        whole = plain_opt.inner.state_nbytes()
+        ok(abs(opt.inner.state_nbytes() * replicas - whole) <= replicas * 8,
+           f"{label}: {opt.inner.state_nbytes()} state bytes of {whole}")
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_sharding_stages_2_and_3_with_pipeline_are_refused(stage):
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = MODELS["sequential"](2)
+    with pytest.raises(ValueError, match=f"sharding stage {stage} cannot be combined with "
+                                         "pipeline"):
+        fleet.distributed_optimizer(
+            momentum(model.parameters()),
+            pipeline_strategy(sharding=True, sharding_configs={"stage": stage}), local=True)
