@@ -523,12 +523,15 @@ class Communicator:
         return out
 
     @_recorded("reduce_scatter")
-    def reduce_scatter(self, x, op="sum", algorithm=None, compression=None, counts=None):
+    def reduce_scatter(self, x, op="sum", algorithm=None, compression=None, counts=None,
+                       overwrite_input=False):
         """This rank's block of the reduction of ``x``: blocks split ``x`` along its first axis
         as ``numpy.array_split(reduced, size)`` does, so any length works; or, as MPI's
         ``Reduce_scatter``, ``counts[r]`` rows for rank ``r`` (zero allowed).
 
         ``algorithm``: ``"ring"`` (default) or ``"native"``; ``compression`` as for allreduce.
+        ``overwrite_input``: the ring may reduce in ``x`` itself, leaving partial sums there,
+        instead of in a copy (for a caller that drops ``x`` afterwards).
         """
         def check():
             self._check_array(x)
@@ -555,7 +558,7 @@ class Communicator:
         transport = self.transports[0]
         self._note(algorithm or "ring")
         if algorithm == "native":
-            send = xp.array(x, order="C", copy=True).reshape(-1)
+            send = xp.ascontiguousarray(x).reshape(-1)
             out = xp.empty(hi - lo, x.dtype)
             counts = [offsets[r + 1] - offsets[r] for r in range(self.size)]
 
@@ -565,7 +568,9 @@ class Communicator:
             self._run(0, native, send, out)
             return out.reshape(shape)
         acc_dtype, wire_dtype = accumulate_dtypes(x.dtype, compression)
-        acc = xp.array(x, dtype=acc_dtype, order="C", copy=True).reshape(-1)
+        in_place = overwrite_input and acc_dtype == x.dtype and x.flags.c_contiguous
+        acc = x.reshape(-1) if in_place else xp.array(x, dtype=acc_dtype, order="C",
+                                                      copy=True).reshape(-1)
 
         def ring(a):
             reduce_scatter_ring(transport, a, op, offsets, wire_dtype, self.chunk_bytes)

@@ -222,13 +222,15 @@ class Sharding(Strategy):
             p.unbind_gradient(self._bind_bucket)
 
     def _reduce_over_group(self, flat, counts):
+        """This rank's block of ``flat`` averaged over the group; ``flat`` is not used after
+        (it may hold partial sums)."""
         if self.group is None:
             return flat
         # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
         native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
         return self.group.reduce_scatter(flat, op="mean", compression=self.compression,
                                          algorithm="native" if native else None,
-                                         counts=counts)
+                                         counts=counts, overwrite_input=True)
 
     def on_gradient(self, ctx, parameters):
         if self.schedule is not None:
