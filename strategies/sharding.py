@@ -44,9 +44,9 @@ from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
 DEFAULT_GROUP_SIZE = 8
-WITH_PIPELINE = ("stage 1 only, which partitions each pipeline stage's optimizer state over "
-                 "that stage's replicas; a pipeline stage's optimizer covers part of the "
-                 "model's flat buffers, which stages 2 and 3 free whole")
+WITH_PIPELINE = ("stages 1 and 2 only, which partition each pipeline stage's optimizer state "
+                 "(and gradients) over that stage's replicas; stage 3 frees the model's flat "
+                 "values whole, while a pipeline stage's optimizer holds only its own part")
 
 
 def configured_group_size(configs):
@@ -148,17 +148,16 @@ class Sharding(Strategy):
                              f"{', '.join(dtypes)}; build the model in one dtype")
         configured_group_size(strategy.sharding_configs)
         stage = strategy.sharding_configs["stage"]
-        if strategy.pipeline and stage >= 2:
+        if strategy.pipeline and stage == 3:
             raise ValueError(f"sharding stage {stage} cannot be combined with pipeline: "
                              f"{WITH_PIPELINE}")
-        if stage >= 2:
+        if stage == 3:
             for run in optimizer._runs:
                 if run.stop - run.start != run.buffer.size:
-                    stage = strategy.sharding_configs["stage"]
-                    raise ValueError(f"sharding stage {stage} frees the model's flat "
-                                     "buffers, but the optimizer updates only part of one; "
-                                     "give the optimizer all of model.parameters() (freeze a "
-                                     "parameter with trainable=False instead), or use stage 1")
+                    raise ValueError("sharding stage 3 frees the model's flat values, but the "
+                                     "optimizer updates only part of them; give the optimizer "
+                                     "all of model.parameters() (freeze a parameter with "
+                                     "trainable=False instead), or use stage 1 or 2")
 
     def _sum_over_group(self, array):
         return self.group.allreduce(array, op="sum")
@@ -166,7 +165,9 @@ class Sharding(Strategy):
     # -- gradients --------------------------------------------------------------------------
     def _partition_gradients(self, strategy):
         """Stage 2 and 3: free the flat gradient buffers; gradients live in buckets from the
-        first write of backward until the bucket is reduce-scattered."""
+        first write of backward until the bucket is reduce-scattered. A parameter of the
+        buffers that the optimizer does not update (another pipeline stage's, or one left
+        out of the optimizer) gets gradient storage of its own if backward reaches it."""
         runs = self.optimizer._runs
         self.buckets = plan_gradient_buckets(runs, *fusion_limits(strategy))
         self.schedule = BucketSchedule(self.buckets, self._reduce_scatter_bucket)

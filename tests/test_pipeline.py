@@ -592,12 +592,13 @@ def test_schedules_run_each_pass_once_in_dependency_order(stages, micro_batches)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_sharding_stage_1_partitions_each_stage_over_its_replicas():
-    """Pipeline with sharding (stage 1) trains as pipeline alone, and each rank holds the
-    optimizer state of its share of its own stage only."""
+@pytest.mark.parametrize("stage", (1, 2))
+def test_sharding_partitions_each_stage_over_its_replicas(stage):
+    """Pipeline with sharding stage 1 or 2 trains as pipeline alone, and each rank holds the
+    optimizer state (at stage 2 the gradient too) of its share of its own stage only."""
     fleet.init(is_collective=True)
     for stages, replicas in layouts(fleet.worker_num()):
-        sharded = pipeline_strategy(sharding=True)
+        sharded = pipeline_strategy(sharding=True, sharding_configs={"stage": stage})
         model, opt, losses = train_pipeline(stages, sharded, replicas)
         plain, plain_opt, plain_losses = train_pipeline(stages, pipeline_strategy(), replicas)
         label = f"{stages} stages x {replicas} replicas"
@@ -610,15 +611,18 @@ def test_sharding_stage_1_partitions_each_stage_over_its_replicas():
         whole = plain_opt.inner.state_nbytes()
         ok(abs(opt.inner.state_nbytes() * replicas - whole) <= replicas * 8,
            f"{label}: {opt.inner.state_nbytes()} state bytes of {whole}")
+        if stage == 2:
+            start, stop = hook.shard
+            ok(opt.inner.shard_gradient.size == stop - start, f"{label}: gradient not a shard")
+            ok(all(b.grad is None for b in model.flat_buffers()), f"{label}: a full gradient")
 
 
-@pytest.mark.parametrize("stage", (2, 3))
-def test_sharding_stages_2_and_3_with_pipeline_are_refused(stage):
+def test_sharding_stage_3_with_pipeline_is_refused():
     fleet.init(is_collective=True)
     backend.manual_seed(0)
     model = MODELS["sequential"](2)
-    with pytest.raises(ValueError, match=f"sharding stage {stage} cannot be combined with "
-                                         "pipeline"):
+    with pytest.raises(ValueError, match="sharding stage 3 cannot be combined with pipeline: "
+                                         "stages 1 and 2 only"):
         fleet.distributed_optimizer(
             momentum(model.parameters()),
-            pipeline_strategy(sharding=True, sharding_configs={"stage": stage}), local=True)
+            pipeline_strategy(sharding=True, sharding_configs={"stage": 3}), local=True)

@@ -192,14 +192,39 @@ def test_sharding_degree_is_the_group_size_and_conflicts_with_a_different_group_
         build(sharding(1, hybrid_dp=True, sharding_group_size=2, sharding_degree=4))
 
 
-@pytest.mark.parametrize("stage", (2, 3))
-def test_an_optimizer_over_part_of_the_model_is_refused_from_stage_2(stage):
+def test_an_optimizer_over_part_of_the_model_is_refused_at_stage_3():
     fleet.init(is_collective=True)
     backend.manual_seed(0)
     model = make_mlp()
     part = model.parameters()[:2]
-    with pytest.raises(ValueError, match=f"sharding stage {stage} frees the model's flat"):
-        fleet.distributed_optimizer(OPTIMIZERS["adam"](part), sharding(stage), local=True)
+    with pytest.raises(ValueError, match="sharding stage 3 frees the model's flat values"):
+        fleet.distributed_optimizer(OPTIMIZERS["adam"](part), sharding(3), local=True)
+
+
+def test_at_stage_2_a_parameter_left_out_of_the_optimizer_keeps_its_own_gradient():
+    """Stage 2 frees the whole flat gradient; a parameter the optimizer does not update gets
+    gradient storage of its own when backward reaches it, and is not updated."""
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = make_mlp()
+    params = model.parameters()
+    left_out = params[-1]
+    before = left_out.numpy().copy()
+    opt = fleet.distributed_optimizer(OPTIMIZERS["adam"](params[:-1]), sharding(2),
+                                      local=True)
+    x, y = global_batch(0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    ok(left_out.grad is not None and np.abs(left_out.grad).sum() > 0, "no gradient")
+    equal(left_out.numpy(), before)
+    backend.manual_seed(0)
+    plain = make_mlp()
+    plain_opt = OPTIMIZERS["adam"](plain.parameters()[:-1])
+    F.cross_entropy(plain(x), y).backward()
+    plain_opt.step()
+    np.testing.assert_array_equal(left_out.grad, plain.parameters()[-1].grad)
+    for name, value in plain.state_dict().items():
+        np.testing.assert_array_equal(model.state_dict()[name], value, err_msg=name)
 
 
 
