@@ -10,6 +10,12 @@ non-zero, whichever launcher started the job.
 A hook is installed only where Python's default is still in place, so handlers someone else
 installed (pytest, which reports thread exceptions itself, IPython, the application) keep
 working. ``FLEETMPI_ABORT_ON_ERROR=0`` installs nothing.
+
+A rank whose failure the others can train through (an asynchronous or GEO parameter-server
+worker) registers ``leave_instead(notify)``: an exception in its main thread then writes the
+same report, calls ``notify(report)`` (which tells the servers) and ends only this process,
+with status 1, after finalizing MPI normally. The launcher does not end the other ranks for
+that; the job's status is still non-zero at its end.
 """
 import os
 import sys
@@ -51,6 +57,16 @@ def abort(message, code=1, linger=0.0):
     os._exit(code)  # MPICH's Abort can return while the launcher takes the job down
 
 
+_leave = None
+
+
+def leave_instead(notify):
+    """From now on an uncaught exception in the main thread ends this rank alone, after
+    ``notify(report)``; None restores aborting the job."""
+    global _leave
+    _leave = notify
+
+
 def _report(place, exc_type, exc_value, exc_tb, thread_name=None):
     where = "" if thread_name is None else f" (in thread {thread_name})"
     text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))
@@ -69,7 +85,12 @@ def install(rank, size, node):
 
     if sys.excepthook is sys.__excepthook__:
         def excepthook(exc_type, exc_value, exc_tb):
-            abort(_report(place, exc_type, exc_value, exc_tb), linger=REPORT_LINGER)
+            report = _report(place, exc_type, exc_value, exc_tb)
+            if _leave is None:
+                abort(report, linger=REPORT_LINGER)
+            sys.stderr.write(report)
+            sys.stderr.flush()
+            _leave(report)  # then Python exits with status 1, finalizing MPI on the way
 
         sys.excepthook = excepthook
         installed.append("sys")

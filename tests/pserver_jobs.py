@@ -257,7 +257,8 @@ def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
 # -- faults ----------------------------------------------------------------------------------
 def scenario_leave(args):
     """Worker 1 leaves after 2 steps: by an exception in sync mode, by exiting without
-    stop_worker otherwise; or (scenario ``stall``) stops pushing for three timeouts."""
+    stop_worker otherwise; or (scenario ``stall``) stops pushing for three timeouts; or
+    (scenario ``raise``) raises in any mode."""
     model = fleet.distributed_model(dense_model())
     opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for(args.mode, 2))
     if fleet.is_server():
@@ -268,7 +269,7 @@ def scenario_leave(args):
         if w == 1 and step == 2 and args.scenario == "stall":
             time.sleep(3 * float(os.environ["FLEETMPI_PS_TIMEOUT"]))
         elif w == 1 and step == 2:
-            if args.mode == "sync":
+            if args.mode == "sync" or args.scenario == "raise":
                 raise ValueError("worker 1 fails on purpose")
             say("worker 1 exits without stop_worker")
             return
@@ -282,7 +283,8 @@ def main():
     args = parse()
     join(args.servers)
     scenarios = {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
-                 "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave}
+                 "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave,
+                 "raise": scenario_leave}
     scenarios[args.scenario](args)
 
 

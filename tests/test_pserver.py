@@ -137,6 +137,24 @@ def test_async_and_geo_servers_go_on_without_a_worker_that_left(mode):
         assert report["pushes"][0] > report["pushes"][1]
 
 
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_an_async_or_geo_worker_that_raises_ends_alone_and_the_others_train_on(mode):
+    """Worker 1 raises at its third step: its traceback names its rank, the servers hear
+    why and train on with worker 0, which finishes all its steps; the job's status is
+    non-zero at the end, because a worker failed."""
+    code, output, _ = run_job(4, 2, "raise", "--mode", mode)
+    assert code != 0, output
+    assert re.search(r"rank 1/4 on node \S+ failed:", output), output
+    assert "worker 1 fails on purpose" in output
+    assert re.search(r"worker 1 \(rank 1\) left the job without stop_worker after 2 "
+                     r"step\(s\): it raised ValueError: worker 1 fails on purpose", output), output
+    assert "training goes on with the other workers" in output
+    assert_workers_ok(output, f"leave {mode}", 1)
+    for report in reports(output).values():
+        assert report["lost_workers"] == [1]
+        assert report["pushes"][0] > report["pushes"][1]
+
+
 def test_servers_save_shards_on_request_and_at_shutdown_and_a_new_job_resumes(tmp_path):
     """Job one: steps 0-2, worker 0 asks for a save after step 1, the servers save at
     shutdown. Job two loads the shards (blocks, Adam moments, step counts) and runs steps

@@ -17,12 +17,12 @@ import time
 
 import numpy as np
 
-from ... import backend
+from ... import backend, failure
 from ...optimizer import Optimizer, StepContext, StepHook, run_step
 from ...optimizer.step import finish_step, minimize_loss
 from . import wire
 from .blocks import plan_blocks, split_by_owner
-from .mode import GEO, training_mode
+from .mode import GEO, SYNC, training_mode
 from .server import timeout_seconds
 from .server_state import model_signature
 
@@ -57,6 +57,8 @@ class Client:
         self.last_pulled = [np.zeros(0, np.int64) for _ in tables]
         self.last_pushed = [np.zeros(0, np.int64) for _ in tables]
         atexit.register(self._leave_if_running)
+        if mode != SYNC:
+            failure.leave_instead(self._leave_after_error)
 
     def rank(self, server):
         return self.worker_num + server
@@ -186,7 +188,7 @@ class Client:
             request.Wait()
         self.stopped = True
 
-    def _leave_if_running(self):
+    def _leave_if_running(self, reason="its process exited"):
         """At process exit without ``stop_worker``: tell the servers (synchronous servers
         stop with an error naming this worker, the others go on)."""
         from mpi4py import MPI
@@ -194,10 +196,17 @@ class Client:
         if self.stopped or MPI.Is_finalized():
             return
         self.stopped = True
-        text = wire.text_array("its process exited")
+        text = wire.text_array(reason)
         for s in range(self.server_num):
             data = wire.encode(wire.Kind.LEFT, [text], step=self.steps)
             self.comm.Send(data, dest=self.rank(s), tag=wire.TAG_REQUEST)
+
+
+    def _leave_after_error(self, report):
+        """Asynchronous and GEO: an uncaught exception ends this worker alone; the servers
+        hear why (the exception's last line) and train on with the others."""
+        lines = [line for line in report.strip().splitlines() if line.strip()]
+        self._leave_if_running(f"it raised {lines[-1].strip()}" if lines else "it raised")
 
 
 class RowCache:
