@@ -501,7 +501,7 @@ def run_job(cmd, env, records=None, rank_watch=None, end_on_loss=False):
         process.send_signal(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    ended_others = False
+    ended_others = nudged = False
     try:
         while True:
             if rank_watch is not None:
@@ -509,6 +509,11 @@ def run_job(cmd, env, records=None, rank_watch=None, end_on_loss=False):
                 if end_on_loss and rank_watch.first_gone and not ended_others:
                     ended_others = True
                     _kill_ranks(records)
+                if ended_others and not nudged and not received and not _ranks_alive(records):
+                    # gforker idles about 2 s after its ranks are gone; SIGTERM ends it within
+                    # 1 s, with its report (which rank a signal ended) and its exit status
+                    nudged = True
+                    process.send_signal(signal.SIGTERM)
             try:
                 code = process.wait(timeout=0 if rank_watch is not None else POLL_SECONDS)
                 break
@@ -527,6 +532,11 @@ def run_job(cmd, env, records=None, rank_watch=None, end_on_loss=False):
     if errors is not None and code == 0 and rank_watch.first_gone:
         code = errors.signaled.get(rank_watch.first_gone[0][0], 0)
     return (128 - code if code < 0 else code), False
+
+
+def _ranks_alive(records):
+    """Whether a rank ``records`` names still runs."""
+    return any(watch.alive(pid) for pid, _ in watch.rank_processes(records).values())
 
 
 def _kill_ranks(records):
