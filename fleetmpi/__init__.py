@@ -4,6 +4,27 @@
     fleet.init(is_collective=True)
     strategy = fleet.DistributedStrategy()
 """
+import os as _os
+import sys as _sys
+
+
+def _started_as_launcher(argv, orig_argv):
+    """Whether this process is ``fleetmpirun`` (its console script, or ``python -m
+    fleetmpi.launch``): it starts the ranks and is none of them."""
+    if argv and _os.path.basename(argv[0]) == "fleetmpirun":
+        return True
+    words = list(orig_argv or ())
+    return any(word == "-m" and following == "fleetmpi.launch" or word == "-mfleetmpi.launch"
+               for word, following in zip(words, words[1:] + [""]))
+
+
+if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
+    # mpi4py initializes MPI when it is imported, below; the launcher would then be an MPI
+    # process of its own, whose transport listens on the network (docs/launch.md, "Network")
+    import mpi4py as _mpi4py
+
+    _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
+
 from . import autograd, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 
 CHECK_ENV = "FLEETMPI_CHECK_ENVIRONMENT"
 # Process names (as /proc/<pid>/comm shows them, at most 15 characters) of the programs that
-# start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy.
+# start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy,
+# MPICH's single-host gforker.
 LAUNCHER_PROCESSES = frozenset({
     "slurmstepd", "srun", "mpirun", "mpiexec", "orterun", "orted", "prterun", "prted",
-    "mpiexec.hydra", "hydra_pmi_proxy",
+    "mpiexec.hydra", "hydra_pmi_proxy", "mpiexec.gforker",
 })
 
 

@@ -13,6 +13,10 @@
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and
 then runs the script. Its exit code is the job's. See docs/launch.md.
+
+A job of MPICH on this host only is started by ``mpiexec.gforker`` where it is installed, with
+the ranks' transport on shared memory, so that no process of the job listens on a socket
+(``process_manager``; docs/launch.md, "Network").
 """
 import argparse
 import fcntl
@@ -21,9 +25,11 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from .. import elastic
@@ -218,9 +224,74 @@ def job_environment(args):
     return env
 
 
-def rank_program(args):
-    """What each rank runs: the rank wrapper, its options, ``--``, the script and its args."""
+# Names that mean this host in --ips or a host file.
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def is_this_host(name):
+    """Whether the host ``name`` (``host`` or ``host:slots``) is this machine, by name."""
+    name = name.rpartition(":")[0] if name.count(":") == 1 else name
+    here = socket.gethostname()
+    return name in LOOPBACK_NAMES or name in (here, here.split(".")[0], socket.getfqdn())
+
+
+def on_this_host_only(args):
+    """Whether every rank of the job runs on this host: not ``--slurm``, and ``--ips`` or
+    ``--hostfile``, where given, name one host, this one."""
+    if args.slurm:
+        return False
+    names = parse_list(args.ips) or (
+        [host for host, _ in read_hostfile(args.hostfile)[0]] if args.hostfile else [])
+    return len(names) <= 1 and all(map(is_this_host, names))
+
+
+def process_manager(args, flavour, mpiexec):
+    """``(launcher, kind, note)``: the program that starts the ranks, ``"gforker"`` or
+    ``"hydra"`` (Open MPI's launcher counts as hydra here: it is left as it is), and a line
+    for the user when hydra is used on one host only because ``--mpi_args`` need it.
+
+    MPICH on this host only: ``mpiexec.gforker`` beside ``mpiexec`` (it opens no socket;
+    hydra's control port listens on every interface), unless ``--mpiexec`` names
+    ``mpiexec.hydra`` or ``--mpi_args`` hold an option gforker does not take."""
+    extra = [word for text in args.mpi_args for word in shlex.split(text)]
+    is_gforker = os.path.basename(mpiexec) == mpi_command.GFORKER_NAME
+    if flavour != mpi_command.MPICH or not on_this_host_only(args):
+        if is_gforker:
+            raise ValueError(f"{mpiexec} starts ranks on this host only; a job over several "
+                             f"hosts (--ips, --hostfile, --slurm) needs hydra's mpiexec")
+        return mpiexec, mpi_command.HYDRA, None
+    gforker = mpi_command.find_gforker(mpiexec)
+    if gforker is None or os.path.basename(mpiexec) == "mpiexec.hydra":
+        return mpiexec, mpi_command.HYDRA, None
+    if mpi_command.gforker_arguments(extra) is None:
+        if is_gforker:
+            raise ValueError(f"--mpi_args {' '.join(args.mpi_args)!r} hold an option that "
+                             f"{mpi_command.GFORKER_NAME} does not take; it takes "
+                             f"{' '.join(sorted(mpi_command.GFORKER_OPTIONS))}")
+        return mpiexec, mpi_command.HYDRA, (
+            f"fleetmpirun: --mpi_args {' '.join(args.mpi_args)!r} need hydra (mpiexec), whose "
+            f"control port listens on every interface; {mpi_command.GFORKER_NAME}, which "
+            f"opens none, takes only {' '.join(sorted(mpi_command.GFORKER_OPTIONS))} "
+            f"(docs/launch.md, Network)")
+    return gforker, mpi_command.GFORKER, None
+
+
+def transport_environment(args, flavour, environ):
+    """The variables that keep MPICH's transport on shared memory for a job on this host only
+    (``mpi_command.LOCAL_TRANSPORT_ENV``), less those the user set in ``environ``; none for
+    Open MPI or a job over several hosts."""
+    if flavour != mpi_command.MPICH or not on_this_host_only(args):
+        return {}
+    return {name: value for name, value in mpi_command.LOCAL_TRANSPORT_ENV.items()
+            if name not in environ}
+
+
+def rank_program(args, single_host=False):
+    """What each rank runs: the rank wrapper, its options, ``--``, the script and its args.
+    ``single_host``: the launcher (gforker) gives no local rank; every rank is on this host."""
     program = [sys.executable, os.path.abspath(rank_main.__file__)]
+    if single_host:
+        program.append("--single_host")
     gpus = parse_list(args.gpus)
     if gpus:
         program += ["--gpus", ",".join(gpus)]
@@ -266,8 +337,19 @@ def describe_unfinished(directory, np):
 
 
 def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
-    """The whole ``mpiexec`` command for the parsed ``args`` and an MPI of ``flavour``."""
+    """The whole ``mpiexec`` command for the parsed ``args`` and an MPI of ``flavour``
+    (``mpiexec.gforker`` in its place for MPICH on this host only, see ``process_manager``)."""
     np, hosts, ranks_per_host = plan(args)
+    launcher, kind, _ = process_manager(args, flavour, mpiexec)
+    job_env = dict(transport_environment(args, flavour,
+                                         os.environ if environ is None else environ),
+                   **job_environment(args))
+    extra = [word for text in args.mpi_args for word in shlex.split(text)]
+    if kind == mpi_command.GFORKER:
+        return mpi_command.build_command(
+            flavour, launcher, np, rank_program(args, single_host=True),
+            extra_args=mpi_command.gforker_arguments(extra), environ=environ, as_root=as_root,
+            job_env=job_env, process_manager=mpi_command.GFORKER)
     hostfile = args.hostfile
     if hostfile:
         entries, spelling = read_hostfile(hostfile)
@@ -276,11 +358,10 @@ def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
             hostfile = None
             hosts = [host if slots is None or ranks_per_host else f"{host}:{slots}"
                      for host, slots in entries]
-    extra = [word for text in args.mpi_args for word in shlex.split(text)]
     return mpi_command.build_command(
         flavour, mpiexec, np, rank_program(args), hosts=hosts, hostfile=hostfile,
         ranks_per_host=ranks_per_host, extra_args=extra, environ=environ, as_root=as_root,
-        job_env=job_environment(args))
+        job_env=job_env)
 
 
 LOG_NAME = re.compile(r"(workerlog|serverlog)\.(\d+)")
@@ -318,9 +399,11 @@ def wait_for_copier(path, seconds=5.0):
                 time.sleep(0.02)
 
 
-def failed_rank_logs(log_dir, since):
+def failed_rank_logs(log_dir, since, skip_interrupts=False):
     """``(path, excerpt)`` of this job's logs (written since ``since``) that end a rank with a
-    traceback, workers then servers, in rank order.
+    traceback, workers then servers, in rank order. ``skip_interrupts`` leaves out a
+    traceback that ends in ``KeyboardInterrupt``: under ``mpiexec.gforker``, which sends the
+    other ranks SIGINT when one leaves early, that is the launcher's clean-up, not a failure.
 
     Rank 0's log is among them although its output was echoed: when a rank aborts the job,
     the MPI launcher stops forwarding output, and the end of rank 0's may never reach the
@@ -338,7 +421,8 @@ def failed_rank_logs(log_dir, since):
             wait_for_copier(path)
         with open(path, errors="replace") as log:
             excerpt = failure_excerpt(log.read())
-        if excerpt is not None:
+        if excerpt is not None and not (
+                skip_interrupts and excerpt.rstrip().endswith("KeyboardInterrupt")):
             found.append((path, excerpt))
     return found[:REPORTED_LOGS]
 
@@ -350,7 +434,50 @@ STOP_GRACE_SECONDS = 0.5
 POLL_SECONDS = 0.05
 
 
-def run_job(cmd, env, records=None, rank_watch=None):
+# gforker's line for a rank that a signal ended: "[0]1:Return code = 0, signaled with Killed"
+# (world, rank, exit code, the signal's strsignal text), on its standard error.
+GFORKER_SIGNALED = re.compile(rb"\[\d+\](\d+):Return code = -?\d+, signaled with ([^\n]+)")
+SIGNAL_NUMBERS = {signal.strsignal(s): int(s) for s in signal.Signals if signal.strsignal(s)}
+
+
+class LauncherErrors:
+    """Copies the MPI launcher's standard error (a pipe) to this process's as it comes, and
+    notes from ``mpiexec.gforker``'s report which signal ended which rank (``signaled``,
+    rank -> signal number): gforker exits 0 when a signal killed a rank."""
+
+    def __init__(self, pipe):
+        self.signaled = {}
+        self._pipe = pipe
+        self._thread = threading.Thread(target=self._copy, daemon=True)
+        self._thread.start()
+
+    def _copy(self):
+        pending = b""
+        fd = self._pipe.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            view = memoryview(chunk)
+            try:
+                while view:
+                    view = view[os.write(2, view):]
+            except OSError:  # our standard error is gone; keep reading the report
+                pass
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                match = GFORKER_SIGNALED.search(line)
+                number = match and SIGNAL_NUMBERS.get(match.group(2).strip().decode(
+                    errors="replace"))
+                if number:
+                    self.signaled.setdefault(int(match.group(1)), number)
+        self._pipe.close()
+
+    def join(self, seconds=1.0):
+        self._thread.join(seconds)
+
+
+def run_job(cmd, env, records=None, rank_watch=None, end_on_loss=False):
     """Run the launcher command; ``(exit status, interrupted)``. The status is the launcher's
     (128 + N when a signal N ended it); when SIGINT (Ctrl-C) or SIGTERM reached
     ``fleetmpirun`` it is 128 + that signal (130, 143) and ``interrupted`` is True.
@@ -359,8 +486,13 @@ def run_job(cmd, env, records=None, rank_watch=None):
     too, as the same process group). What has not ended ``STOP_GRACE_SECONDS`` later is
     killed: the launcher, and the ranks whose ``pid.<rank>`` records (``records``, on this
     host) name a live process, so that none outlives ``fleetmpirun``. A ``rank_watch``
-    (``watch.RankWatch``) watches the ranks while the launcher runs."""
-    process = subprocess.Popen(cmd, env=env)
+    (``watch.RankWatch``) watches the ranks while the launcher runs; with ``end_on_loss``
+    (under ``mpiexec.gforker``, which takes 1 to 3 s to end the others, and reports a rank
+    killed by a signal as a success) the other ranks are killed as soon as it sees a rank
+    gone without finishing its script, as hydra does, and when a signal ended the rank seen
+    gone first, the status is that signal's number, as hydra's."""
+    process = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE if end_on_loss else None)
+    errors = LauncherErrors(process.stderr) if end_on_loss else None
     received = []
 
     def stop(signum, frame):
@@ -369,10 +501,19 @@ def run_job(cmd, env, records=None, rank_watch=None):
         process.send_signal(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    ended_others = nudged = False
     try:
         while True:
             if rank_watch is not None:
                 rank_watch.wait(POLL_SECONDS)
+                if end_on_loss and rank_watch.first_gone and not ended_others:
+                    ended_others = True
+                    _kill_ranks(records)
+                if ended_others and not nudged and not received and not _ranks_alive(records):
+                    # gforker idles about 2 s after its ranks are gone; SIGTERM ends it within
+                    # 1 s, with its report (which rank a signal ended) and its exit status
+                    nudged = True
+                    process.send_signal(signal.SIGTERM)
             try:
                 code = process.wait(timeout=0 if rank_watch is not None else POLL_SECONDS)
                 break
@@ -384,9 +525,28 @@ def run_job(cmd, env, records=None, rank_watch=None):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if errors is not None:
+            errors.join()
     if received:
         return 128 + received[0][0], True
+    if errors is not None and code == 0 and rank_watch.first_gone:
+        code = errors.signaled.get(rank_watch.first_gone[0][0], 0)
     return (128 - code if code < 0 else code), False
+
+
+def _ranks_alive(records):
+    """Whether a rank ``records`` names still runs."""
+    return any(watch.alive(pid) for pid, _ in watch.rank_processes(records).values())
+
+
+def _kill_ranks(records):
+    """SIGKILL every rank ``records`` names that still runs."""
+    for pid, _ in watch.rank_processes(records).values():
+        if watch.alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _end_ranks(records):
@@ -406,17 +566,21 @@ def _end_ranks(records):
             pass
 
 
-def check_finished(directory, np):
+def check_finished(directory, np, gforker=False):
     """0 when every rank's script ran to its end, else 1 after naming the ranks that did not:
     the MPI launcher reports success when a rank leaves with status 0 without finalizing MPI
-    (``os._exit(0)``, a kill with status 0), and ends the other ranks without a word."""
+    (``os._exit(0)``, a kill with status 0), and ends the other ranks without a word;
+    ``mpiexec.gforker`` (``gforker``) also when a signal killed a rank."""
     missing = unfinished_ranks(directory, np)
     if not missing:
         return 0
+    how = ("a rank left without an error (os._exit(0)) or was killed by a signal, which "
+           "mpiexec.gforker reports as success, and the others were then ended" if gforker else
+           "a rank left without an error (os._exit(0), or a kill with status 0) and the MPI "
+           "launcher then ended the others")
     print(f"fleetmpirun: the MPI launcher reported success, but rank(s) "
-          f"{', '.join(map(str, missing))} of {np} did not run their script to its end: a "
-          "rank left without an error (os._exit(0), or a kill with status 0) and the MPI "
-          "launcher then ended the others; the job did not finish", file=sys.stderr)
+          f"{', '.join(map(str, missing))} of {np} did not run their script to its end: "
+          f"{how}; the job did not finish", file=sys.stderr)
     return 1
 
 
@@ -449,12 +613,15 @@ def run_attempt(args, flavour, mpiexec, exclude=()):
     rank_watch = watch.RankWatch(args.finished_dir) if local else None
     shm_before = shm.existing() if local else set()
     started = time.time() - 1.0
+    gforker = not args.slurm and \
+        process_manager(args, flavour, mpiexec)[1] == mpi_command.GFORKER
     try:
         code, interrupted = run_job(job_command(args, flavour, mpiexec, exclude),
                                     dict(os.environ, **job_environment(args)),
-                                    args.finished_dir if local else None, rank_watch)
+                                    args.finished_dir if local else None, rank_watch,
+                                    end_on_loss=gforker)
         if code == 0 and args.finished_dir:
-            code = check_finished(args.finished_dir, np)
+            code = check_finished(args.finished_dir, np, gforker)
         unfinished = describe_unfinished(args.finished_dir, np) \
             if code != 0 and args.finished_dir else None
         if args.finished_dir:
@@ -479,7 +646,8 @@ def run_attempt(args, flavour, mpiexec, exclude=()):
         if unfinished:
             print(unfinished, file=sys.stderr)
         reported = args.log_dir and not interrupted
-        for path, excerpt in failed_rank_logs(args.log_dir, started) if reported else ():
+        for path, excerpt in failed_rank_logs(args.log_dir, started, gforker) \
+                if reported else ():
             print(f"fleetmpirun: {path} ends with:\n{excerpt}", file=sys.stderr)
     return attempt
 
@@ -536,11 +704,14 @@ def main(argv=None):
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
         flavour = mpi_command.detect_flavour(mpiexec)
         cmd = job_command(args, flavour, mpiexec)
+        note = None if args.slurm else process_manager(args, flavour, mpiexec)[2]
         if args.elastic and elastic_limits(args)[1] > run_attempt_count(args):
             raise ValueError(f"--min_np {args.min_np} is more than the "
                              f"{run_attempt_count(args)} rank(s) the job starts with")
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         p.error(str(error))
+    if note:
+        print(note, file=sys.stderr)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0

@@ -13,6 +13,14 @@ knows both spellings:
 | a variable set for the job  | ``-genv NAME VALUE`` | ``-x NAME=VALUE``                 |
 | more ranks than cores       | allowed              | ``--oversubscribe``               |
 | started by root             | allowed              | ``--allow-run-as-root``           |
+
+On one host, MPICH's ranks are started by ``mpiexec.gforker`` instead of hydra where the MPI
+has it (the MPICH wheel installs it beside ``mpiexec``): gforker forks the ranks and speaks PMI
+to them over inherited file descriptors, so it opens no socket, where hydra's control port
+listens on every interface. It takes ``-n``, ``-genv NAME VALUE`` and passes its own
+environment to the ranks (``-genvall`` is hydra's spelling of that, and gforker refuses it);
+it places ranks on no other host. ``LOCAL_TRANSPORT_ENV`` keeps the ranks' own transport on
+shared memory, so that it opens no listener either (docs/launch.md, "Network").
 """
 import os
 import shutil
@@ -22,6 +30,20 @@ import sys
 OPEN_MPI = "openmpi"
 MPICH = "mpich"
 FLAVOURS = (OPEN_MPI, MPICH)
+# MPICH's two process managers: hydra (``mpiexec``, any hosts) and gforker (one host, no socket).
+HYDRA = "hydra"
+GFORKER = "gforker"
+GFORKER_NAME = "mpiexec.gforker"
+# The options gforker takes from ``--mpi_args``, with the number of values each takes; hydra's
+# others (``-bind-to``, ``-ppn``, ``-hosts``, ...) need hydra. ``-genvall`` is gforker's
+# default, so it is dropped rather than passed.
+GFORKER_OPTIONS = {"-l": 0, "-exitinfo": 0, "-genvnone": 0, "-envnone": 0, "-genvall": 0,
+                   "-usize": 1, "-maxtime": 1, "-soft": 1, "-wdir": 1, "-path": 1,
+                   "-genvlist": 1, "-envlist": 1, "-genv": 2, "-env": 2}
+# MPICH's transports on one host, shared memory only: UCX's (``self,sm``) and libfabric's
+# (``shm``, for ``MPICH_CH4_NETMOD=ofi``). Each opens no listener; the defaults listen on
+# 127.0.0.1 and on the host's external address. A variable the user set is left as it is.
+LOCAL_TRANSPORT_ENV = {"UCX_TLS": "self,sm", "FI_PROVIDER": "shm"}
 
 # Variables Open MPI forwards to the ranks on other hosts with ``-x`` (hydra forwards all).
 EXPORTED_PREFIXES = ("FLEETMPI_", "PADDLE_", "FLAGS_", "CUDA_", "NCCL_", "OMP_")
@@ -43,8 +65,37 @@ def find_mpiexec():
         "(pip install mpich, or Open MPI from the system's packages)")
 
 
+def find_gforker(mpiexec):
+    """MPICH's ``mpiexec.gforker`` beside ``mpiexec`` (a path, or a name on PATH), or None."""
+    if os.path.basename(mpiexec) == GFORKER_NAME:
+        return mpiexec
+    found = shutil.which(mpiexec) if os.sep not in mpiexec else mpiexec
+    if not found:
+        return None
+    beside = os.path.join(os.path.dirname(os.path.abspath(found)), GFORKER_NAME)
+    return beside if os.path.isfile(beside) and os.access(beside, os.X_OK) else None
+
+
+def gforker_arguments(extra_args):
+    """``extra_args`` (``--mpi_args``) as gforker takes them (``-genvall`` dropped), or None
+    when one of them is not gforker's (then hydra must start the job)."""
+    kept, index = [], 0
+    while index < len(extra_args):
+        word = extra_args[index]
+        count = GFORKER_OPTIONS.get(word)
+        if count is None or index + count >= len(extra_args):
+            return None
+        if word != "-genvall":
+            kept += extra_args[index:index + count + 1]
+        index += count + 1
+    return kept
+
+
 def detect_flavour(mpiexec):
-    """``"openmpi"`` or ``"mpich"``, from what ``mpiexec --version`` says."""
+    """``"openmpi"`` or ``"mpich"``, from what ``mpiexec --version`` says (MPICH's
+    ``mpiexec.gforker``, which has no ``--version``, is known by its name)."""
+    if os.path.basename(mpiexec) == GFORKER_NAME:
+        return MPICH
     try:
         result = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
                                 timeout=60)
@@ -66,7 +117,8 @@ def exported_names(environ):
 
 
 def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
-                  ranks_per_host=None, extra_args=(), environ=None, as_root=None, job_env=None):
+                  ranks_per_host=None, extra_args=(), environ=None, as_root=None, job_env=None,
+                  process_manager=HYDRA):
     """The whole ``mpiexec`` argument list that starts ``np`` copies of ``program``.
 
     ``hosts`` (a list of host names, each may carry a slot count as ``host:4``, which both
@@ -77,6 +129,8 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
     ``--allow-run-as-root``.
     ``job_env`` (name -> value) are variables set for every rank on every host, named on the
     command line so that they reach other hosts whatever the launcher forwards by default.
+    ``process_manager`` ``"gforker"`` (MPICH only) starts the ranks on this host with
+    ``mpiexec.gforker``: ``mpiexec`` is then its path, and no hosts can be given.
     """
     if flavour not in FLAVOURS:
         raise ValueError(f"MPI flavour {flavour!r} is not supported; allowed: {FLAVOURS}")
@@ -88,7 +142,15 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
     job_env = dict(job_env or {})
     as_root = os.geteuid() == 0 if as_root is None else as_root
     cmd = [mpiexec, "-n", str(np)]
-    if flavour == MPICH:
+    if process_manager == GFORKER:
+        if flavour != MPICH:
+            raise ValueError("mpiexec.gforker is MPICH's; Open MPI has no such launcher")
+        if hosts or hostfile or ranks_per_host:
+            raise ValueError("mpiexec.gforker starts ranks on this host only; hosts need "
+                             "hydra (mpiexec)")
+        for name, value in sorted(job_env.items()):
+            cmd += ["-genv", name, value]
+    elif flavour == MPICH:
         if hosts:
             cmd += ["-hosts", ",".join(hosts)]
         if hostfile:

@@ -31,6 +31,7 @@ import runpy
 import signal
 import socket
 import sys
+import tempfile
 import time
 
 # (rank, size, local rank) variables of each launcher; one launcher's three are used together,
@@ -45,9 +46,16 @@ LAUNCHER_VARIABLES = (
 COPIER_EXIT_SECONDS = 10.0
 
 
-def place(environ):
+def place(environ, single_host=False):
     """``(rank, size, local_rank)`` of this process from the launcher's variables, asking
-    MPI only when no launcher set all three of its own."""
+    MPI only when no launcher set all three of its own. ``single_host``: every rank runs on
+    this host, started by MPICH's ``mpiexec.gforker``, which sets ``PMI_RANK`` and
+    ``PMI_SIZE`` but no local rank; the local rank is then the rank."""
+    if single_host:
+        values = [environ.get(name, "") for name in ("PMI_RANK", "PMI_SIZE")]
+        if all(value.isdigit() for value in values):
+            rank, size = map(int, values)
+            return rank, size, rank
     for names in LAUNCHER_VARIABLES:
         values = [environ.get(name, "") for name in names]
         if all(value.isdigit() for value in values):
@@ -252,6 +260,9 @@ def parse_args(argv):
     parser.add_argument("--log_dir")
     parser.add_argument("--server_num", type=int, default=0)
     parser.add_argument("--worker_num", type=int, default=0)
+    parser.add_argument("--single_host", action="store_true",
+                        help="every rank runs on this host (mpiexec.gforker): the local rank "
+                             "is the rank")
     parser.add_argument("--finished_dir", help="where a rank whose script ran to its end "
                         "records it, for fleetmpirun to check")
     args = parser.parse_args(argv[:split])
@@ -261,10 +272,13 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    rank, size, local_rank = place(os.environ)
+    rank, size, local_rank = place(os.environ, args.single_host)
     gpus = [g for g in args.gpus.split(",") if g]
     env, log_name = role_variables(rank, size, local_rank, gpus, args.server_num,
                                    args.worker_num)
+    if args.single_host:
+        # hydra's local-rank variables, which scripts read, as hydra would set them on one host
+        env.update(MPI_LOCALRANKID=str(local_rank), MPI_LOCALNRANKS=str(size))
     os.environ.update(env)
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
@@ -283,11 +297,18 @@ def record(directory, name, text=""):
     report can name ranks by their process ids), ``rank.<rank>`` when its script
     ran to its end. A rank that leaves otherwise (``os._exit``, a kill, even with status 0)
     leaves no ``rank.<rank>``, which is how ``fleetmpirun`` tells a finished job from one
-    whose MPI launcher reported success only because a rank left without an error."""
-    fd = os.open(os.path.join(directory, name),
-                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    whose MPI launcher reported success only because a rank left without an error.
+
+    The record appears whole or not at all (written under a fresh random name, then linked
+    to its own, which fails if that exists): ``fleetmpirun`` reads the folder while the
+    ranks write into it."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.link(temporary, os.path.join(directory, name))
+    finally:
+        os.unlink(temporary)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ def rank_processes(directory):
         if name.startswith("pid."):
             with open(os.path.join(directory, name)) as f:
                 pid, _, host = f.read().partition(" ")
-            found[int(name[4:])] = (int(pid), host)
+            if name[4:].isdigit() and pid.isdigit():  # a record of rank_main's, whole
+                found[int(name[4:])] = (int(pid), host)
     return found
 
 

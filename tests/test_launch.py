@@ -4,6 +4,7 @@ few real jobs (2, 3 and 4 ranks) with per-rank logs, GPU variables, roles and ex
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,9 +174,13 @@ def test_mpi_args_are_split_like_a_shell_and_may_be_repeated(script):
     args = parse("--np", "2", "--mpi_args", "-bind-to core", "--mpi_args=-verbose",
                  "--mpi_args", "-genv X 'a b'", script)
     cmd = fleetmpirun.launch_command(args, "mpich", "mpiexec", environ={}, as_root=False)
-    assert cmd[:10] == ["mpiexec", "-n", "2", "-genvall", "-bind-to", "core", "-verbose",
-                        "-genv", "X", "a b"]
-    assert cmd[10:] == WRAPPER + ["--", script]
+    # -bind-to is hydra's: on one host too, hydra starts the job (with the transport on
+    # shared memory); gforker takes none of it
+    assert cmd[:14] == ["mpiexec", "-n", "2", "-genvall", "-genv", "FI_PROVIDER", "shm",
+                        "-genv", "UCX_TLS", "self,sm", "-bind-to", "core", "-verbose",
+                        "-genv"]
+    assert cmd[14:16] == ["X", "a b"]
+    assert cmd[16:] == WRAPPER + ["--", script]
 
 
 def test_timeline_is_an_absolute_path_in_the_job_environment(tmp_path, script, monkeypatch):
@@ -545,3 +550,193 @@ def test_rank_0s_log_keeps_everything_when_the_job_is_aborted(tmp_path, job_scri
     assert [line for line in lines if line.startswith("line ")] == [
         f"line {i} of rank 0" for i in range(20000)]
     assert "LAST WORDS" in lines[20000:]
+
+
+# ---------------------------------------------------------------- network listeners
+
+LISTENER_JOB = textwrap.dedent("""\
+    import json, os, re, subprocess, sys
+    import numpy as np
+    import fleetmpi as fleet
+    from mpi4py import MPI
+
+    fleet.init(is_collective=True)
+    world = MPI.COMM_WORLD
+    total = np.empty(1 << 16)
+    world.Allreduce(np.ones(1 << 16), total)        # the transport is up and in use
+    fleet.barrier_worker()
+    if world.rank == 0:
+        # the job: every descendant of the test process (fleetmpirun, the MPI launcher and
+        # its proxies, the ranks and their log copiers)
+        parents, names = {}, {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    head, _, tail = f.read().rpartition(")")
+                parents[int(entry)] = int(tail.split()[1])
+                names[int(entry)] = head.partition("(")[2]
+            except OSError:
+                pass
+        job, frontier = set(), [int(sys.argv[1])]
+        while frontier:
+            children = [pid for pid, parent in parents.items() if parent in frontier]
+            job.update(children)
+            frontier = children
+        found = []
+        ss = subprocess.run(["ss", "-ltnupH"], capture_output=True, text=True, timeout=30)
+        for line in ss.stdout.splitlines():
+            pids = {int(pid) for pid in re.findall(r"pid=(\\d+)", line)}
+            if pids & job:
+                fields = line.split()
+                found.append({"netid": fields[0], "local": fields[4],
+                              "processes": sorted(re.findall(r'\\("([^"]+)",pid=', line))})
+        print("JOB " + json.dumps(sorted(names[pid] for pid in job if pid in names)))
+        print("LISTENERS " + json.dumps(found))
+    world.Barrier()
+    """)
+
+
+def on_loopback(address):
+    """Whether ``ss``'s local ``address:port`` is a loopback address."""
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip("[]").partition("%")[0]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", a name
+        return False
+
+
+def job_listeners(tmp_path, argv):
+    """``(listeners, process names)`` of a 2-rank fleetmpirun job on this host, as its rank 0
+    read them with ``ss`` while every rank was inside MPI."""
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) is not installed: the job's listeners cannot be read")
+    mpiexec = mpi_command.find_mpiexec()
+    if mpi_command.detect_flavour(mpiexec) != mpi_command.MPICH \
+            or mpi_command.find_gforker(mpiexec) is None:
+        pytest.skip("the single-host network promise is MPICH's with mpiexec.gforker; this "
+                    "MPI has no mpiexec.gforker beside its mpiexec")
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENER_JOB)
+    code, out, err = launch(console_script(), argv + [str(script), str(os.getpid())], tmp_path)
+    assert code == 0, out + err
+    listeners = [json.loads(line[10:]) for line in out.splitlines()
+                 if line.startswith("LISTENERS ")]
+    names = [json.loads(line[4:]) for line in out.splitlines() if line.startswith("JOB ")]
+    assert len(listeners) == len(names) == 1, out + err
+    return listeners[0], names[0]
+
+
+def test_a_single_host_job_listens_on_no_socket(tmp_path):
+    """The promise of docs/launch.md ("Network"): on one host, with MPICH, no process of the
+    job listens anywhere but on loopback, and with the defaults nowhere at all."""
+    listeners, names = job_listeners(tmp_path, ["--np", "2", "--log_dir", "log"])
+    assert "mpiexec.gforker" in names and "hydra_pmi_proxy" not in names, names
+    assert [entry for entry in listeners if not on_loopback(entry["local"])] == [], listeners
+    assert listeners == [], listeners
+
+
+def test_hydra_only_mpi_args_bring_hydras_port_back_and_say_so(tmp_path, script):
+    """``--mpi_args`` that only hydra takes start the job with hydra, which listens on every
+    interface (its control port, shared by its proxy and the ranks); the ranks' transport
+    stays on shared memory. The test's reading of ``ss`` sees it, so it would see a regression."""
+    code, _, err = launch(console_script(), ["--dry-run", "--np", "2", "--mpi_args",
+                                             "-bind-to none", script], tmp_path)
+    assert "need hydra (mpiexec), whose control port listens on every interface" in err
+    listeners, names = job_listeners(tmp_path, ["--np", "2", "--mpi_args", "-bind-to none"])
+    assert "hydra_pmi_proxy" in names, names
+    assert len(listeners) == 1 and not on_loopback(listeners[0]["local"]), listeners
+    assert "mpiexec" in listeners[0]["processes"], listeners
+
+
+@pytest.mark.parametrize("argv, gforker", [
+    (["--np", "2"], True),
+    (["--ips", "localhost", "--np", "2"], True),
+    (["--np", "2", "--mpi_args", "-l -genvall", "--mpi_args", "-genv A 'b c'"], True),
+    (["--ips", "h1,h2"], False),
+    (["--ips", "localhost,h2", "--np", "2"], False),
+    (["--np", "2", "--mpi_args", "-bind-to core"], False),
+])
+def test_gforker_on_one_host_and_hydra_for_several(tmp_path, script, capsys, argv, gforker):
+    mpiexec = _fake_mpiexec(tmp_path, "HYDRA build details:\n    Version: 5.0.2")
+    (tmp_path / "mpiexec.gforker").write_text("#!/bin/sh\nexit 255\n")
+    (tmp_path / "mpiexec.gforker").chmod(0o755)
+    assert fleetmpirun.main(["--mpiexec", mpiexec, "--dry-run"] + argv + [script]) == 0
+    cmd = shlex.split(capsys.readouterr().out.strip())
+    transport = ["-genv", "FI_PROVIDER", "shm", "-genv", "UCX_TLS", "self,sm"]
+    if gforker:
+        assert cmd[:3] == [str(tmp_path / "mpiexec.gforker"), "-n", "2"]
+        assert cmd[3:9] == transport
+        assert "-genvall" not in cmd and "-hosts" not in cmd
+        assert cmd[cmd.index(WRAPPER[1]) + 1] == "--single_host"
+    else:
+        assert cmd[0] == mpiexec and "--single_host" not in cmd
+        # several hosts: the transport needs the network; one host: shared memory
+        assert (shlex.join(transport) in shlex.join(cmd)) == ("h2" not in argv[1]), cmd
+
+
+def test_a_transport_the_user_chose_is_left_as_it_is(tmp_path, script):
+    args = parse("--np", "2", script)
+    cmd = fleetmpirun.launch_command(args, "mpich", str(_fake_mpiexec(tmp_path, "HYDRA")),
+                                     environ={"UCX_TLS": "tcp"}, as_root=False)
+    assert "UCX_TLS" not in cmd and cmd[cmd.index("FI_PROVIDER") + 1] == "shm"
+    # Open MPI's command is not changed
+    ompi = fleetmpirun.launch_command(args, "openmpi", "mpirun", environ={}, as_root=False)
+    assert ompi == ["mpirun", "-n", "2", "--oversubscribe"] + WRAPPER + ["--", script]
+
+
+def test_gforker_takes_only_its_own_options():
+    assert mpi_command.gforker_arguments([]) == []
+    assert mpi_command.gforker_arguments(["-genvall", "-l", "-genv", "A", "b", "-wdir", "/t"]) \
+        == ["-l", "-genv", "A", "b", "-wdir", "/t"]
+    for refused in (["-bind-to", "core"], ["-ppn", "2"], ["-genv", "A"], ["-verbose"],
+                    ["-hosts", "a"], ["stray"]):
+        assert mpi_command.gforker_arguments(refused) is None, refused
+    with pytest.raises(ValueError, match="this host only"):
+        mpi_command.build_command("mpich", "mpiexec.gforker", 2, ["p"], hosts=["a", "b"],
+                                  process_manager=mpi_command.GFORKER)
+
+
+def test_explicit_hydra_or_gforker_is_respected(tmp_path, script, capsys):
+    hydra = tmp_path / "mpiexec.hydra"
+    hydra.write_text("#!/bin/sh\necho 'HYDRA build details:'\n")
+    hydra.chmod(0o755)
+    gforker = tmp_path / "mpiexec.gforker"
+    gforker.write_text("#!/bin/sh\nexit 255\n")
+    gforker.chmod(0o755)
+    assert fleetmpirun.main(["--mpiexec", str(hydra), "--dry-run", "--np", "2", script]) == 0
+    assert shlex.split(capsys.readouterr().out)[0] == str(hydra)
+    assert mpi_command.detect_flavour(str(gforker)) == mpi_command.MPICH
+    assert fleetmpirun.main(["--mpiexec", str(gforker), "--dry-run", "--np", "2", script]) == 0
+    assert shlex.split(capsys.readouterr().out)[0] == str(gforker)
+    with pytest.raises(SystemExit):
+        fleetmpirun.main(["--mpiexec", str(gforker), "--dry-run", "--ips", "h1,h2", script])
+    assert "starts ranks on this host only" in capsys.readouterr().err
+
+
+def test_under_gforker_the_local_rank_is_the_rank():
+    environ = {"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_FD": "8", "MPI_LOCALRANKID": "0"}
+    assert rank_main.place(environ, single_host=True) == (3, 4, 3)
+    assert rank_main.place(environ) == (3, 4, 0)
+
+
+@pytest.mark.parametrize("argv, orig_argv, launcher", [
+    (["/venv/bin/fleetmpirun", "--np", "2"], ["/venv/bin/python", "/venv/bin/fleetmpirun"], True),
+    (["-m"], ["python", "-m", "fleetmpi.launch", "--np", "2"], True),
+    (["-m"], ["python", "-mfleetmpi.launch"], True),
+    (["-m"], ["python", "-m", "pytest", "fleetmpi.launch"], False),
+    (["train.py"], ["python", "train.py"], False),
+])
+def test_the_launcher_process_does_not_initialize_mpi(argv, orig_argv, launcher):
+    """fleetmpirun imports fleetmpi, whose import would make it an MPI process with listeners
+    of its own; it is recognised and leaves MPI uninitialized."""
+    import fleetmpi
+
+    assert fleetmpi._started_as_launcher(argv, orig_argv) == launcher
+    code = ("import sys; sys.argv[0] = {!r}; import fleetmpi; from mpi4py import MPI; "
+            "print(MPI.Is_initialized())")
+    for name, initialized in (("/venv/bin/fleetmpirun", "False"), ("train.py", "True")):
+        probe = subprocess.run([PY, "-c", code.format(name)], text=True, capture_output=True,
+                               timeout=JOB_TIMEOUT)
+        assert probe.stdout.strip() == initialized, probe.stderr
