@@ -67,6 +67,11 @@ def leave_instead(notify):
     _leave = notify
 
 
+def leaves_alone():
+    """Whether an uncaught exception ends this rank alone (``leave_instead``)."""
+    return _leave is not None
+
+
 def _report(place, exc_type, exc_value, exc_tb, thread_name=None):
     where = "" if thread_name is None else f" (in thread {thread_name})"
     text = "".join(traceback.format_exception(exc_type, exc_value, exc_tb))

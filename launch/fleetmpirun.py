@@ -331,9 +331,13 @@ def describe_unfinished(directory, np):
     if not missing:
         return None
     processes = watch.rank_processes(directory)
+    records = set(os.listdir(directory))
     places = [f"{rank} (pid {processes[rank][0]} on {processes[rank][1]})" if rank in processes
               else f"{rank} (never started)" for rank in missing]
-    return f"fleetmpirun: rank(s) that did not run their script to its end: {', '.join(places)}"
+    places = [place + (", left after an uncaught exception while the others went on"
+                       if f"left.{rank}" in records else "")
+              for rank, place in zip(missing, places)]
+    return f"fleetmpirun: rank(s) that did not run their script to its end: {'; '.join(places)}"
 
 
 def launch_command(args, flavour, mpiexec, environ=None, as_root=None):

@@ -44,6 +44,9 @@ LAUNCHER_VARIABLES = (
 )
 # How long a rank that ends normally waits for its terminal copier to write what is left.
 COPIER_EXIT_SECONDS = 10.0
+# run_script's status for a rank that left the job after an uncaught exception while the
+# others go on (its process exits with 1).
+LEFT = -1
 
 
 def place(environ, single_host=False):
@@ -226,10 +229,18 @@ def _abort_started_mpi(rank, size):
     mpi.COMM_WORLD.Abort(1)
 
 
+def _leaves_alone():
+    """Whether the script asked that an uncaught exception end this rank alone
+    (``fleetmpi.failure.leave_instead``: an asynchronous parameter-server worker)."""
+    failure = sys.modules.get("fleetmpi.failure")
+    return failure is not None and failure.leaves_alone()
+
+
 def run_script(script, args, rank=0, size=1):
     """Run ``script`` as ``__main__`` with ``sys.argv = [script] + args``; its exit code.
 
-    An uncaught exception is reported by ``sys.excepthook`` (see the module docstring)."""
+    An uncaught exception is reported by ``sys.excepthook`` (see the module docstring); it
+    ends the job, unless the script asked that it end this rank alone (status ``LEFT``)."""
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -242,6 +253,8 @@ def run_script(script, args, rank=0, size=1):
     except BaseException as error:
         error.with_traceback(_script_frames(error.__traceback__))
         sys.excepthook(type(error), error, error.__traceback__)
+        if _leaves_alone():
+            return LEFT
         _abort_started_mpi(rank, size)
         return 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     return 0
@@ -286,9 +299,9 @@ def main(argv=None):
     if args.finished_dir:
         record(args.finished_dir, f"pid.{rank}", f"{os.getpid()} {socket.gethostname()}")
     code = run_script(args.script, args.script_args, rank, size)
-    if code == 0 and args.finished_dir:
-        record(args.finished_dir, f"rank.{rank}")
-    return code
+    if code in (0, LEFT) and args.finished_dir:
+        record(args.finished_dir, f"{'rank' if code == 0 else 'left'}.{rank}")
+    return 1 if code == LEFT else code
 
 
 def record(directory, name, text=""):

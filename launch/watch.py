@@ -84,7 +84,8 @@ class RankWatch:
         ended |= {rank for rank, (pid, _) in self._processes.items()
                   if rank not in watched and rank not in self._gone and not alive(pid)}
         finished = {rank for rank in ended
-                    if os.path.exists(os.path.join(self.records, f"rank.{rank}"))}
+                    if any(os.path.exists(os.path.join(self.records, f"{kind}.{rank}"))
+                           for kind in ("rank", "left"))}
         newly_gone = sorted(ended - finished - self._gone)
         if newly_gone and not self.first_gone:
             self.first_gone = [(rank, *self._processes[rank]) for rank in newly_gone]

@@ -137,12 +137,15 @@ def test_async_and_geo_servers_go_on_without_a_worker_that_left(mode):
         assert report["pushes"][0] > report["pushes"][1]
 
 
-@pytest.mark.parametrize("mode", ["async", "geo"])
-def test_an_async_or_geo_worker_that_raises_ends_alone_and_the_others_train_on(mode):
+@pytest.mark.parametrize("mode,fleetmpirun", [("async", False), ("geo", False),
+                                               ("async", True)])
+def test_an_async_or_geo_worker_that_raises_ends_alone_and_the_others_train_on(mode,
+                                                                              fleetmpirun):
     """Worker 1 raises at its third step: its traceback names its rank, the servers hear
     why and train on with worker 0, which finishes all its steps; the job's status is
-    non-zero at the end, because a worker failed."""
-    code, output, _ = run_job(4, 2, "raise", "--mode", mode)
+    non-zero at the end, because a worker failed (under fleetmpirun, which names the rank
+    that left)."""
+    code, output, _ = run_job(4, 2, "raise", "--mode", mode, fleetmpirun=fleetmpirun)
     assert code != 0, output
     assert re.search(r"rank 1/4 on node \S+ failed:", output), output
     assert "worker 1 fails on purpose" in output
@@ -153,6 +156,9 @@ def test_an_async_or_geo_worker_that_raises_ends_alone_and_the_others_train_on(m
     for report in reports(output).values():
         assert report["lost_workers"] == [1]
         assert report["pushes"][0] > report["pushes"][1]
+    if fleetmpirun:
+        assert "1 (pid" in output and "left after an uncaught exception while the others " \
+            "went on" in output, output
 
 
 def test_servers_save_shards_on_request_and_at_shutdown_and_a_new_job_resumes(tmp_path):
