@@ -57,19 +57,24 @@ def _decode(field, value, tables):
     if field in tables:
         table = tables[field]
         return repr(table[value]) if 0 <= value < len(table) else "invalid"
-    if field == "shapes":
-        return f"checksum {value:#010x}"
     return str(value)
 
 
-def agree(comm, collective, tables, problem=None, **fields):
+def describe_shapes(arrays):
+    """Each array's dtype and shape, as a mismatch report prints them: ``float32 (2, 3)``."""
+    return ", ".join(f"{a.dtype} {tuple(a.shape)}" for a in arrays) or "no arrays"
+
+
+def agree(comm, collective, tables, problem=None, described=(), layout=None, **fields):
     """Gather this call's description from every rank of the MPI ``comm``; raise on every rank
     if ranks differ, abort the job if some do not arrive (``fleetmpi.comm.stall``).
 
     ``tables`` maps field names (``collective``, ``op``, ...) to the tuple of allowed values;
     values are sent as their index. ``fields`` holds the raw values for this rank. ``problem``
     is the exception this rank's own argument checks produced, if any: it is raised here, after
-    the other ranks have learnt that this rank rejected the call.
+    the other ranks have learnt that this rank rejected the call. When the shapes differ, every
+    rank's dtypes and shapes (of the arrays ``described``) and ``layout`` are exchanged once
+    more, so that the error prints them instead of their checksum.
     """
     values = []
     for name in FIELDS:
@@ -93,10 +98,15 @@ def agree(comm, collective, tables, problem=None, **fields):
             f"arguments (their error says why)")
     differing = np.flatnonzero((rows != rows[0]).any(axis=0))
     if len(differing):
+        shapes = None
+        if FIELDS.index("shapes") in differing:
+            text = describe_shapes(described)
+            shapes = comm.allgather(text if layout is None else f"{text}, counts {list(layout)}")
         parts = []
         for i in differing:
-            seen = ", ".join(f"rank {r}: {_decode(FIELDS[i], int(rows[r, i]), tables)}"
+            seen = ", ".join(f"rank {r}: " + (shapes[r] if FIELDS[i] == "shapes" else
+                                              _decode(FIELDS[i], int(rows[r, i]), tables))
                              for r in range(len(rows)))
-            parts.append(f"{FIELDS[i]} differs ({seen})")
+            parts.append(f"{FIELDS[i]} differ{'' if FIELDS[i] == 'shapes' else 's'} ({seen})")
         raise CollectiveMismatchError(
             f"{collective} called with different arguments across ranks: " + "; ".join(parts))

@@ -247,7 +247,7 @@ class Communicator:
             if layout is not None:
                 shapes = zlib.crc32(repr(tuple(layout)).encode(), shapes)
             fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
-        agree(self._control, collective, _TABLES, problem, **fields)
+        agree(self._control, collective, _TABLES, problem, arrays, layout, **fields)
 
     def _note(self, algorithm):
         """Remember the algorithm a flat operation ran, for the timeline event of its call."""

@@ -28,8 +28,14 @@ def test_shape_and_dtype_mismatch_raise_on_every_rank(algorithm):
     with raises(CollectiveMismatchError, match="dtype differs.*rank 0: float32.*float64"):
         comm.allreduce(np.ones(4, dtype), algorithm=algorithm)
     shape = (2, 3) if comm.rank == 0 else (3, 2)
-    with raises(CollectiveMismatchError, match="shapes differs"):
+    with raises(CollectiveMismatchError, match=r"shapes differ \(rank 0: float64 \(2, 3\), "
+                                               r"rank 1: float64 \(3, 2\)"):
         comm.allreduce(np.ones(shape), algorithm=algorithm)
+    dtype = np.int32 if comm.rank == 0 else np.float32
+    with raises(CollectiveMismatchError, match=r"dtype differs \(rank 0: int32, rank 1: "
+                                               r"float32.*shapes differ \(rank 0: int32 \(4,\), "
+                                               r"rank 1: float32 \(4,\)"):
+        comm.allreduce(np.ones(4, dtype), algorithm=algorithm)
     still_works(comm)
 
 
