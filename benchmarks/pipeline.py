@@ -76,7 +76,7 @@ def worker(args):
             opt.minimize(model, loss_fn, x, y)
             elapsed = time.perf_counter() - start
             bubble = 1 - pipeline.compute_seconds / pipeline.schedule_seconds
-            both = comm.allgather(np.array([elapsed, bubble]))
+            both = comm.allgather(np.array([elapsed, bubble]), stack=True)
             times.append(both[:, 0].max())
             bubbles.append(both[:, 1].mean())
         rows.append((micro_batch, float(np.median(times)), float(np.median(bubbles))))

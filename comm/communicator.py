@@ -30,11 +30,13 @@ from .agreement import agree, describe_arrays, dtype_name
 from .barrier import barrier as dissemination_barrier
 from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
 from .compression import COMPRESSIONS, accumulate_dtypes, check_compression, to_wire
+from .exchange import alltoall_pairwise, gather_linear, scatter_linear
 from .fusion import buckets_for
 from .hierarchical import allreduce_hierarchical
 from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
 from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, reduce_scatter_ring,
                    split_offsets)
+from .stall import gather_rows
 
 TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
 CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
@@ -43,7 +45,7 @@ ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
 BROADCAST_ALGORITHMS = ("tree", "chain", "native")
 GATHER_ALGORITHMS = ("ring", "native")
 COLLECTIVES = ("allreduce", "allreduce_many", "broadcast", "broadcast_many", "allgather",
-               "reduce_scatter", "barrier", "allgatherv")
+               "reduce_scatter", "barrier", "allgatherv", "alltoall", "gather", "scatter")
 _TABLES = {
     "collective": COLLECTIVES,
     "op": (None,) + OPS,
@@ -459,30 +461,158 @@ class Communicator:
             bucket.store()
 
     @_recorded("allgather")
-    def allgather(self, x, algorithm=None):
-        """Every rank's ``x`` stacked in rank order: shape ``(size,) + x.shape``.
+    def allgather(self, x, algorithm=None, stack=False):
+        """Every rank's ``x`` joined along the first axis in rank order, as Horovod's
+        allgather: the first dimension may differ between ranks (zero too), the rest of the
+        shape and the dtype may not. ``stack=True``: equal shapes stacked along a new first
+        axis, shape ``(size,) + x.shape``.
 
-        ``algorithm``: ``"ring"`` (default) or ``"native"``.
+        ``algorithm``: ``"ring"`` (default) or ``"native"`` (MPI's, for equal shapes).
         """
         def check():
             self._check_array(x)
+            if not stack and x.ndim == 0:
+                raise ValueError("allgather joins along the first axis and needs an array with "
+                                 "at least one dimension (or stack=True)")
             if algorithm is not None and algorithm not in GATHER_ALGORITHMS:
                 raise ValueError(f"algorithm={algorithm!r} is not an allgather algorithm; "
                                  f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
         problem = _capture(check)
-        self._agree("allgather", [x], problem, algorithm=algorithm)
+        rows = None
+        if stack:
+            self._agree("allgather", [x], problem, algorithm=algorithm)
+        else:
+            self._agree("allgather", [] if problem else [x[:0]], problem, algorithm=algorithm)
+            rows = self._rows_of_every_rank(x.shape[0], "allgather")
+            if algorithm == "native" and len(set(rows)) > 1:
+                raise ValueError(f"algorithm='native' gathers equal shapes, but the ranks' "
+                                 f"first dimensions are {rows}; use algorithm=None")
         xp = array_module(x)
-        n = x.size
-        out = xp.empty(self.size * n, x.dtype)
-        out[self.rank * n:(self.rank + 1) * n] = x.reshape(-1)
+        if stack:
+            counts = [x.size] * self.size
+        else:
+            row = int(np.prod(x.shape[1:], dtype=np.int64))
+            counts = [r * row for r in rows]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
+        out = xp.empty(offsets[-1], x.dtype)
+        out[offsets[self.rank]:offsets[self.rank + 1]] = x.reshape(-1)
         transport = self.transports[0]
         self._note(algorithm or "ring")
         if algorithm == "native":
             self._run(0, transport.native_allgather, out)
         else:
-            offsets = [r * n for r in range(self.size + 1)]
             self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
-        return out.reshape((self.size,) + x.shape)
+        if stack:
+            return out.reshape((self.size,) + x.shape)
+        return out.reshape((sum(rows),) + x.shape[1:])
+
+    def _rows_of_every_rank(self, rows, collective, extra=()):
+        """Every rank's ``[rows, *extra]`` (integers), one small exchange that reports ranks
+        that do not arrive; rows only when ``extra`` is empty."""
+        table = gather_rows(self._control, np.array([rows, *extra], dtype=np.int64), collective)
+        return [int(v) for v in table[:, 0]] if len(extra) == 0 else table
+
+    def _splits(self, splits, rows, what):
+        """``splits`` checked against ``rows``, or equal splits (``rows`` divisible)."""
+        if splits is None:
+            if rows % self.size:
+                raise ValueError(f"{what} splits the first dimension {rows} equally over "
+                                 f"{self.size} ranks, which does not divide it; pass splits")
+            return [rows // self.size] * self.size
+        self._check_counts(list(splits) if isinstance(splits, (list, tuple)) else splits,
+                           rows, "the first dimension of x")
+        return [int(v) for v in splits]
+
+    @_recorded("alltoall")
+    def alltoall(self, x, splits=None):
+        """Send rows ``splits[r]`` of ``x`` (its first axis cut in order; equal parts when
+        None) to rank ``r``, and receive every rank's part for this rank. Returns
+        ``(received, received_splits)``: the parts joined in rank order along the first axis,
+        and how many rows came from each rank (Horovod's alltoall)."""
+        def check():
+            self._check_array(x)
+            if x.ndim == 0:
+                raise ValueError("alltoall needs an array with at least one dimension")
+            self._splits(splits, x.shape[0], "alltoall")
+        problem = _capture(check)
+        self._agree("alltoall", [] if problem else [x[:0]], problem)
+        mine = self._splits(splits, x.shape[0], "alltoall")
+        table = self._rows_of_every_rank(0, "alltoall", mine)[:, 1:]
+        received = [int(v) for v in table[:, self.rank]]
+        xp = array_module(x)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        send = xp.ascontiguousarray(x).reshape(-1)
+        send_offsets = np.concatenate([[0], np.cumsum(mine)]).astype(int) * row
+        recv_offsets = np.concatenate([[0], np.cumsum(received)]).astype(int) * row
+        out = xp.empty(int(recv_offsets[-1]), x.dtype)
+        transport = self.transports[0]
+        self._note("pairwise")
+        self._count_payload([x], None)
+        self._run(0, lambda a, b: alltoall_pairwise(transport, a, send_offsets.tolist(), b,
+                                                    recv_offsets.tolist()), send, out)
+        return out.reshape((sum(received),) + x.shape[1:]), received
+
+    @_recorded("gather")
+    def gather(self, x, root=0):
+        """Every rank's ``x`` joined along the first axis in rank order on ``root`` (the first
+        dimension may differ between ranks); None on the other ranks."""
+        def check():
+            self._check_array(x)
+            self._check_root(root)
+            if x.ndim == 0:
+                raise ValueError("gather joins along the first axis and needs an array with at "
+                                 "least one dimension")
+        problem = _capture(check)
+        self._agree("gather", [] if problem else [x[:0]], problem, root=root)
+        rows = self._rows_of_every_rank(x.shape[0], "gather")
+        xp = array_module(x)
+        row = int(np.prod(x.shape[1:], dtype=np.int64))
+        offsets = (np.concatenate([[0], np.cumsum(rows)]).astype(int) * row).tolist()
+        buf = xp.empty(offsets[-1] if self.rank == root else x.size, x.dtype)
+        lo = offsets[self.rank] if self.rank == root else 0
+        buf[lo:lo + x.size] = x.reshape(-1)
+        local = offsets if self.rank == root else [o - offsets[self.rank] for o in offsets]
+        transport = self.transports[0]
+        self._note("linear")
+        self._run(0, lambda b: gather_linear(transport, b, local, root), buf)
+        return buf.reshape((sum(rows),) + x.shape[1:]) if self.rank == root else None
+
+    @_recorded("scatter")
+    def scatter(self, x, root=0, splits=None):
+        """Rank ``r``'s part of the root's ``x``: rows ``splits[r]`` of its first axis (equal
+        parts when None). The other ranks pass an array of the same dtype, whose shape and
+        values are not used (the root's shape and splits reach them first)."""
+        def check():
+            self._check_array(x)
+            self._check_root(root)
+            if x.ndim == 0:
+                raise ValueError("scatter cuts the first axis and needs an array with at least "
+                                 "one dimension")
+            if self.rank == root:
+                self._splits(splits, x.shape[0], "scatter")
+            if x.ndim > HEADER_DIMS:
+                raise ValueError(f"scatter supports arrays of up to {HEADER_DIMS} dimensions, "
+                                 f"not {x.ndim}")
+        problem = _capture(check)
+        # Only the dtype must agree: the root's shape and splits travel in the header.
+        self._agree("scatter", [] if problem else [x.reshape(-1)[:0]], problem, root=root)
+        header = np.zeros(self.size + 1 + HEADER_DIMS, dtype=np.int64)
+        if self.rank == root:
+            header[:self.size] = self._splits(splits, x.shape[0], "scatter")
+            header[self.size] = x.ndim - 1
+            header[self.size + 1:self.size + x.ndim] = x.shape[1:]
+        table = self._rows_of_every_rank(0, "scatter", header)[root, 1:]
+        parts = [int(v) for v in table[:self.size]]
+        tail = tuple(int(v) for v in table[self.size + 1:self.size + 1 + table[self.size]])
+        xp = array_module(x)
+        row = int(np.prod(tail, dtype=np.int64))
+        offsets = (np.concatenate([[0], np.cumsum(parts)]).astype(int) * row).tolist()
+        part = xp.empty(parts[self.rank] * row, x.dtype)
+        send = xp.ascontiguousarray(x).reshape(-1) if self.rank == root else part[:0]
+        transport = self.transports[0]
+        self._note("linear")
+        self._run(0, lambda b, p: scatter_linear(transport, b, offsets, p, root), send, part)
+        return part.reshape((parts[self.rank],) + tail)
 
     def _check_counts(self, counts, total=None, what=None):
         """``counts`` as a list of ``size`` non-negative integers (adding up to ``total``, the

@@ -217,7 +217,7 @@ class DGC(Strategy):
                                   for a in (values, indices)])
         self.bytes_sent_last_step = int(payload.nbytes)
         gathered = (payload[None] if self.communicator is None
-                    else self.communicator.allgather(payload))
+                    else self.communicator.allgather(payload, stack=True))
         size = gathered.shape[0]
         start = 0
         for run, (values, indices, ks) in zip(self._runs, selected):

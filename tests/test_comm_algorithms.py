@@ -61,7 +61,7 @@ def test_allreduce_results_are_identical_on_every_rank():
     for algorithm in algorithms(comm) + [None]:
         x = rank_data(comm.rank, 1001, np.float32, case=7)
         got = comm.allreduce(x, algorithm=algorithm)
-        everyone = comm.allgather(got, algorithm="native")
+        everyone = comm.allgather(got, algorithm="native", stack=True)
         for r in range(comm.size):
             equal(everyone[r], got)
 
@@ -86,7 +86,8 @@ def test_single_node_pick_is_measured_once_and_the_same_on_every_rank():
     ok(comm.allreduce_algorithm(large - 1) == "native")
     pick = comm.allreduce_algorithm(large)
     ok(pick in ("ring", "shm"), pick)
-    everyone = comm.allgather(np.array([pick == "shm"], np.int64), algorithm="native")
+    everyone = comm.allgather(np.array([pick == "shm"], np.int64), algorithm="native",
+                              stack=True)
     equal(everyone.reshape(-1), np.full(comm.size, everyone.reshape(-1)[0]))
     # Decided once for every size above the threshold; a default allreduce of that size is right.
     ok(comm.allreduce_algorithm(64 * large) == pick)
@@ -133,7 +134,7 @@ def test_allgather_stacks_every_rank(algorithm, dtype):
     comm = small_chunks()
     for n in (0, 1, 37):
         x = rank_data(comm.rank, n, dtype).reshape(1, n)
-        got = comm.allgather(x, algorithm=algorithm)
+        got = comm.allgather(x, algorithm=algorithm, stack=True)
         ok(got.shape == (comm.size, 1, n))
         for r in range(comm.size):
             equal(got[r], rank_data(r, n, dtype).reshape(1, n))
@@ -158,7 +159,7 @@ def test_reduce_scatter_gives_this_ranks_block(algorithm, dtype):
 def test_reduce_scatter_then_allgather_equals_allreduce():
     comm = small_chunks()
     x = rank_data(comm.rank, 4 * comm.size, np.float32, case=11)
-    blocks = comm.allgather(comm.reduce_scatter(x))
+    blocks = comm.allgather(comm.reduce_scatter(x), stack=True)
     equal(blocks.reshape(-1), comm.allreduce(x, algorithm="ring"))
 
 

@@ -50,7 +50,7 @@ def test_fp16_results_are_bit_identical_on_every_rank():
     stack = all_data(comm.size, 1000, np.float32, case=9)
     for algorithm in ("ring", "hierarchical"):
         got = comm.allreduce(stack[comm.rank], algorithm=algorithm, compression="fp16")
-        everyone = comm.allgather(got, algorithm="native")
+        everyone = comm.allgather(got, algorithm="native", stack=True)
         for r in range(comm.size):
             equal(everyone[r].view(np.uint32), got.view(np.uint32))
 
@@ -65,7 +65,7 @@ def test_fp16_overflow_is_inf_on_every_rank():
         got = comm.allreduce(x, algorithm=algorithm, compression="fp16")
         ok(np.isposinf(got[0]) and np.isneginf(got[1]))
         ok(got[2] == comm.size)
-        everyone = comm.allgather(got, algorithm="native")
+        everyone = comm.allgather(got, algorithm="native", stack=True)
         for r in range(comm.size):
             equal(everyone[r].view(np.uint32), got.view(np.uint32))
 

@@ -1,6 +1,8 @@
-"""Collectives with per-rank counts (MPI's ``Allgatherv`` and ``Reduce_scatter``), which
-sharding stages 2 and 3 use: uneven parts and empty parts at any world size, every rank checks
-its own result against the single-process one, and counts that disagree raise on every rank."""
+"""Collectives whose parts differ per rank: MPI's ``Allgatherv`` and ``Reduce_scatter`` (which
+sharding stages 2 and 3 use), Horovod's allgather (first dimension free per rank), alltoall
+with equal and explicit splits, gather to and scatter from a root. Uneven parts and empty
+parts at any world size; every rank checks its own result against what it computes of all
+ranks' inputs; arguments that disagree raise on every rank."""
 import numpy as np
 import pytest
 
@@ -62,3 +64,95 @@ def test_bad_counts_are_named():
         comm.reduce_scatter(np.zeros(3), counts=[4] + [0] * (comm.size - 1))
     with raises(ValueError, match=r"got 2 elements on rank \d+, but counts"):
         comm.allgatherv(np.zeros(2), [1] * comm.size)
+
+
+def rank_rows(rank, n, width=3):
+    """Rank ``rank``'s ``n`` rows of ``width`` values, distinct from every other rank's."""
+    return (np.arange(n * width, dtype=np.float32).reshape(n, width) + 1000 * rank)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", [None, "ring"])
+@pytest.mark.parametrize("case", ["one", "growing", "alternating"])
+def test_allgather_joins_a_first_dimension_that_differs_per_rank(case, algorithm):
+    comm = world()
+    counts = uneven_counts(comm.size, case)
+    got = comm.allgather(rank_rows(comm.rank, counts[comm.rank]), algorithm=algorithm)
+    equal(got, np.concatenate([rank_rows(r, c) for r, c in enumerate(counts)]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_refuses_native_for_unequal_rows_and_other_shapes_on_every_rank():
+    comm = world()
+    with raises(ValueError, match=r"algorithm='native' gathers equal shapes.+first dimensions"):
+        comm.allgather(rank_rows(comm.rank, comm.rank + 1), algorithm="native")
+    with raises(ValueError, match="shapes differ"):
+        comm.allgather(np.zeros((2, 3 if comm.rank == 0 else 4)))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("explicit", [False, True])
+def test_alltoall_sends_each_rank_its_rows(explicit):
+    """Rank s sends ``splits_of(s)[r]`` rows to rank r (zero for some pairs when explicit)."""
+    comm = world()
+    size = comm.size
+
+    def splits_of(s):
+        return [(s + r) % 3 for r in range(size)] if explicit else [2] * size
+
+    def sent(s):
+        return rank_rows(s, sum(splits_of(s)))
+    received, received_splits = comm.alltoall(sent(comm.rank),
+                                              splits_of(comm.rank) if explicit else None)
+    parts = []
+    for s in range(size):
+        start = sum(splits_of(s)[:comm.rank])
+        parts.append(sent(s)[start:start + splits_of(s)[comm.rank]])
+    equal(received, np.concatenate(parts))
+    ok(received_splits == [splits_of(s)[comm.rank] for s in range(size)], f"{received_splits}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_alltoall_refuses_splits_that_do_not_fit():
+    comm = world()
+    with raises(ValueError, match=r"does not divide it; pass splits"):
+        comm.alltoall(np.zeros((comm.size + 1, 2)))
+    with raises(ValueError, match=r"add up to \d+, but the first dimension of x is 2"):
+        comm.alltoall(np.zeros((2, 2)), splits=[3] + [0] * (comm.size - 1))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", ["one", "growing", "alternating"])
+def test_gather_joins_every_rank_on_the_root_only(case):
+    comm = world()
+    counts = uneven_counts(comm.size, case)
+    root = comm.size - 1
+    got = comm.gather(rank_rows(comm.rank, counts[comm.rank]), root=root)
+    if comm.rank == root:
+        equal(got, np.concatenate([rank_rows(r, c) for r, c in enumerate(counts)]))
+    else:
+        ok(got is None, "a non-root rank got a result")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", [None, "one", "growing", "alternating"])
+def test_scatter_gives_each_rank_its_part_of_the_roots_array(case):
+    comm = world()
+    splits = None if case is None else uneven_counts(comm.size, case)
+    parts = splits or [2] * comm.size
+    whole = rank_rows(0, sum(parts), width=4).reshape(sum(parts), 2, 2)
+    root = 1
+    mine = comm.scatter(whole if comm.rank == root else np.empty(0, np.float32), root=root,
+                        splits=splits if comm.rank == root else None)
+    start = sum(parts[:comm.rank])
+    equal(mine, whole[start:start + parts[comm.rank]])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_and_scatter_with_different_dtypes_raise_on_every_rank():
+    comm = world()
+    dtype = np.float32 if comm.rank == 0 else np.float64
+    with raises(ValueError, match="dtype differs"):
+        comm.gather(np.zeros((1, 2), dtype))
+    with raises(ValueError, match="dtype differs"):
+        comm.scatter(np.zeros((comm.size, 2), dtype))
