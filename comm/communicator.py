@@ -34,8 +34,8 @@ from .exchange import alltoall_pairwise, gather_linear, scatter_linear
 from .fusion import buckets_for
 from .hierarchical import allreduce_hierarchical
 from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
-from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, reduce_scatter_ring,
-                   split_offsets)
+from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, count_offsets,
+                   reduce_scatter_ring, split_offsets)
 from .stall import gather_rows
 
 TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
@@ -478,39 +478,38 @@ class Communicator:
                 raise ValueError(f"algorithm={algorithm!r} is not an allgather algorithm; "
                                  f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
         problem = _capture(check)
-        rows = None
         if stack:
             self._agree("allgather", [x], problem, algorithm=algorithm)
+            offsets = count_offsets([x.size] * self.size)
+            shape = (self.size,) + x.shape
         else:
             self._agree("allgather", [] if problem else [x[:0]], problem, algorithm=algorithm)
-            rows = self._rows_of_every_rank(x.shape[0], "allgather")
+            rows = [int(v) for v in self._exchange_rows([x.shape[0]], "allgather")[:, 0]]
             if algorithm == "native" and len(set(rows)) > 1:
                 raise ValueError(f"algorithm='native' gathers equal shapes, but the ranks' "
                                  f"first dimensions are {rows}; use algorithm=None")
-        xp = array_module(x)
-        if stack:
-            counts = [x.size] * self.size
-        else:
-            row = int(np.prod(x.shape[1:], dtype=np.int64))
-            counts = [r * row for r in rows]
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-        out = xp.empty(offsets[-1], x.dtype)
-        out[offsets[self.rank]:offsets[self.rank + 1]] = x.reshape(-1)
+            offsets = count_offsets(rows, int(np.prod(x.shape[1:], dtype=np.int64)))
+            shape = (sum(rows),) + x.shape[1:]
+        return self._allgather_flat(x.reshape(-1), offsets, algorithm).reshape(shape)
+
+    def _allgather_flat(self, flat, offsets, algorithm=None):
+        """Every rank's 1-d ``flat`` (part ``offsets[r]:offsets[r + 1]`` of the result on rank
+        ``r``) joined in rank order; ``"native"`` needs equal parts."""
+        xp = array_module(flat)
+        out = xp.empty(offsets[-1], flat.dtype)
+        out[offsets[self.rank]:offsets[self.rank + 1]] = flat
         transport = self.transports[0]
         self._note(algorithm or "ring")
         if algorithm == "native":
             self._run(0, transport.native_allgather, out)
         else:
             self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
-        if stack:
-            return out.reshape((self.size,) + x.shape)
-        return out.reshape((sum(rows),) + x.shape[1:])
+        return out
 
-    def _rows_of_every_rank(self, rows, collective, extra=()):
-        """Every rank's ``[rows, *extra]`` (integers), one small exchange that reports ranks
-        that do not arrive; rows only when ``extra`` is empty."""
-        table = gather_rows(self._control, np.array([rows, *extra], dtype=np.int64), collective)
-        return [int(v) for v in table[:, 0]] if len(extra) == 0 else table
+    def _exchange_rows(self, values, collective):
+        """Every rank's ``values`` (integers, as many on every rank) as a table, one row per
+        rank: one small exchange that reports ranks that do not arrive."""
+        return gather_rows(self._control, np.asarray(values, dtype=np.int64), collective)
 
     def _splits(self, splits, rows, what):
         """``splits`` checked against ``rows``, or equal splits (``rows`` divisible)."""
@@ -537,19 +536,17 @@ class Communicator:
         problem = _capture(check)
         self._agree("alltoall", [] if problem else [x[:0]], problem)
         mine = self._splits(splits, x.shape[0], "alltoall")
-        table = self._rows_of_every_rank(0, "alltoall", mine)[:, 1:]
-        received = [int(v) for v in table[:, self.rank]]
+        received = [int(v) for v in self._exchange_rows(mine, "alltoall")[:, self.rank]]
         xp = array_module(x)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         send = xp.ascontiguousarray(x).reshape(-1)
-        send_offsets = np.concatenate([[0], np.cumsum(mine)]).astype(int) * row
-        recv_offsets = np.concatenate([[0], np.cumsum(received)]).astype(int) * row
-        out = xp.empty(int(recv_offsets[-1]), x.dtype)
+        send_offsets, recv_offsets = count_offsets(mine, row), count_offsets(received, row)
+        out = xp.empty(recv_offsets[-1], x.dtype)
         transport = self.transports[0]
         self._note("pairwise")
         self._count_payload([x], None)
-        self._run(0, lambda a, b: alltoall_pairwise(transport, a, send_offsets.tolist(), b,
-                                                    recv_offsets.tolist()), send, out)
+        self._run(0, lambda a, b: alltoall_pairwise(transport, a, send_offsets, b,
+                                                    recv_offsets), send, out)
         return out.reshape((sum(received),) + x.shape[1:]), received
 
     @_recorded("gather")
@@ -564,10 +561,9 @@ class Communicator:
                                  "least one dimension")
         problem = _capture(check)
         self._agree("gather", [] if problem else [x[:0]], problem, root=root)
-        rows = self._rows_of_every_rank(x.shape[0], "gather")
+        rows = [int(v) for v in self._exchange_rows([x.shape[0]], "gather")[:, 0]]
         xp = array_module(x)
-        row = int(np.prod(x.shape[1:], dtype=np.int64))
-        offsets = (np.concatenate([[0], np.cumsum(rows)]).astype(int) * row).tolist()
+        offsets = count_offsets(rows, int(np.prod(x.shape[1:], dtype=np.int64)))
         buf = xp.empty(offsets[-1] if self.rank == root else x.size, x.dtype)
         lo = offsets[self.rank] if self.rank == root else 0
         buf[lo:lo + x.size] = x.reshape(-1)
@@ -601,12 +597,12 @@ class Communicator:
             header[:self.size] = self._splits(splits, x.shape[0], "scatter")
             header[self.size] = x.ndim - 1
             header[self.size + 1:self.size + x.ndim] = x.shape[1:]
-        table = self._rows_of_every_rank(0, "scatter", header)[root, 1:]
+        table = self._exchange_rows(header, "scatter")[root]
         parts = [int(v) for v in table[:self.size]]
         tail = tuple(int(v) for v in table[self.size + 1:self.size + 1 + table[self.size]])
         xp = array_module(x)
         row = int(np.prod(tail, dtype=np.int64))
-        offsets = (np.concatenate([[0], np.cumsum(parts)]).astype(int) * row).tolist()
+        offsets = count_offsets(parts, row)
         part = xp.empty(parts[self.rank] * row, x.dtype)
         send = xp.ascontiguousarray(x).reshape(-1) if self.rank == root else part[:0]
         transport = self.transports[0]
@@ -643,14 +639,7 @@ class Communicator:
         self._agree("allgatherv", [] if problem else [x[:0]], problem,
                     layout=None if problem else tuple(int(c) for c in counts))
         self._count_payload([x], None)
-        xp = array_module(x)
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-        out = xp.empty(offsets[-1], x.dtype)
-        out[offsets[self.rank]:offsets[self.rank + 1]] = x
-        transport = self.transports[0]
-        self._note("ring")
-        self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
-        return out
+        return self._allgather_flat(x, count_offsets(counts))
 
     @_recorded("reduce_scatter")
     def reduce_scatter(self, x, op="sum", algorithm=None, compression=None, counts=None,
@@ -681,7 +670,7 @@ class Communicator:
         xp = array_module(x)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         rows = (split_offsets(x.shape[0], self.size) if counts is None
-                else np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist())
+                else count_offsets(counts))
         offsets = [r * row for r in rows]
         lo, hi = offsets[self.rank], offsets[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank],) + x.shape[1:]

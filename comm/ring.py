@@ -28,6 +28,20 @@ def split_offsets(n, parts):
     return offsets
 
 
+def count_offsets(counts, row=1):
+    """Offsets of consecutive parts of ``counts[i]`` rows of ``row`` elements each."""
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + int(count) * row)
+    return offsets
+
+
+def overlap_counts(start, stop, offsets):
+    """How many elements of ``[start, stop)`` lie in each segment that ``offsets`` cut."""
+    return [max(0, min(stop, offsets[r + 1]) - max(start, offsets[r]))
+            for r in range(len(offsets) - 1)]
+
+
 def _chunks(start, stop, chunk):
     return [(i, min(i + chunk, stop)) for i in range(start, stop, chunk)]
 

@@ -38,7 +38,7 @@ overflow) broadcast nothing.
 """
 from .. import backend, timeline, world
 from ..comm.communicator import NATIVE_BELOW_BYTES
-from ..comm.ring import split_offsets
+from ..comm.ring import overlap_counts, split_offsets
 from ..log import logger
 from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
@@ -171,11 +171,15 @@ class Sharding(Strategy):
         runs = self.optimizer._runs
         self.buckets = plan_gradient_buckets(runs, *fusion_limits(strategy))
         self.schedule = BucketSchedule(self.buckets, self._reduce_scatter_bucket)
-        self._space_start = {}
+        # Each bucket's place in the parameter space, and its elements in each rank's shard.
+        self._placement = {}
         for run, (low, _) in zip(runs, self.optimizer._run_spans):
             for bucket in self.buckets:
                 if bucket.buffer is run.buffer and run.start <= bucket.start < run.stop:
-                    self._space_start[bucket.index] = low + bucket.start - run.start
+                    first = low + bucket.start - run.start
+                    last = first + bucket.stop - bucket.start
+                    self._placement[bucket.index] = (first, last, overlap_counts(
+                        first, last, self.offsets))
         self._storage = {}
         for buffer in {id(run.buffer): run.buffer for run in runs}.values():
             buffer.release_gradient(self._bind_bucket)
@@ -203,10 +207,7 @@ class Sharding(Strategy):
             storage = self._storage.pop(bucket.index)
         for p in bucket.parameters:
             p.settle_gradient()
-        first = self._space_start[bucket.index]
-        last = first + storage.size
-        counts = [max(0, min(last, self.offsets[r + 1]) - max(first, self.offsets[r]))
-                  for r in range(self.group_size)]
+        first, last, counts = self._placement[bucket.index]
         with timeline.span(f"bucket {bucket.index}", "comm") as event:
             if event:
                 event.args.update(bucket=bucket.index, bytes=int(storage.nbytes),

@@ -23,6 +23,7 @@ others do not enter, reported by the comm layer's checks.
 import numpy as np
 
 from .. import backend
+from ..comm.ring import overlap_counts
 from .gradient_allreduce import layer_of
 
 
@@ -51,8 +52,7 @@ class _Unit:
         self.parameters = parameters
         self.start = start
         self.stop = stop
-        self.counts = [max(0, min(stop, offsets[r + 1]) - max(start, offsets[r]))
-                       for r in range(len(offsets) - 1)]
+        self.counts = overlap_counts(start, stop, offsets)
         self.values = None
 
 
