@@ -18,38 +18,47 @@ def emulated_nodes(monkeypatch, local_size):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_two_emulated_nodes_at_four_ranks(monkeypatch):
+def test_emulated_nodes_of_every_size(monkeypatch):
+    """Every layout of the world into equal emulated nodes of more than one rank: 2 nodes x 2
+    at four ranks; 4 nodes x 2 and 2 nodes x 4 at eight."""
     fleet.init()
     from mpi4py import MPI
 
-    if MPI.COMM_WORLD.Get_size() % 2:
-        pytest.fail("this test needs an even number of ranks")
-    comm, topology = emulated_nodes(monkeypatch, 2)
-    try:
-        ok(topology.num_nodes == comm.size // 2)
-        ok(topology.local_size == 2)
-        for case, n in enumerate((1, 3, 5, 1000)):
-            for dtype in (np.float32, np.float64, np.int64, np.float16):
-                stack = all_data(comm.size, n, dtype, case)
-                for op in ("sum", "mean", "max", "min"):
-                    got = comm.allreduce(stack[comm.rank], op=op, algorithm="hierarchical")
-                    native = comm.allreduce(stack[comm.rank], op=op, algorithm="native")
-                    want = single_process(stack, op)
-                    if np.dtype(dtype).kind == "f":
-                        rtol, atol = tolerance(dtype, comm.size)
-                        close(got.astype(np.float64), want, rtol=rtol,
-                                                   atol=atol)
-                        close(got.astype(np.float64),
-                                                   native.astype(np.float64), rtol=rtol,
-                                                   atol=atol)
-                    else:
-                        equal(got, want)
-                        equal(got, native)
-        with raises(ValueError, match="one node"):
-            comm.allreduce(np.ones(3), algorithm="shm")
-    finally:
-        comm.free()
-        topology.free()
+    size = MPI.COMM_WORLD.Get_size()
+    local_sizes = [d for d in range(2, size) if size % d == 0]
+    if not local_sizes:
+        pytest.fail(f"{size} ranks cannot be split into equal nodes of 2 or more ranks")
+    for local_size in local_sizes:
+        comm, topology = emulated_nodes(monkeypatch, local_size)
+        try:
+            ok(topology.num_nodes == size // local_size)
+            ok(topology.local_size == local_size)
+            check_hierarchical_sums(comm)
+            with raises(ValueError, match="one node"):
+                comm.allreduce(np.ones(3), algorithm="shm")
+        finally:
+            comm.free()
+            topology.free()
+
+
+def check_hierarchical_sums(comm):
+    """The hierarchical allreduce equals one process's reduction and MPI's own, for every
+    dtype and op, on sizes that do and do not divide evenly."""
+    for case, n in enumerate((1, 3, 5, 1000)):
+        for dtype in (np.float32, np.float64, np.int64, np.float16):
+            stack = all_data(comm.size, n, dtype, case)
+            for op in ("sum", "mean", "max", "min"):
+                got = comm.allreduce(stack[comm.rank], op=op, algorithm="hierarchical")
+                native = comm.allreduce(stack[comm.rank], op=op, algorithm="native")
+                want = single_process(stack, op)
+                if np.dtype(dtype).kind == "f":
+                    rtol, atol = tolerance(dtype, comm.size)
+                    close(got.astype(np.float64), want, rtol=rtol, atol=atol)
+                    close(got.astype(np.float64), native.astype(np.float64), rtol=rtol,
+                          atol=atol)
+                else:
+                    equal(got, want)
+                    equal(got, native)
 
 
 @pytest.mark.mpi
