@@ -8,9 +8,11 @@ the ring, hierarchical and (on one node) shared-memory allreduce, of native MPI_
 of gloo when torch is installed, with each one's speed relative to native MPI. Every result is
 checked against the exact sum before it is timed. Like MPI_Allreduce with a separate receive
 buffer, ours write into a preallocated ``out=`` array. Times are the slowest rank's, median of
-the timed runs.
+the timed runs. Every timing loop is bounded (``--budget``, at most 200 calls) and its ranks
+decide together when it ends; gloo's collectives raise after ``--gloo-timeout`` seconds.
 """
 import argparse
+import datetime
 import os
 import socket
 import time
@@ -23,26 +25,32 @@ from fleetmpi.comm import get_communicator
 
 
 def timed(fn, comm, budget_s):
-    """Median seconds per call of ``fn`` (slowest rank), after a warm-up call."""
+    """Median seconds per call of ``fn`` (slowest rank), after a warm-up call: at least 5
+    calls and at most 200, within ``budget_s`` seconds. Whether to go on is decided together
+    (one MAX allreduce per call), never by a rank's own clock: a rank that stopped while
+    another went on would leave that one in a collective nobody else joins."""
     fn()
     times = []
     start = time.perf_counter()
-    while len(times) < 5 or (time.perf_counter() - start < budget_s and len(times) < 200):
+    while True:
         comm.Barrier()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-        stop = np.array([time.perf_counter() - start > budget_s], dtype=np.int32)
+        over = len(times) >= 200 or (len(times) >= 5 and time.perf_counter() - start > budget_s)
+        stop = np.array([over], dtype=np.int32)
         comm.Allreduce(MPI.IN_PLACE, stop, op=MPI.MAX)
-        if len(times) >= 5 and stop[0]:
+        if stop[0]:
             break
     local = np.array([np.median(times)])
     comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX)
     return float(local[0])
 
 
-def gloo_group(world):
-    """torch.distributed's gloo process group over the same ranks, or a reason it is absent."""
+def gloo_group(world, timeout_s):
+    """torch.distributed's gloo process group over the same ranks, or a reason it is absent.
+    Its collectives raise after ``timeout_s`` seconds instead of waiting for ever; torch runs
+    one intra-op thread per rank, as the MPI side has one BLAS thread."""
     try:
         import torch
         import torch.distributed as dist
@@ -56,7 +64,9 @@ def gloo_group(world):
     port = world.bcast(port, root=0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=world.Get_rank(), world_size=world.Get_size())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=world.Get_rank(), world_size=world.Get_size(),
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return (torch, dist), None
 
 
@@ -74,13 +84,15 @@ def main():
     parser.add_argument("--budget", type=float, default=1.0,
                         help="seconds of timed runs per size and algorithm")
     parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--gloo-timeout", type=float, default=60.0,
+                        help="seconds after which a gloo collective raises")
     args = parser.parse_args()
 
     fleet.init()
     comm = get_communicator()
     world = MPI.COMM_WORLD
     n, rank = comm.size, comm.rank
-    gloo, why = (None, "skipped (--no-gloo)") if args.no_gloo else gloo_group(world)
+    gloo, why = (None, "skipped (--no-gloo)") if args.no_gloo else gloo_group(world, args.gloo_timeout)
 
     algorithms = ["ring", "hierarchical"]
     if comm.topology.local_size == n:
