@@ -32,12 +32,15 @@ from .backend import manual_seed as seed
 from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
+from .fleet_util import UtilBase
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
 from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
                     node_num, server_endpoints, worker_endpoints, worker_index, worker_num)
+
+util = UtilBase()
 
 __version__ = "0.1.0"
 

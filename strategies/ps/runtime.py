@@ -43,6 +43,12 @@ def worker_communicator():
     return _workers
 
 
+def role_communicator():
+    """The MPI communicator of the ranks of this process's role: the workers, or the
+    servers (parameter-server mode)."""
+    return _workers
+
+
 def is_server():
     """True on a server of parameter-server mode."""
     return world.role_maker().is_server()
