@@ -34,6 +34,11 @@ class UnknownKeyError(ConfigError, KeyError):
         return self.args[0]
 
 
+class UnknownAttributeError(AttributeError, TypeError):
+    """An attribute that is not a field of the strategy; also a TypeError, as Paddle's
+    ``DistributedStrategy`` raises for an unknown attribute."""
+
+
 class Interval:
     """An interval written as in the schema, e.g. ``[1, inf)`` or ``(0, 1)``."""
 

@@ -39,7 +39,8 @@ class _MessageObject:
         try:
             return cm.lookup_field(self._message, name, type(self).__name__, self._extra_names())
         except cm.UnknownKeyError as exc:
-            raise AttributeError(str(exc).replace("has no key", "has no attribute")) from None
+            raise cm.UnknownAttributeError(str(exc).replace("has no key", "has no attribute")) \
+                from None
 
     def __getattr__(self, name):
         if name.startswith("_"):
