@@ -32,22 +32,26 @@ from .backend import manual_seed as seed
 from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
+from .fleet_util import UtilBase
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
-from .role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
+from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
 from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
-                    node_num, worker_index, worker_num)
+                    node_num, server_endpoints, worker_endpoints, worker_index, worker_num)
+
+util = UtilBase()
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Function", "Tensor", "autograd", "concat", "enable_grad", "is_grad_enabled", "matmul",
-    "no_grad", "reshape", "seed", "split", "stack", "to_tensor", "transpose",
-    "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
-    "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "applied_strategy", "barrier_worker",
-    "device_guard", "distributed_model", "distributed_optimizer", "init", "init_server",
-    "init_worker", "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn",
-    "node_index", "node_num", "optimizer", "run_server", "save_persistables", "server_index",
-    "server_num", "split_stages", "stop_worker", "utils", "worker_index", "worker_num",
+    "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy", "Function",
+    "ModeError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
+    "applied_strategy", "autograd", "barrier_worker", "concat", "device_guard",
+    "distributed_model", "distributed_optimizer", "enable_grad", "init", "init_server",
+    "init_worker", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "local_rank",
+    "local_size", "matmul", "nn", "no_grad", "node_index", "node_num", "optimizer", "reshape",
+    "run_server", "save_persistables", "seed", "server_endpoints", "server_index", "server_num",
+    "split", "split_stages", "stack", "stop_worker", "to_tensor", "transpose", "util", "utils",
+    "worker_endpoints", "worker_index", "worker_num",
 ]

@@ -4,8 +4,9 @@ The schema says everything about a field: its type and default (protobuf) and wh
 (the custom options ``range``, ``choices`` and ``default_list``). This module turns that into
 Python objects that refuse a wrong value with a message naming the field and what is allowed.
 
-Messages are kept fully populated: every scalar field is explicitly set, and repeated fields
-with a ``default_list`` hold it when empty, so a saved prototxt states the whole configuration.
+Messages keep proto2 presence, as Paddle's do: a field holds a value only where one was
+assigned (or loaded), so a saved prototxt states what the user set and nothing else; reading an
+unset field gives its default (for a repeated field with a ``default_list``, that list).
 """
 import difflib
 import math
@@ -32,6 +33,11 @@ class UnknownKeyError(ConfigError, KeyError):
 
     def __str__(self):
         return self.args[0]
+
+
+class UnknownAttributeError(AttributeError, TypeError):
+    """An attribute that is not a field of the strategy; also a TypeError, as Paddle's
+    ``DistributedStrategy`` raises for an unknown attribute."""
 
 
 class Interval:
@@ -166,9 +172,12 @@ def coerce(field, value, where):
 
 
 def get_value(message, field):
-    """A non-message field's value as a plain Python value (lists are copies)."""
+    """A non-message field's value as a plain Python value (lists are copies); an empty
+    repeated field reads as its ``default_list``."""
     value = getattr(message, field.name)
-    return list(value) if _is_repeated(field) else value
+    if _is_repeated(field):
+        return list(value) if value else default_of(field)
+    return value
 
 
 def set_value(message, field, value):
@@ -179,18 +188,6 @@ def set_value(message, field, value):
         container.extend(value if value else default_of(field))
     else:
         setattr(message, field.name, value)
-
-
-def fill_defaults(message):
-    """Set every unset field of ``message`` (recursively) to its default."""
-    for field in message.DESCRIPTOR.fields:
-        if _is_message(field):
-            fill_defaults(getattr(message, field.name))
-        elif _is_repeated(field):
-            if not getattr(message, field.name):
-                set_value(message, field, [])
-        elif not message.HasField(field.name):
-            setattr(message, field.name, field.default_value)
 
 
 def validate(message, prefix=""):
@@ -204,7 +201,8 @@ def validate(message, prefix=""):
 
 
 def differences(message, reference, prefix=""):
-    """``(dotted name, value)`` of every field whose value differs from ``reference``."""
+    """``(dotted name, value)`` of every field whose value differs from ``reference``'s (a
+    field set to its default does not differ from one left unset)."""
     found = []
     for field in message.DESCRIPTOR.fields:
         where = prefix + field.name
@@ -214,13 +212,6 @@ def differences(message, reference, prefix=""):
         elif get_value(message, field) != get_value(reference, field):
             found.append((where, get_value(message, field)))
     return found
-
-
-def new_message(message_class):
-    """A fully populated message of that class, every field at its default."""
-    message = message_class()
-    fill_defaults(message)
-    return message
 
 
 def lookup_field(message, key, owner, extra_names=()):

@@ -5,10 +5,12 @@ Every attribute is a field of the schema; assignments are checked against it and
 effects on other fields, so attributes can be set in any order with the same result.
 """
 import os
+import types
 
 from google.protobuf import text_format
 
 from . import config_message as cm
+from . import prototxt
 from .proto import distributed_strategy_pb2 as schema
 
 
@@ -24,7 +26,7 @@ class _MessageObject:
     _sub_objects = {}
 
     def __init__(self):
-        object.__setattr__(self, "_message", cm.new_message(self._message_class))
+        object.__setattr__(self, "_message", self._message_class())
 
     @classmethod
     def _view(cls, message):
@@ -39,7 +41,8 @@ class _MessageObject:
         try:
             return cm.lookup_field(self._message, name, type(self).__name__, self._extra_names())
         except cm.UnknownKeyError as exc:
-            raise AttributeError(str(exc).replace("has no key", "has no attribute")) from None
+            raise cm.UnknownAttributeError(str(exc).replace("has no key", "has no attribute")) \
+                from None
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -78,7 +81,8 @@ class _MessageObject:
         return sorted(set(super().__dir__()) | set(self._message.DESCRIPTOR.fields_by_name))
 
     def __eq__(self, other):
-        return type(other) is type(self) and other._message == self._message
+        """Equal values: a field set to its default equals one left unset."""
+        return type(other) is type(self) and not cm.differences(self._message, other._message)
 
     def __ne__(self, other):
         return not self == other
@@ -93,7 +97,7 @@ class _MessageObject:
         return copy
 
     def __str__(self):
-        changed = cm.differences(self._message, cm.new_message(self._message_class))
+        changed = cm.differences(self._message, self._message_class())
         name = type(self).__name__
         if not changed:
             return f"{name}: all defaults"
@@ -152,31 +156,54 @@ class DistributedStrategy(_MessageObject):
         else:
             super().__setattr__(name, value)
 
+    # Fields of Paddle's message that fleetmpi does not have, as a loaded file held them
+    # (``fleetmpi.prototxt``); written back by save_to_prototxt.
+    _paddle_only = types.MappingProxyType({})
+
+    def paddle_only_fields(self):
+        """``{dotted path: [text]}`` of the fields of Paddle's message, absent from fleetmpi's,
+        that the loaded file set (``fleetmpi.paddle_fields``); they change nothing here."""
+        return {path: list(texts) for path, texts in self._paddle_only.items()}
+
+    def __eq__(self, other):
+        return super().__eq__(other) and dict(self._paddle_only) == dict(other._paddle_only)
+
+    __hash__ = None
+
+    def __deepcopy__(self, memo):
+        copy = super().__deepcopy__(memo)
+        object.__setattr__(copy, "_paddle_only", self._paddle_only)
+        return copy
+
     def save_to_prototxt(self, output):
-        """Write the whole strategy, every field, to ``output`` in protobuf text format."""
-        text = text_format.MessageToString(self._message)
+        """Write the fields that were set (proto2 presence, as Paddle writes them), and the
+        Paddle-only fields a loaded file held, to ``output`` in protobuf text format."""
+        text = prototxt.render(self._message, self._paddle_only)
         with open(output, "w", encoding="utf-8") as f:
             f.write("# fleetmpi DistributedStrategy\n")
             f.write(text)
 
     def load_from_prototxt(self, pb_file):
         """Replace this strategy by the one in ``pb_file`` (fields it omits take their
-        defaults) and return it. A malformed file changes nothing and raises a ConfigError
+        defaults) and return it. Files Paddle 2.0-2.2 wrote load too: their fields that
+        fleetmpi does not have are kept and reported as not applied
+        (``fleetmpi.paddle_fields``). A malformed file changes nothing and raises a ConfigError
         naming the file and line."""
         with open(pb_file, encoding="utf-8") as f:
             text = f.read()
-        message = self._message_class()
         try:
-            text_format.Parse(text, message)
+            message, paddle_only = prototxt.parse(text, self._message_class)
         except text_format.ParseError as exc:
             line, column = exc.GetLine(), exc.GetColumn()
             where = f"{pb_file}:{line}:{column}" if line else str(pb_file)
             reason = str(exc).split(" : ", 1)[-1]
             raise cm.ConfigError(f"{where}: {reason}") from None
-        cm.fill_defaults(message)
+        except prototxt.UnknownFieldInFile as exc:
+            raise cm.ConfigError(f"{pb_file}:{exc.line}:{exc.column}: {exc}") from None
         try:
             cm.validate(message)
         except (cm.ConfigError, TypeError) as exc:
             raise cm.ConfigError(f"{os.fspath(pb_file)}: {exc}") from None
         self._message.CopyFrom(message)
+        object.__setattr__(self, "_paddle_only", types.MappingProxyType(paddle_only))
         return self

@@ -10,7 +10,8 @@ from . import config_message as cm
 from .distributed_strategy import SHORTCUTS, DistributedStrategy
 
 _TYPE_NAMES = {
-    FieldDescriptor.TYPE_DOUBLE: "float", FieldDescriptor.TYPE_INT32: "int",
+    FieldDescriptor.TYPE_DOUBLE: "float", FieldDescriptor.TYPE_FLOAT: "float",
+    FieldDescriptor.TYPE_INT32: "int",
     FieldDescriptor.TYPE_INT64: "int", FieldDescriptor.TYPE_BOOL: "bool",
     FieldDescriptor.TYPE_STRING: "str",
 }

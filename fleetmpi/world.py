@@ -6,7 +6,7 @@ import numpy as np
 from . import failure, log
 
 _topology = None
-_roles = None
+_role_maker = None
 
 
 def init(role_maker=None, is_collective=True):
@@ -15,15 +15,24 @@ def init(role_maker=None, is_collective=True):
     Works under ``mpirun``/``mpiexec``, ``srun`` and ``fleetmpirun``, and as a plain
     ``python train.py`` (a world of one). A second call does nothing.
 
-    ``is_collective=False`` or a ``role_maker`` selects parameter-server mode: the role comes
-    from ``role_maker`` or from the launcher's variables (``fleetmpi.role_maker``).
+    The mode is the ``role_maker``'s, as in Paddle (``PaddleCloudRoleMaker(is_collective=True)``
+    is collective, ``UserDefinedRoleMaker(...)`` and ``PaddleCloudRoleMaker()`` parameter-server
+    mode); without one, ``is_collective`` chooses, with the roles from the launcher's variables
+    (``fleetmpi.role_maker``).
     """
-    global _topology, _roles
+    global _topology, _role_maker
+    from .role_maker import PaddleCloudRoleMaker, RoleMakerBase
+
+    if role_maker is not None and not isinstance(role_maker, RoleMakerBase):
+        raise TypeError(f"role_maker must be a fleetmpi.PaddleCloudRoleMaker or "
+                        f"UserDefinedRoleMaker, not {type(role_maker).__name__}")
+    collective = role_maker.is_collective if role_maker is not None else bool(is_collective)
     if _topology is not None:
-        if (not is_collective or role_maker is not None) != (_roles is not None):
+        if collective != _role_maker.is_collective:
             raise RuntimeError("fleet.init was already called in the other mode (collective or "
                                "parameter-server); a process runs in one mode")
         return
+    role_maker = role_maker or PaddleCloudRoleMaker(is_collective=collective)
     from mpi4py import MPI
 
     from .comm.topology import LOCAL_SIZE_ENV, Topology
@@ -31,13 +40,15 @@ def init(role_maker=None, is_collective=True):
 
     topology = Topology(MPI.COMM_WORLD)
     failure.install(topology.rank, topology.size, topology.node_index)
-    verify(topology, collective=is_collective and role_maker is None,
+    verify(topology, collective=collective,
            emulated_nodes=os.environ.get(LOCAL_SIZE_ENV, "") != "")
+    role_maker.bind(topology.rank, topology.size)
     _topology = topology
-    if not is_collective or role_maker is not None:
+    _role_maker = role_maker
+    if not collective:
         from .strategies.ps.runtime import join
 
-        _roles = join(role_maker, _topology)
+        join(role_maker, _topology)
     log.configure(_topology.rank, _topology.size, _topology.node_index)
     log.logger.info("joined: %d rank(s) on %d node(s), local rank %d of %d",
                     _topology.size, _topology.num_nodes, _topology.local_rank,
@@ -51,30 +62,35 @@ def topology():
     return _topology
 
 
+def role_maker():
+    """The role maker of this job (collective or parameter-server); ``init`` must have run."""
+    topology()
+    return _role_maker
+
+
 def roles():
     """The role maker of parameter-server mode; None in collective mode."""
-    topology()
-    return _roles
+    return None if role_maker().is_collective else _role_maker
 
 
 def worker_index():
     """This rank's index among the workers: its world rank in collective mode, its worker id
     in parameter-server mode (a server answers with its world rank)."""
     if roles() is not None and roles().is_worker():
-        return _roles.current_id
+        return _role_maker.current_id
     return topology().rank
 
 
 def worker_num():
     """The number of workers: the world size in collective mode, the workers alone in
     parameter-server mode."""
-    return topology().size if roles() is None else _roles.worker_num
+    return topology().size if roles() is None else _role_maker.worker_num
 
 
 def is_first_worker():
     """True on worker 0 only."""
     if roles() is not None:
-        return _roles.is_worker() and _roles.current_id == 0
+        return _role_maker.is_worker() and _role_maker.current_id == 0
     return topology().rank == 0
 
 
@@ -111,3 +127,18 @@ def node_index():
 def node_num():
     """The number of nodes in the job."""
     return topology().num_nodes
+
+
+def _joined(endpoints, to_string):
+    return ",".join(endpoints) if to_string else list(endpoints)
+
+
+def worker_endpoints(to_string=False):
+    """The workers' endpoint labels, in worker order (a comma-separated string with
+    ``to_string=True``). They name MPI ranks; nothing listens on them (``fleetmpi.role_maker``)."""
+    return _joined(role_maker().worker_endpoints, to_string)
+
+
+def server_endpoints(to_string=False):
+    """The servers' endpoint labels in parameter-server mode; empty in collective mode."""
+    return _joined(role_maker().server_endpoints, to_string)

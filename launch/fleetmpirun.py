@@ -33,6 +33,7 @@ import threading
 import time
 
 from .. import elastic
+from ..role_maker import endpoint_labels
 from . import mpi_command, rank_main, restart, shm, slurm, watch
 
 
@@ -212,15 +213,30 @@ def plan(args):
     return np, ips, ranks_per_host
 
 
-def job_environment(args):
-    """The variables ``fleetmpirun`` sets for every rank of the job, on every host."""
-    env = {}
+def job_environment(args, np=None):
+    """The variables ``fleetmpirun`` sets for every rank of the job, on every host; with the
+    job's rank count ``np``, also Paddle's endpoint lists (``endpoint_environment``)."""
+    env = {} if np is None else endpoint_environment(args, np)
     if args.timeline is not None:
         env["FLEETMPI_TIMELINE"] = os.path.abspath(args.timeline)
     if getattr(args, "elastic", False):
         env[elastic.RESTART_COUNT_ENV] = str(getattr(args, "restart_count", 0))
         if getattr(args, "progress_file", None):
             env[elastic.PROGRESS_FILE_ENV] = args.progress_file
+    return env
+
+
+def endpoint_environment(args, np):
+    """``PADDLE_TRAINER_ENDPOINTS`` and, in parameter-server mode,
+    ``PADDLE_PSERVERS_IP_PORT_LIST``, as Paddle's launcher exports them: the labels of the
+    ranks (``fleetmpi.role_maker.endpoint_labels``; nothing listens on them). Each rank's
+    wrapper takes its own ``PADDLE_CURRENT_ENDPOINT``, ``POD_IP`` and ``PADDLE_PORT`` from
+    them (``rank_main.role_variables``)."""
+    workers = args.worker_num if args.server_num else np
+    env = {"PADDLE_TRAINER_ENDPOINTS": ",".join(endpoint_labels(workers))}
+    if args.server_num:
+        env["PADDLE_PSERVERS_IP_PORT_LIST"] = ",".join(endpoint_labels(args.server_num,
+                                                                       first=workers))
     return env
 
 
@@ -588,12 +604,13 @@ def check_finished(directory, np, gforker=False):
     return 1
 
 
-def job_command(args, flavour, mpiexec, exclude=()):
+def job_command(args, flavour, mpiexec, exclude=(), environ=None):
     """The command that starts the job: ``mpiexec`` or, with ``--slurm``, ``srun`` (leaving
-    out the nodes ``exclude`` names)."""
+    out the nodes ``exclude`` names); ``environ`` is the environment it runs in."""
     if args.slurm:
-        return slurm.launch_command(args, rank_program(args), flavour, exclude=exclude)
-    return launch_command(args, flavour, mpiexec)
+        return slurm.launch_command(args, rank_program(args), flavour, environ=environ,
+                                    exclude=exclude)
+    return launch_command(args, flavour, mpiexec, environ=environ)
 
 
 def ranks_per_host(records):
@@ -620,8 +637,9 @@ def run_attempt(args, flavour, mpiexec, exclude=()):
     gforker = not args.slurm and \
         process_manager(args, flavour, mpiexec)[1] == mpi_command.GFORKER
     try:
-        code, interrupted = run_job(job_command(args, flavour, mpiexec, exclude),
-                                    dict(os.environ, **job_environment(args)),
+        environ = dict(os.environ, **job_environment(args, np))
+        code, interrupted = run_job(job_command(args, flavour, mpiexec, exclude, environ),
+                                    environ,
                                     args.finished_dir if local else None, rank_watch,
                                     end_on_loss=gforker)
         if code == 0 and args.finished_dir:

@@ -69,13 +69,25 @@ def place(environ, single_host=False):
     return world.Get_rank(), world.Get_size(), world.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
-def role_variables(rank, size, local_rank, gpus=None, server_num=0, worker_num=0):
-    """The variables this rank runs its script with, and the name of its log file.
+def _endpoint_list(environ, name, count):
+    """The endpoint labels ``fleetmpirun`` exported in ``name``, or None where absent or made
+    for another number of ranks than ``count`` (the role maker then makes the same labels)."""
+    labels = [e for e in environ.get(name, "").split(",") if e]
+    return labels if len(labels) == count else None
+
+
+def role_variables(rank, size, local_rank, gpus=None, server_num=0, worker_num=0, environ=None):
+    """The variables this rank runs its script with, and the name of its log file: Paddle's
+    launcher's (``PADDLE_TRAINER_ID``, ``PADDLE_TRAINERS_NUM``, ``PADDLE_RANK_IN_NODE``,
+    ``TRAINING_ROLE``, and this rank's ``PADDLE_CURRENT_ENDPOINT``, or ``POD_IP`` and
+    ``PADDLE_PORT``, from the endpoint lists in ``environ``), plus ``PADDLE_PSERVERS_NUM`` and
+    ``PADDLE_PSERVER_ID``.
 
     Collective mode: every rank is trainer ``rank`` of ``size``. Parameter-server mode
     (``server_num`` > 0): see the module docstring for which rank takes which role.
     """
-    env = {}
+    environ = {} if environ is None else environ
+    env = {"PADDLE_RANK_IN_NODE": str(local_rank)}
     if gpus:
         if local_rank >= len(gpus):
             raise ValueError(f"local rank {local_rank} has no GPU: --gpus lists {len(gpus)} "
@@ -88,18 +100,27 @@ def role_variables(rank, size, local_rank, gpus=None, server_num=0, worker_num=0
                              f"--worker_num {worker_num} need {server_num + worker_num}")
         env["PADDLE_TRAINERS_NUM"] = str(worker_num)
         env["PADDLE_PSERVERS_NUM"] = str(server_num)
+        workers = _endpoint_list(environ, "PADDLE_TRAINER_ENDPOINTS", worker_num)
+        servers = _endpoint_list(environ, "PADDLE_PSERVERS_IP_PORT_LIST", server_num)
         if rank < worker_num:
             env["TRAINING_ROLE"] = "TRAINER"
             env["PADDLE_TRAINER_ID"] = str(rank)
+            current = workers[rank] if workers else None
             log_name = f"workerlog.{rank}"
         else:
             env["TRAINING_ROLE"] = "PSERVER"
             env["PADDLE_PSERVER_ID"] = str(rank - worker_num)
+            current = servers[rank - worker_num] if servers else None
             log_name = f"serverlog.{rank - worker_num}"
+        if current:
+            env["POD_IP"], env["PADDLE_PORT"] = current.rsplit(":", 1)
     else:
         env["TRAINING_ROLE"] = "TRAINER"
         env["PADDLE_TRAINER_ID"] = str(rank)
         env["PADDLE_TRAINERS_NUM"] = str(size)
+        workers = _endpoint_list(environ, "PADDLE_TRAINER_ENDPOINTS", size)
+        if workers:
+            env["PADDLE_CURRENT_ENDPOINT"] = workers[rank]
         log_name = f"workerlog.{rank}"
     return env, log_name
 
@@ -288,7 +309,7 @@ def main(argv=None):
     rank, size, local_rank = place(os.environ, args.single_host)
     gpus = [g for g in args.gpus.split(",") if g]
     env, log_name = role_variables(rank, size, local_rank, gpus, args.server_num,
-                                   args.worker_num)
+                                   args.worker_num, os.environ)
     if args.single_host:
         # hydra's local-rank variables, which scripts read, as hydra would set them on one host
         env.update(MPI_LOCALRANKID=str(local_rank), MPI_LOCALNRANKS=str(size))

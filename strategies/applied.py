@@ -10,11 +10,13 @@ the active strategies at INFO, every field that is not applied as a warning on t
 import os
 import types
 
+from .. import config_message as cm
 from .. import world
 from ..distributed_strategy import DistributedStrategy
 from ..elastic import RESTART_COUNT_ENV
 from ..log import logger
 from ..nn import BatchNorm, Sequential
+from ..paddle_fields import PADDLE_ONLY
 from .compose import ORDER
 from .inert_fields import NO_EFFECT, inert_fields_set, report_once
 
@@ -38,6 +40,8 @@ def not_applied(strategy, communicator, on_gpu):
     changes nothing in a job with ``communicator`` (None: one process) on a GPU or not."""
     default = DistributedStrategy()
     reasons = {path: NO_EFFECT[path] for path in inert_fields_set(strategy)}
+    reasons.update({path: f"a field of Paddle's DistributedStrategy that fleetmpi does not have: "
+                          f"{PADDLE_ONLY[path]}" for path in strategy.paddle_only_fields()})
     for name in ORDER:
         configs = f"{name}_configs"
         if hasattr(default, configs) and not getattr(strategy, name) \
@@ -110,6 +114,7 @@ class AppliedStrategy(DistributedStrategy):
     def of(cls, strategy, active, reasons, calibration=None):
         applied = cls()
         applied._message.CopyFrom(strategy._message)
+        object.__setattr__(applied, "_paddle_only", strategy._paddle_only)
         object.__setattr__(applied, "active", tuple(active))
         object.__setattr__(applied, "not_applied", types.MappingProxyType(dict(reasons)))
         object.__setattr__(applied, "calibration", calibration)
@@ -122,7 +127,10 @@ class AppliedStrategy(DistributedStrategy):
                                   self.calibration)
 
     def __eq__(self, other):
-        return isinstance(other, DistributedStrategy) and other._message == self._message
+        if not isinstance(other, DistributedStrategy):
+            return False
+        return not cm.differences(self._message, other._message) and \
+            dict(self._paddle_only) == dict(other._paddle_only)
 
     def __ne__(self, other):
         return not self == other

@@ -279,12 +279,49 @@ def scenario_leave(args):
     say(f"ok leave {args.mode} worker {w}")
 
 
+# -- roles, endpoints and fleet.util in each group ------------------------------------------
+def scenario_roles(args):
+    """Every rank checks its role, the endpoint lists and fleet.util over the workers, the
+    servers and everyone; workers print ``ok roles worker <i>``, servers ``ok roles server
+    <j>``."""
+    from mpi4py import MPI
+
+    from fleetmpi.role_maker import endpoint_labels
+
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    servers = args.servers
+    workers = size - servers
+    assert fleet.server_num() == servers and fleet.worker_num() == workers
+    assert fleet.worker_endpoints() == endpoint_labels(workers)
+    assert fleet.server_endpoints(to_string=True) == ",".join(endpoint_labels(servers, workers))
+    if "PADDLE_PSERVERS_IP_PORT_LIST" in os.environ:   # fleetmpirun's variables, as Paddle's
+        assert os.environ["PADDLE_PSERVERS_IP_PORT_LIST"] == fleet.server_endpoints(True)
+        assert os.environ["PADDLE_TRAINER_ENDPOINTS"] == fleet.worker_endpoints(True)
+    everyone = fleet.util.all_gather(rank, comm_world="all")
+    assert everyone == list(range(size)), everyone
+    if fleet.is_server():
+        j = fleet.server_index()
+        assert rank == workers + j and not fleet.is_worker()
+        assert fleet.util.all_reduce(j, comm_world="server") == servers * (servers - 1) // 2
+        fleet.util.barrier(comm_world="server")
+        say(f"ok roles server {j}")
+        return
+    i = fleet.worker_index()
+    assert rank == i and fleet.server_index() == -1 and fleet.is_worker()
+    assert fleet.util.all_reduce(i, mode="max") == workers - 1
+    assert fleet.util.all_gather(i) == list(range(workers))
+    fleet.util.barrier()
+    files = [f"part-{k}" for k in range(workers + 1)]
+    assert sum(fleet.util.all_gather(len(fleet.util.get_file_shard(files))), 0) == workers + 1
+    say(f"ok roles worker {i}")
+
+
 def main():
     args = parse()
     join(args.servers)
     scenarios = {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
                  "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave,
-                 "raise": scenario_leave}
+                 "raise": scenario_leave, "roles": scenario_roles}
     scenarios[args.scenario](args)
 
 

@@ -19,7 +19,7 @@ TOP_LEVEL_DEFAULTS = {
     "sync_batch_norm": False,
     "fuse_all_reduce_ops": True,
     "fuse_grad_size_in_MB": 32,
-    "fuse_grad_size_in_TFLOPS": 20,
+    "fuse_grad_size_in_TFLOPS": 20.0,
     "cudnn_exhaustive_search": True,
     "conv_workspace_size_limit": 4000,
     "cudnn_batchnorm_spatial_persistent": True,

@@ -317,7 +317,7 @@ def test_collective_roles_and_one_gpu_per_local_rank():
     env, log = rank_main.role_variables(5, 8, 1, gpus=["4", "6"])
     assert env == {"CUDA_VISIBLE_DEVICES": "6", "FLAGS_selected_gpus": "6",
                    "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "5",
-                   "PADDLE_TRAINERS_NUM": "8"}
+                   "PADDLE_TRAINERS_NUM": "8", "PADDLE_RANK_IN_NODE": "1"}
     assert log == "workerlog.5"
     with pytest.raises(ValueError, match="local rank 2 has no GPU: --gpus lists 2 \\(4,6\\)"):
         rank_main.role_variables(2, 3, 2, gpus=["4", "6"])
@@ -326,11 +326,13 @@ def test_collective_roles_and_one_gpu_per_local_rank():
 def test_parameter_server_roles():
     worker, worker_log = rank_main.role_variables(1, 5, 1, server_num=2, worker_num=3)
     assert worker == {"PADDLE_TRAINERS_NUM": "3", "PADDLE_PSERVERS_NUM": "2",
-                      "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1"}
+                      "TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "1",
+                      "PADDLE_RANK_IN_NODE": "1"}
     assert worker_log == "workerlog.1"
     server, server_log = rank_main.role_variables(4, 5, 4, server_num=2, worker_num=3)
     assert server == {"PADDLE_TRAINERS_NUM": "3", "PADDLE_PSERVERS_NUM": "2",
-                      "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVER_ID": "1"}
+                      "TRAINING_ROLE": "PSERVER", "PADDLE_PSERVER_ID": "1",
+                      "PADDLE_RANK_IN_NODE": "4"}
     assert server_log == "serverlog.1"
     with pytest.raises(ValueError, match="the job has 4 ranks but --server_num 2 and "
                                          "--worker_num 3 need 5"):

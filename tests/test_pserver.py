@@ -57,6 +57,15 @@ def test_sync_equals_data_parallel_with_uneven_batches(ranks, servers, fleetmpir
     assert len(reports(output)) == servers
 
 
+@pytest.mark.parametrize("ranks,servers,fleetmpirun", [(5, 2, True), (4, 1, False)])
+def test_roles_endpoints_and_util_in_each_group(ranks, servers, fleetmpirun):
+    code, output, _ = run_job(ranks, servers, "roles", fleetmpirun=fleetmpirun)
+    assert code == 0, output
+    assert_workers_ok(output, "roles", ranks - servers)
+    for j in range(servers):
+        assert re.search(rf"ok roles server {j}\b", output), output
+
+
 @pytest.mark.parametrize("mode", ["async", "geo"])
 def test_async_and_geo_reach_95_percent_on_digits(mode):
     code, output, _ = run_job(4, 2, "digits", "--mode", mode)
@@ -113,6 +122,15 @@ def test_sync_worker_that_stops_pushing_is_named_after_the_timeout():
                      r"within 1 s \(FLEETMPI_PS_TIMEOUT\)", output), output
 
 
+@pytest.mark.parametrize("ranks,servers,fleetmpirun", [(5, 2, True), (4, 1, False)])
+def test_roles_endpoints_and_util_in_each_group(ranks, servers, fleetmpirun):
+    code, output, _ = run_job(ranks, servers, "roles", fleetmpirun=fleetmpirun)
+    assert code == 0, output
+    assert_workers_ok(output, "roles", ranks - servers)
+    for j in range(servers):
+        assert re.search(rf"ok roles server {j}\b", output), output
+
+
 @pytest.mark.parametrize("mode", ["async", "geo"])
 def test_async_and_geo_servers_stop_when_only_a_silent_worker_is_left(mode):
     """Worker 1 hangs (sleeps three timeouts) after 2 steps; worker 0 trains on and stops;
@@ -124,6 +142,15 @@ def test_async_and_geo_servers_stop_when_only_a_silent_worker_is_left(mode):
     assert re.search(r"worker\(s\) \[1\] \(rank\(s\) \[1\]\) sent nothing for 2 s "
                      r"\(FLEETMPI_PS_TIMEOUT\) and no other worker is training", output), output
     assert f"ok leave {mode} worker 0" in output, output
+
+
+@pytest.mark.parametrize("ranks,servers,fleetmpirun", [(5, 2, True), (4, 1, False)])
+def test_roles_endpoints_and_util_in_each_group(ranks, servers, fleetmpirun):
+    code, output, _ = run_job(ranks, servers, "roles", fleetmpirun=fleetmpirun)
+    assert code == 0, output
+    assert_workers_ok(output, "roles", ranks - servers)
+    for j in range(servers):
+        assert re.search(rf"ok roles server {j}\b", output), output
 
 
 @pytest.mark.parametrize("mode", ["async", "geo"])

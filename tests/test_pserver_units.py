@@ -1,4 +1,4 @@
-"""Parameter-server pieces on one process: role makers, the block plan, the message codec,
+"""Parameter-server pieces on one process: the block plan, the message codec,
 the mode a strategy selects, the shard files, and sparse lookups on the tape."""
 import os
 
@@ -8,52 +8,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import nn, no_grad
 from fleetmpi.config_message import ConfigError
-from fleetmpi.role_maker import PaddleCloudRoleMaker
 from fleetmpi.strategies.ps import blocks, mode, shards, wire
-
-
-def test_user_defined_role_maker_places_workers_then_servers():
-    server = fleet.UserDefinedRoleMaker(current_id=1, role=fleet.Role.SERVER, worker_num=2,
-                                        server_num=2)
-    assert server.is_server() and not server.is_worker()
-    assert server.world_rank() == 3
-    server.check_world(3, 4)
-    worker = fleet.UserDefinedRoleMaker(current_id=1, role=fleet.Role.WORKER, worker_num=2,
-                                        server_num=2)
-    assert worker.world_rank() == 1
-    with pytest.raises(ValueError, match="MPI rank 2 cannot be worker 1"):
-        worker.check_world(2, 4)
-    with pytest.raises(ValueError, match="2 worker.*2 server.*MPI world has 3"):
-        worker.check_world(1, 3)
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    ({"current_id": 2, "role": fleet.Role.WORKER, "worker_num": 2}, "current_id 2 is out of "
-                                                                     "range for a worker"),
-    ({"role": "server"}, "role must be fleetmpi.Role"),
-    ({"worker_num": 0}, "worker_num must be an integer >= 1, not 0"),
-    ({"server_num": 1.5}, "server_num must be an integer >= 1, not 1.5"),
-])
-def test_user_defined_role_maker_names_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        fleet.UserDefinedRoleMaker(**kwargs)
-
-
-def test_environment_role_maker_reads_the_launcher_variables():
-    from fleetmpi.launch.rank_main import role_variables
-
-    env, _ = role_variables(3, 4, 3, server_num=2, worker_num=2)
-    roles = PaddleCloudRoleMaker(environ=env)
-    assert (roles.role, roles.current_id, roles.worker_num, roles.server_num) == (
-        fleet.Role.SERVER, 1, 2, 2)
-    roles.check_world(3, 4)
-    env, _ = role_variables(0, 4, 0, server_num=2, worker_num=2)
-    assert PaddleCloudRoleMaker(environ=env).is_worker()
-    with pytest.raises(ValueError, match="TRAINING_ROLE='' must be TRAINER or PSERVER"):
-        PaddleCloudRoleMaker(environ={})
-    with pytest.raises(ValueError, match="PADDLE_PSERVERS_NUM='x' must be an integer"):
-        PaddleCloudRoleMaker(environ={"TRAINING_ROLE": "TRAINER", "PADDLE_TRAINER_ID": "0",
-                                      "PADDLE_TRAINERS_NUM": "1", "PADDLE_PSERVERS_NUM": "x"})
 
 
 def test_block_plan_splits_large_parameters_and_balances_servers():

@@ -11,7 +11,7 @@ calls ``fleet.distributed_model(model)`` and ``fleet.distributed_optimizer(...)`
 """
 from ... import world
 from ...log import logger
-from ...role_maker import PaddleCloudRoleMaker, RoleMakerBase
+from ...role_maker import ModeError
 
 _comm = None
 _workers = None
@@ -21,24 +21,19 @@ _server = None
 _client = None
 
 
-def join(role_maker, topology):
-    """Parameter-server mode for this process (``fleet.init``); returns the role maker."""
+def join(roles, topology):
+    """Parameter-server mode for this process (``fleet.init``, after ``roles.bind``): the
+    communicators."""
     global _comm, _workers
-    roles = PaddleCloudRoleMaker() if role_maker is None else role_maker
-    if not isinstance(roles, RoleMakerBase):
-        raise TypeError(f"role_maker must be a fleetmpi.UserDefinedRoleMaker or "
-                        f"PaddleCloudRoleMaker, not {type(roles).__name__}")
-    roles.check_world(topology.rank, topology.size)
     _comm = topology.world.Dup()
     _workers = topology.world.Split(color=0 if roles.is_worker() else 1, key=topology.rank)
     logger.info("parameter-server mode: %r", roles)
-    return roles
 
 
 def _roles(call):
     roles = world.roles()
     if roles is None:
-        raise RuntimeError(f"fleet.{call}() belongs to parameter-server mode; start with "
+        raise ModeError(f"fleet.{call}() belongs to parameter-server mode; start with "
                            "fleet.init(is_collective=False) or a role_maker")
     return roles
 
@@ -48,23 +43,30 @@ def worker_communicator():
     return _workers
 
 
+def role_communicator():
+    """The MPI communicator of the ranks of this process's role: the workers, or the
+    servers (parameter-server mode)."""
+    return _workers
+
+
 def is_server():
-    roles = world.roles()
-    return roles is not None and roles.is_server()
+    """True on a server of parameter-server mode."""
+    return world.role_maker().is_server()
 
 
 def is_worker():
-    roles = world.roles()
-    return roles is None or roles.is_worker()
+    """True on a worker, which every rank of a collective job is."""
+    return world.role_maker().is_worker()
 
 
 def server_num():
-    roles = world.roles()
-    return 0 if roles is None else roles.server_num
+    """The number of servers (0 in collective mode)."""
+    return world.role_maker().server_num
 
 
 def server_index():
-    return _roles("server_index").current_id if is_server() else -1
+    """This server's index among the servers; -1 on a worker."""
+    return world.role_maker().current_id if is_server() else -1
 
 
 def register_model(model):
@@ -98,7 +100,7 @@ def _model_tables():
 def _ready(call, role):
     roles = _roles(call)
     if (role == "server") != roles.is_server():
-        raise RuntimeError(f"fleet.{call}() runs on a {role}, and this process is "
+        raise ModeError(f"fleet.{call}() runs on a {role}, and this process is "
                            f"{roles.role.name.lower()} {roles.current_id}")
     if _model is None or _optimizer is None:
         raise RuntimeError(f"fleet.{call}() needs fleet.distributed_model(model) and "

@@ -1,0 +1,126 @@
+"""Strategy files in protobuf text format, read and written as Paddle's are.
+
+Writing: only the fields that hold a value (proto2 presence), so a file that uses Paddle's
+fields alone loads into Paddle's own message. Reading: a file Paddle 2.0-2.2 wrote, whose
+fields fleetmpi does not have (``fleetmpi.paddle_fields.PADDLE_ONLY``) are kept as written, as
+``{dotted path: [text of each occurrence]}``, and written back after the fields of the message.
+"""
+import difflib
+
+from google.protobuf import text_format
+
+from .paddle_fields import PADDLE_ONLY
+
+_CLOSE = {"{": "}", "<": ">"}
+
+
+class UnknownFieldInFile(ValueError):
+    """A name in a file that is neither a field of the schema nor a field of Paddle's."""
+
+    def __init__(self, message, line, column):
+        super().__init__(message)
+        self.line, self.column = line, column
+
+
+def _value_tokens(tokenizer):
+    """The tokens of one field's value after its name: ``: v``, ``: [a, b]`` or a block."""
+    tokens = []
+    if tokenizer.TryConsume(":"):
+        tokens.append(":")
+    if tokenizer.token in _CLOSE:
+        depth = 0
+        while True:
+            token = tokenizer.token
+            tokens.append(token)
+            tokenizer.NextToken()
+            depth += token in _CLOSE
+            depth -= token in _CLOSE.values()
+            if depth == 0:
+                return tokens
+            if tokenizer.AtEnd():
+                return tokens
+    if tokenizer.token == "[":
+        while not tokenizer.AtEnd():
+            token = tokenizer.token
+            tokens.append(token)
+            tokenizer.NextToken()
+            if token == "]":
+                return tokens
+        return tokens
+    tokens.append(tokenizer.token)
+    tokenizer.NextToken()
+    while tokenizer.token.startswith(("'", '"')) and tokens[-1].startswith(("'", '"')):
+        tokens.append(tokenizer.token)   # adjacent strings are one value
+        tokenizer.NextToken()
+    return tokens
+
+
+def _render(name, tokens):
+    text = " ".join(tokens)
+    return f"{name}{text}" if tokens[0] == ":" else f"{name} {text}"
+
+
+def _scan(tokenizer, descriptor, prefix, kept):
+    while not tokenizer.AtEnd() and tokenizer.token not in _CLOSE.values():
+        name = tokenizer.token
+        tokenizer.NextToken()
+        where = tokenizer.ParseErrorPreviousToken("")
+        field = descriptor.fields_by_name.get(name)
+        if field is None and prefix + name not in PADDLE_ONLY:
+            names = [prefix + n for n in descriptor.fields_by_name] + \
+                [path for path in PADDLE_ONLY if path.startswith(prefix)
+                 and "." not in path[len(prefix):]]
+            close = difflib.get_close_matches(prefix + name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UnknownFieldInFile(
+                f"{prefix}{name} is neither a field of fleetmpi's DistributedStrategy nor one "
+                f"of Paddle 2.0-2.2's{hint}", where.GetLine(), where.GetColumn())
+        if field is not None and field.message_type is not None:
+            tokenizer.TryConsume(":")
+            opening = tokenizer.token
+            if opening in _CLOSE:
+                tokenizer.NextToken()
+                _scan(tokenizer, field.message_type, f"{prefix}{name}.", kept)
+                tokenizer.TryConsume(_CLOSE[opening])
+        else:
+            tokens = _value_tokens(tokenizer)
+            if field is None:
+                kept.setdefault(prefix + name, []).append(_render(name, tokens))
+        if not tokenizer.TryConsume(","):
+            tokenizer.TryConsume(";")
+
+
+def paddle_only_fields(text, message_class):
+    """``{dotted path: [text]}`` of the Paddle-only fields of ``text``; UnknownFieldInFile
+    for a name that is neither. Syntax errors are left to protobuf's parser."""
+    kept = {}
+    try:
+        _scan(text_format.Tokenizer(text.splitlines()), message_class.DESCRIPTOR, "", kept)
+    except text_format.ParseError:
+        pass
+    return kept
+
+
+def parse(text, message_class):
+    """``(message, paddle_only)`` from the text of a file; ``text_format.ParseError`` or
+    ``UnknownFieldInFile`` naming the line of a problem."""
+    kept = paddle_only_fields(text, message_class)
+    message = message_class()
+    text_format.Parse(text, message, allow_unknown_field=True)
+    return message, kept
+
+
+def render(message, paddle_only):
+    """The text of ``message`` (fields that hold a value) and the Paddle-only fields."""
+    lines = text_format.MessageToString(message).splitlines()
+    for path, texts in paddle_only.items():
+        parent, _, _ = path.rpartition(".")
+        if not parent:
+            lines += texts
+            continue
+        opening = f"{parent} {{"
+        if opening not in lines:
+            lines += [opening, "}"]
+        end = lines.index("}", lines.index(opening))
+        lines[end:end] = [f"  {text}" for text in texts]
+    return "".join(line + "\n" for line in lines)
