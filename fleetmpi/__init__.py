@@ -32,6 +32,7 @@ from .backend import manual_seed as seed
 from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
+from .hybrid import get_hybrid_communicate_group
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
@@ -46,7 +47,8 @@ __all__ = [
     "no_grad", "reshape", "seed", "split", "stack", "to_tensor", "transpose",
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
     "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "applied_strategy", "barrier_worker",
-    "device_guard", "distributed_model", "distributed_optimizer", "init", "init_server",
+    "device_guard", "distributed_model", "distributed_optimizer", "get_hybrid_communicate_group",
+    "init", "init_server",
     "init_worker", "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn",
     "node_index", "node_num", "optimizer", "run_server", "save_persistables", "server_index",
     "server_num", "split_stages", "stop_worker", "utils", "worker_index", "worker_num",

@@ -9,7 +9,7 @@ _topology = None
 _roles = None
 
 
-def init(role_maker=None, is_collective=True):
+def init(role_maker=None, is_collective=True, strategy=None):
     """Join the job: bootstrap MPI through mpi4py and learn this rank's place.
 
     Works under ``mpirun``/``mpiexec``, ``srun`` and ``fleetmpirun``, and as a plain
@@ -17,12 +17,15 @@ def init(role_maker=None, is_collective=True):
 
     ``is_collective=False`` or a ``role_maker`` selects parameter-server mode: the role comes
     from ``role_maker`` or from the launcher's variables (``fleetmpi.role_maker``).
+    In collective mode a ``strategy`` whose ``hybrid_configs`` set degrees lays the ranks out
+    over them (``fleetmpi.hybrid``), on every call.
     """
     global _topology, _roles
     if _topology is not None:
         if (not is_collective or role_maker is not None) != (_roles is not None):
             raise RuntimeError("fleet.init was already called in the other mode (collective or "
                                "parameter-server); a process runs in one mode")
+        _build_layout(strategy)
         return
     from mpi4py import MPI
 
@@ -42,6 +45,14 @@ def init(role_maker=None, is_collective=True):
     log.logger.info("joined: %d rank(s) on %d node(s), local rank %d of %d",
                     _topology.size, _topology.num_nodes, _topology.local_rank,
                     _topology.local_size)
+    _build_layout(strategy)
+
+
+def _build_layout(strategy):
+    if strategy is not None and _roles is None:
+        from .hybrid import build_layout
+
+        build_layout(strategy, _topology)
 
 
 def topology():
