@@ -33,6 +33,7 @@ from .config_message import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .fleet_util import UtilBase
+from .hybrid import get_hybrid_communicate_group
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
@@ -48,7 +49,8 @@ __all__ = [
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy", "Function",
     "ModeError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
     "applied_strategy", "autograd", "barrier_worker", "concat", "device_guard",
-    "distributed_model", "distributed_optimizer", "enable_grad", "init", "init_server",
+    "distributed_model", "distributed_optimizer", "enable_grad",
+    "get_hybrid_communicate_group", "init", "init_server",
     "init_worker", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "local_rank",
     "local_size", "matmul", "nn", "no_grad", "node_index", "node_num", "optimizer", "reshape",
     "run_server", "save_persistables", "seed", "server_endpoints", "server_index", "server_num",

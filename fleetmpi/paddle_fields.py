@@ -9,8 +9,8 @@ line. A field fleetmpi later implements moves from this table into ``distributed
 (``tests/test_never_silent.py`` fails while a name is in both).
 """
 
-_HYBRID = ("fleetmpi has no hybrid (tensor/pipeline/data) topology from this field; use "
-           "pipeline, sharding and data parallelism through their own fields")
+_HYBRID = ("fleetmpi lays ranks out over data, model, pipeline and sharding degrees from "
+           "hybrid_configs; set the degrees there")
 
 PADDLE_ONLY = {
     "mode": "fleetmpi takes the mode from fleet.init (is_collective or the role maker), as "
@@ -30,9 +30,6 @@ PADDLE_ONLY = {
                        "already one fused buffer",
     "semi_auto": "semi-automatic parallel needs tensor annotations this trainer does not have",
     "heter_ccl_mode": "there are no heterogeneous devices in one job",
-    "hybrid_configs": _HYBRID,
-    "tensor_parallel": _HYBRID,
-    "tensor_parallel_configs": _HYBRID,
     "trainer_desc_configs": "parameter-server workers train in the script's own loop, with no "
                             "trainer descriptor",
     "downpour_table_param": "sparse tables are the model's Embedding(sparse=True) layers, "

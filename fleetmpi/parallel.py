@@ -17,7 +17,7 @@ Two ways to train, with the same strategies:
 """
 import weakref
 
-from . import backend, world
+from . import backend, hybrid, world
 from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
 from .optimizer import Optimizer, StepContext, run_step
@@ -59,16 +59,9 @@ def _world_communicator(communicator):
 
 
 def strategy_communicator(strategy):
-    """A ``Communicator`` configured by the strategy's allreduce fields (``nccl_comm_num``,
-    ``fuse_grad_size_in_MB``, ``use_hierarchical_allreduce``,
-    ``hierarchical_allreduce_inter_nranks``; 1, the default, means ranks per node)."""
-    from .comm import Communicator
-
-    inter = strategy.hierarchical_allreduce_inter_nranks
-    return Communicator(world.topology(), nccl_comm_num=strategy.nccl_comm_num,
-                        fuse_grad_size_in_MB=strategy.fuse_grad_size_in_MB,
-                        use_hierarchical_allreduce=strategy.use_hierarchical_allreduce,
-                        hierarchical_allreduce_inter_nranks=inter if inter > 1 else None)
+    """The world's ``Communicator`` configured by the strategy's allreduce fields
+    (``hybrid.strategy_communicator``)."""
+    return hybrid.strategy_communicator(strategy, world.topology())
 
 
 def distributed_model(model, communicator=None):
@@ -85,12 +78,12 @@ def distributed_model(model, communicator=None):
                          "Layer registers the sublayers and parameters assigned to its "
                          "attributes after super().__init__(); check that its __init__ assigns "
                          "them there")
-    comm = _world_communicator(communicator)
+    comm = hybrid.parameter_communicator(_world_communicator(communicator))
     flats = [buffer.data for buffer in model.flat_buffers()]
-    if flats:
+    if flats and comm is not None:
         comm.broadcast_many(flats, root=0)
     states = [b for _, b in model.named_buffers()]
-    if states:
+    if states and comm is not None:
         comm.broadcast_many(states, root=0)
     if not isinstance(model.__dict__.get("forward"), _StepForward):
         model.forward = _StepForward(model, model.forward)
@@ -146,6 +139,7 @@ class DistributedOptimizer:
 
             knobs = auto_knobs(*knobs)
             narrowing = [name for name in ("pipeline", "sharding") if getattr(strategy, name)]
+            narrowing += ["hybrid_configs"] if hybrid.is_hybrid(strategy) else []
             if narrowing:
                 raise ValueError(f"strategy.auto cannot be combined with {narrowing[0]}, which "
                                  "narrows the optimizer to this rank's part for good, while "
@@ -159,6 +153,10 @@ class DistributedOptimizer:
             communicator = None
         elif world.worker_num() > 1 or communicator is not None:
             communicator = communicator or strategy_communicator(strategy)
+        # Under hybrid_configs the strategies run over this rank's model-parallel coordinate.
+        self.hybrid = hybrid.plan(strategy, optimizer, communicator, local)
+        if self.hybrid is not None:
+            strategy, communicator = self.hybrid.strategy, self.hybrid.communicator
         self.communicator = communicator
         self.step_count = 0
         self._configured = set()
@@ -177,7 +175,8 @@ class DistributedOptimizer:
     def _apply(self, strategy, calibration=None):
         """Build the step hooks of ``strategy`` and report what it applies."""
         global _applied
-        self.hooks = build_strategies(strategy, self.inner, self.communicator)
+        agreement = None if self.hybrid is None else self.hybrid.agreement
+        self.hooks = build_strategies(strategy, self.inner, self.communicator, agreement)
         self.strategy = strategy
         self.strategies = {hook.name: hook for hook in self.hooks}
         build = strategy.build_strategy

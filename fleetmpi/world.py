@@ -9,7 +9,7 @@ _topology = None
 _role_maker = None
 
 
-def init(role_maker=None, is_collective=True):
+def init(role_maker=None, is_collective=True, strategy=None):
     """Join the job: bootstrap MPI through mpi4py and learn this rank's place.
 
     Works under ``mpirun``/``mpiexec``, ``srun`` and ``fleetmpirun``, and as a plain
@@ -19,6 +19,8 @@ def init(role_maker=None, is_collective=True):
     is collective, ``UserDefinedRoleMaker(...)`` and ``PaddleCloudRoleMaker()`` parameter-server
     mode); without one, ``is_collective`` chooses, with the roles from the launcher's variables
     (``fleetmpi.role_maker``).
+    In collective mode a ``strategy`` whose ``hybrid_configs`` set degrees lays the ranks out
+    over them (``fleetmpi.hybrid``), on every call.
     """
     global _topology, _role_maker
     from .role_maker import PaddleCloudRoleMaker, RoleMakerBase
@@ -31,6 +33,7 @@ def init(role_maker=None, is_collective=True):
         if collective != _role_maker.is_collective:
             raise RuntimeError("fleet.init was already called in the other mode (collective or "
                                "parameter-server); a process runs in one mode")
+        _build_layout(strategy)
         return
     role_maker = role_maker or PaddleCloudRoleMaker(is_collective=collective)
     from mpi4py import MPI
@@ -53,6 +56,14 @@ def init(role_maker=None, is_collective=True):
     log.logger.info("joined: %d rank(s) on %d node(s), local rank %d of %d",
                     _topology.size, _topology.num_nodes, _topology.local_rank,
                     _topology.local_size)
+    _build_layout(strategy)
+
+
+def _build_layout(strategy):
+    if strategy is not None and _role_maker.is_collective:
+        from .hybrid import build_layout
+
+        build_layout(strategy, _topology)
 
 
 def topology():

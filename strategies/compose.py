@@ -18,7 +18,8 @@ import itertools
 from .sharding import WITH_PIPELINE
 
 ORDER = ("sync_batch_norm", "recompute", "amp", "gradient_merge", "localsgd",
-         "adaptive_localsgd", "lars", "lamb", "dgc", "pipeline", "fp16_allreduce", "sharding")
+         "adaptive_localsgd", "lars", "lamb", "dgc", "tensor_parallel", "pipeline",
+         "fp16_allreduce", "sharding")
 
 _CLASSES = {
     "sync_batch_norm": "sync_batch_norm:SyncBatchNorm",
@@ -30,6 +31,7 @@ _CLASSES = {
     "lars": "lars_lamb:LARS",
     "lamb": "lars_lamb:LAMB",
     "dgc": "dgc:DGC",
+    "tensor_parallel": "tensor_parallel:TensorParallel",
     "pipeline": "pipeline:Pipeline",
     "fp16_allreduce": "gradient_allreduce:FP16AllReduce",
     "sharding": "sharding:Sharding",
@@ -67,6 +69,11 @@ def _whole_tensor_norms(partner):
             "while sharding cuts tensors between the ranks that update them")
 
 
+def _split_tensors(partner, what):
+    return (f"{partner} {what}, while tensor_parallel splits weight tensors over the ranks of "
+            "a model-parallel group, each rank holding and updating its own part")
+
+
 CONFLICTS = {
     frozenset({"lars", "lamb"}): "lars and lamb both replace the optimizer's update rule "
                                  "(lars needs Momentum, lamb needs Adam); enable one",
@@ -100,6 +107,14 @@ CONFLICTS = {
                                     "every rank and exchanges sparse gradients by allgather, "
                                     "while sharding reduce-scatters dense gradients to the "
                                     "owner of each shard, the only rank holding its state",
+    frozenset({"lars", "tensor_parallel"}): _split_tensors("lars", "scales each parameter "
+                                                           "tensor's step by norms of the "
+                                                           "whole tensor"),
+    frozenset({"lamb", "tensor_parallel"}): _split_tensors("lamb", "scales each parameter "
+                                                           "tensor's step by norms of the "
+                                                           "whole tensor"),
+    frozenset({"dgc", "tensor_parallel"}): _split_tensors("dgc", "keeps the largest entries "
+                                                          "of each whole gradient tensor"),
     frozenset({"lars", "sharding"}): _whole_tensor_norms("lars"),
     frozenset({"lamb", "sharding"}): _whole_tensor_norms("lamb"),
 }
@@ -129,10 +144,12 @@ def check_combination(names):
             raise ValueError(f"strategies {a} and {b} cannot be combined: {reason}")
 
 
-def build_strategies(strategy, optimizer, communicator):
+def build_strategies(strategy, optimizer, communicator, agreement=None):
     """The hooks of every strategy ``strategy`` enables, outermost first, ending with the
     gradient reduction when there is more than one rank (sharding's own, when enabled);
-    refuses what cannot work before building anything."""
+    refuses what cannot work before building anything. ``agreement``: the ranks that must
+    share amp's decision to skip a step, when they are more than ``communicator``'s (every
+    rank of a hybrid layout; ``fleetmpi.hybrid``)."""
     from .gradient_allreduce import GradientAllreduce
 
     if strategy.auto:
@@ -150,8 +167,9 @@ def build_strategies(strategy, optimizer, communicator):
         if "pipeline" in names else None
     replicas = communicator if pipeline is None else pipeline.replica_communicator
     # Under pipeline, sharding partitions a stage's optimizer over that stage's replicas.
+    over = {"sharding": replicas, "amp": agreement or communicator}
     hooks = [pipeline if cls.name == "pipeline"
-             else cls(strategy, optimizer, replicas if cls.name == "sharding" else communicator)
+             else cls(strategy, optimizer, over.get(cls.name, communicator))
              for cls in classes if cls.name != "fp16_allreduce"]
     if replicas is not None and replicas.size > 1 and not strategy.sharding:
         reduction = strategy_class("fp16_allreduce") if strategy.fp16_allreduce \

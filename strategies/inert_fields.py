@@ -22,6 +22,8 @@ EFFECTIVE = {
     "build_strategy.fuse_elewise_add_act_ops": "fused bias+activation kernels",
     "build_strategy.fuse_bn_act_ops": "fused batch-norm+ReLU kernels",
     "build_strategy.fuse_all_optimizer_ops": "one optimizer kernel per flat buffer",
+    "hybrid_configs": "the hybrid layout: ranks over data x pipeline x sharding x "
+                      "model-parallel degrees (fleetmpi.hybrid)",
     "elastic": "fleetmpirun --elastic restarts the job after a failure and "
                "fleetmpi.elastic.State resumes it; reported as not applied in a job that "
                "fleetmpirun --elastic did not start",

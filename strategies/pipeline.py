@@ -41,6 +41,7 @@ import time
 import numpy as np
 
 from .. import backend
+from ..comm.hybrid_topology import split_communicator
 from ..autograd import Tensor, as_array, run_backward
 from ..nn import Sequential
 from ..optimizer import Optimizer
@@ -90,22 +91,6 @@ def narrow_optimizer(optimizer, parameters):
     Optimizer.__init__(optimizer, optimizer._learning_rate, parameters, optimizer.weight_decay,
                        optimizer.grad_clip)
     optimizer.step_count = step_count
-
-
-def sub_communicator(communicator, color, key):
-    """A ``Communicator`` with the same knobs over the ranks of ``communicator`` that share
-    ``color`` (MPI ``Comm.Split``), ranked by ``key``."""
-    from ..comm import Communicator, Topology
-
-    inter = communicator.hierarchical_allreduce_inter_nranks
-    return Communicator(Topology(communicator.topology.world.Split(color, key)),
-                        transport=communicator.transport_name,
-                        nccl_comm_num=communicator.nccl_comm_num,
-                        fuse_grad_size_in_MB=communicator.fuse_grad_size_in_MB,
-                        fuse_broadcast_MB=communicator.fuse_broadcast_MB,
-                        use_hierarchical_allreduce=communicator.use_hierarchical_allreduce,
-                        hierarchical_allreduce_inter_nranks=inter,
-                        chunk_bytes=communicator.chunk_bytes, check=communicator.check)
 
 
 # -- point to point between neighbouring stages ---------------------------------------------------
@@ -167,9 +152,9 @@ class Pipeline(Strategy):
                                  "use ClipGradByNorm (per tensor) or no clipping")
             narrow_optimizer(optimizer, [p for p in optimizer.parameters()
                                          if p.pipeline_stage == layout.stage])
-            self.pipeline_communicator = sub_communicator(communicator, layout.replica,
+            self.pipeline_communicator = split_communicator(communicator, layout.replica,
                                                           layout.stage)
-            self.replica_communicator = (sub_communicator(communicator, layout.stage,
+            self.replica_communicator = (split_communicator(communicator, layout.stage,
                                                           layout.replica)
                                          if layout.replicas > 1 else None)
         recompute = strategy.recompute_configs

@@ -29,6 +29,7 @@ CONFIGS = {
     "lars": {"lars_coeff": 0.01},
     "lamb": None,
     "dgc": {"sparsity": [0.5]},
+    "tensor_parallel": None,
     "pipeline": {"micro_batch": 2},
     "fp16_allreduce": None,
     "sharding": None,

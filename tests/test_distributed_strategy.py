@@ -35,6 +35,7 @@ TOP_LEVEL_DEFAULTS = {
     "fp16_allreduce": False,
     "sharding": False,
     "elastic": False,
+    "tensor_parallel": False,
 }
 
 CONFIG_DEFAULTS = {
@@ -53,6 +54,8 @@ CONFIG_DEFAULTS = {
     "dgc_configs": {"rampup_begin_step": 0, "rampup_step": 1, "sparsity": [0.999]},
     "sharding_configs": {"fuse_broadcast_MB": 32.0, "hybrid_dp": False, "sharding_group_size": 8,
                          "sharding_degree": 8, "stage": 1},
+    "hybrid_configs": {"dp_degree": -1, "mp_degree": 1, "pp_degree": 1, "sharding_degree": 1},
+    "tensor_parallel_configs": {"tensor_parallel_degree": 1, "tensor_init_seed": -1},
     "a_sync_configs": {"k_steps": -1, "max_merge_var_num": 1, "send_queue_size": 16,
                        "independent_recv_thread": False, "min_send_grad_num_before_recv": 1,
                        "thread_pool_size": 1, "send_wait_times": 1,
@@ -103,6 +106,12 @@ IMPOSSIBLE_CONFIG_VALUES = [
     ("sharding_configs", "sharding_degree", 0),
     ("sharding_configs", "stage", 0),
     ("sharding_configs", "stage", 4),
+    ("hybrid_configs", "dp_degree", -2),
+    ("hybrid_configs", "mp_degree", 0),
+    ("hybrid_configs", "pp_degree", 0),
+    ("hybrid_configs", "sharding_degree", 0),
+    ("tensor_parallel_configs", "tensor_parallel_degree", 0),
+    ("tensor_parallel_configs", "tensor_init_seed", -2),
     ("recompute_configs", "checkpoint_shape", [100, -1, 1024]),
     ("a_sync_configs", "k_steps", -2),
     ("a_sync_configs", "send_queue_size", 0),

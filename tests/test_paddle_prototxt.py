@@ -88,7 +88,7 @@ PADDLE_22_FILE = {
 PADDLE_ONLY_IN_FILE = {
     "mode", "last_comm_group_size_MB", "find_unused_parameters", "fuse_grad_size_in_num",
     "amp_configs.use_pure_fp16", "sharding_configs.sharding_segment_strategy",
-    "sharding_configs.segment_anchors", "hybrid_configs", "pipeline_configs.accumulate_steps",
+    "sharding_configs.segment_anchors", "pipeline_configs.accumulate_steps",
     "build_strategy.fuse_bn_add_act_ops"}
 
 

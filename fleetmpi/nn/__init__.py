@@ -11,12 +11,15 @@ from .loss import CrossEntropyLoss, MSELoss
 from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
 from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm
 from .parameter import Parameter
+from .tensor_parallel import (ColumnParallelLinear, ParallelCrossEntropy, RowParallelLinear,
+                              VocabParallelEmbedding)
 
 __all__ = [
     "Activation", "AdaptiveAvgPool2D", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
-    "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer", "Flatten", "GELU", "GPT",
-    "GlobalAvgPool", "Layer", "LayerDict", "LayerList", "LayerNorm", "Linear", "MLP", "MSELoss",
-    "MaxPool2D", "Parameter", "ReLU", "ResidualBlock", "Sequential", "Sigmoid", "Softmax",
-    "Tanh", "basic_block", "bottleneck_block", "flatten", "functional", "get_default_dtype",
-    "initializer", "resnet20", "resnet50", "resnet101", "set_default_dtype",
+    "ColumnParallelLinear", "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
+    "Flatten", "GELU", "GPT", "GlobalAvgPool", "Layer", "LayerDict", "LayerList", "LayerNorm",
+    "Linear", "MLP", "MSELoss", "MaxPool2D", "ParallelCrossEntropy", "Parameter", "ReLU",
+    "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "Softmax", "Tanh",
+    "VocabParallelEmbedding", "basic_block", "bottleneck_block", "flatten", "functional",
+    "get_default_dtype", "initializer", "resnet20", "resnet50", "resnet101", "set_default_dtype"
 ]

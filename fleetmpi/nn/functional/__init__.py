@@ -8,10 +8,14 @@ from .conv import adaptive_avg_pool2d, avg_pool2d, conv2d, global_avg_pool, max_
 from .common import dropout, embedding, linear, linear_activation
 from .norm import batch_norm, layer_norm
 from .loss import cross_entropy, mse_loss
+from .tensor_parallel import (copy_to_model_parallel, gather_from_model_parallel,
+                              parallel_cross_entropy, reduce_from_model_parallel,
+                              scatter_to_model_parallel)
 
 __all__ = [
     "activation", "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "layer_norm", "conv2d", "global_avg_pool",
-    "max_pool2d", "cross_entropy", "dropout", "embedding", "gelu", "linear",
-    "linear_activation", "log_softmax", "mse_loss", "relu", "scaled_dot_product_attention",
-    "sigmoid", "softmax", "tanh",
+    "max_pool2d", "copy_to_model_parallel", "cross_entropy", "dropout", "embedding",
+    "gather_from_model_parallel", "gelu", "linear", "linear_activation", "log_softmax",
+    "mse_loss", "parallel_cross_entropy", "reduce_from_model_parallel", "relu",
+    "scaled_dot_product_attention", "scatter_to_model_parallel", "sigmoid", "softmax", "tanh",
 ]

@@ -1,0 +1,202 @@
+"""Megatron-LM's tensor-parallel layers (Paddle's ``fleet.meta_parallel`` names):
+``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding`` and
+``ParallelCrossEntropy``.
+
+Each splits its weight over the ranks of a model-parallel group: a rank holds one contiguous
+part and the layer's forward and backward communicate through the operations of
+``functional.tensor_parallel``. ``mp_group`` is that group's ``Communicator``; left None it is
+the model-parallel group of the layout ``fleet.init(is_collective=True, strategy=...)`` built
+from ``hybrid_configs``, or no group at all (one rank: the serial layer).
+
+A part starts as the same part of the serial layer's initial weight: the layer draws the whole
+weight from the shared generator (as the serial layer does, the same draws in the same order)
+and keeps its own slice, so a tensor-parallel model built from a seed starts from the weights
+of the serial model built from that seed. ``full_weight_shape`` and ``weight_part`` say which
+slice a rank holds (``initialize_weight`` uses them to re-initialise a layer the same way).
+"""
+import numpy as np
+
+from .. import backend
+from ..autograd import as_array
+from ..comm import hybrid_topology
+from . import functional as F
+from . import initializer
+from .functional.loss import _check_reduction
+from .layer import Layer
+from .layers import check_input, check_positive_int
+
+
+def model_parallel_group(mp_group=None):
+    """``mp_group``, or when None the model-parallel communicator of the current hybrid
+    layout; None where that group would be this rank alone."""
+    if mp_group is None:
+        layout = hybrid_topology.current()
+        mp_group = None if layout is None else layout.get_model_parallel_group()
+    return mp_group if mp_group is not None and mp_group.size > 1 else None
+
+
+def _split(what, value, group):
+    size = 1 if group is None else group.size
+    if value % size:
+        raise ValueError(f"{what}={value} does not split over the {size} ranks of the "
+                         f"model-parallel group; it must be a multiple of {size}")
+    return value // size
+
+
+def initialize_weight(layer, init):
+    """Set ``layer.weight`` to ``init(full shape)`` (an initializer), the layer's own part of
+    it for a tensor-parallel layer: the values the serial layer would get from the same
+    draws."""
+    shape = getattr(layer, "full_weight_shape", layer.weight.shape)
+    layer.weight.set_value(init(tuple(shape))[getattr(layer, "weight_part", ...)])
+
+
+class _ParallelLayer(Layer):
+    def __init__(self, mp_group, dtype):
+        super().__init__(dtype)
+        self.mp_group = model_parallel_group(mp_group)
+        self.mp_rank = 0 if self.mp_group is None else self.mp_group.rank
+        self.mp_size = 1 if self.mp_group is None else self.mp_group.size
+
+    def _part_parameter(self, full_shape, part, default_initializer=None, is_bias=False):
+        """A parameter holding ``part`` of a ``full_shape`` weight drawn whole."""
+        if default_initializer is None:
+            default_initializer = initializer.Constant(0.0) if is_bias \
+                else initializer.XavierUniform()
+        values = default_initializer(tuple(full_shape))[part]
+        return self.create_parameter(values.shape, default_initializer=values)
+
+    def _range(self, width):
+        return slice(self.mp_rank * width, (self.mp_rank + 1) * width)
+
+
+class ColumnParallelLinear(_ParallelLayer):
+    """``y = x @ weight + bias`` with the output features split: a rank holds
+    ``out_features / size`` columns of the weight and the bias. The input is used whole
+    (its gradient summed over the group); ``gather_output=True`` joins the parts into the
+    whole output, False leaves each rank its part (for a ``RowParallelLinear`` with
+    ``input_is_parallel=True``, or ``ParallelCrossEntropy``).
+
+    ``output_blocks`` (not a Paddle argument): the output features are that many equal blocks
+    each split over the ranks, so a fused query-key-value projection keeps its own heads of
+    each block on a rank; needs ``gather_output=False``."""
+
+    def __init__(self, in_features, out_features, has_bias=True, gather_output=True,
+                 mp_group=None, dtype=None, output_blocks=1):
+        super().__init__(mp_group, dtype)
+        self.in_features = check_positive_int("in_features", in_features)
+        self.out_features = check_positive_int("out_features", out_features)
+        self.output_blocks = check_positive_int("output_blocks", output_blocks)
+        if output_blocks > 1 and gather_output:
+            raise ValueError("ColumnParallelLinear: output_blocks > 1 leaves each rank its part "
+                             "of every block; use gather_output=False")
+        if out_features % (output_blocks * self.mp_size):
+            raise ValueError(f"out_features={out_features} does not split into "
+                             f"{output_blocks} block(s) of equal parts over the "
+                             f"{self.mp_size} ranks of the model-parallel group")
+        block = out_features // output_blocks // self.mp_size
+        self.gather_output = bool(gather_output)
+        self.full_weight_shape = (in_features, out_features)
+        columns = self._columns(block)
+        self.weight_part = (slice(None), columns)
+        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part)
+        self.bias = self._part_parameter((out_features,), columns, is_bias=True) \
+            if has_bias else None
+
+    def _columns(self, block):
+        """This rank's columns: its part of every block."""
+        if self.output_blocks == 1:
+            return self._range(block)
+        width = self.out_features // self.output_blocks
+        return np.concatenate([np.arange(b * width + self.mp_rank * block,
+                                         b * width + (self.mp_rank + 1) * block)
+                               for b in range(self.output_blocks)])
+
+    def extra_repr(self):
+        return (f"{self.in_features}, {self.out_features}, rank part "
+                f"{self.weight.shape[1]}, gather_output={self.gather_output}")
+
+    def forward(self, x):
+        check_input(self, x, (), self.in_features, axis=-1)
+        y = F.linear(F.copy_to_model_parallel(x, self.mp_group), self.weight, self.bias)
+        return F.gather_from_model_parallel(y, self.mp_group) if self.gather_output else y
+
+
+class RowParallelLinear(_ParallelLayer):
+    """``y = x @ weight + bias`` with the input features split: a rank holds
+    ``in_features / size`` rows of the weight, multiplies its part of the input and the
+    partial products are summed over the group; the bias (whole on every rank) is added after.
+    ``input_is_parallel=True``: the input already is this rank's part (a
+    ``ColumnParallelLinear``'s output without ``gather_output``); False: the whole input,
+    of which the layer takes its part."""
+
+    def __init__(self, in_features, out_features, has_bias=True, input_is_parallel=False,
+                 mp_group=None, dtype=None):
+        super().__init__(mp_group, dtype)
+        self.in_features = check_positive_int("in_features", in_features)
+        self.out_features = check_positive_int("out_features", out_features)
+        self.input_is_parallel = bool(input_is_parallel)
+        part = _split("in_features", in_features, self.mp_group)
+        self.full_weight_shape = (in_features, out_features)
+        self.weight_part = (self._range(part), slice(None))
+        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part)
+        self.bias = self.create_parameter((out_features,), is_bias=True) if has_bias else None
+
+    def extra_repr(self):
+        return (f"{self.in_features}, {self.out_features}, rank part {self.weight.shape[0]}, "
+                f"input_is_parallel={self.input_is_parallel}")
+
+    def forward(self, x):
+        if self.input_is_parallel:
+            check_input(self, x, (), self.weight.shape[0], axis=-1)
+        else:
+            check_input(self, x, (), self.in_features, axis=-1)
+            x = F.scatter_to_model_parallel(x, self.mp_group)
+        y = F.reduce_from_model_parallel(F.linear(x, self.weight), self.mp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(_ParallelLayer):
+    """An ``Embedding`` whose rows (the vocabulary) are split: a rank holds rows
+    ``[rank * V / size, (rank + 1) * V / size)``, looks up the ids in its range (zeros for the
+    others) and the group sums the lookups."""
+
+    def __init__(self, num_embeddings, embedding_dim, mp_group=None, dtype=None):
+        super().__init__(mp_group, dtype)
+        self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
+        self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
+        rows = _split("num_embeddings", num_embeddings, self.mp_group)
+        self.vocab_start = self.mp_rank * rows
+        self.full_weight_shape = (num_embeddings, embedding_dim)
+        self.weight_part = (self._range(rows), slice(None))
+        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part,
+                                           initializer.Normal())
+
+    def extra_repr(self):
+        return f"{self.num_embeddings}, {self.embedding_dim}, rank part {self.weight.shape[0]}"
+
+    def forward(self, ids):
+        ids = backend.asarray(as_array(ids))
+        F.common.check_indices(ids, self.num_embeddings)
+        if self.mp_group is None:
+            return F.embedding(ids, self.weight)
+        rows = self.weight.shape[0]
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_start + rows)
+        local = backend.array_module().where(mine, ids - self.vocab_start, 0)
+        found = F.embedding(local, self.weight) * mine[..., None].astype(self.weight.dtype)
+        return F.reduce_from_model_parallel(found, self.mp_group)
+
+
+class ParallelCrossEntropy(Layer):
+    """Softmax cross entropy of logits split over the vocabulary across the model-parallel
+    group (``functional.parallel_cross_entropy``); the loss of the whole logits on every
+    rank, the logits never gathered."""
+
+    def __init__(self, mp_group=None, reduction="mean"):
+        super().__init__()
+        _check_reduction(reduction)
+        self.mp_group = model_parallel_group(mp_group)
+        self.reduction = reduction
+
+    def forward(self, input, label):  # noqa: A002 - Paddle's argument name
+        return F.parallel_cross_entropy(input, label, self.mp_group, self.reduction)
