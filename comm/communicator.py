@@ -32,6 +32,7 @@ from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
 from .compression import COMPRESSIONS, accumulate_dtypes, check_compression, to_wire
 from .exchange import alltoall_pairwise, gather_linear, scatter_linear
 from .fusion import buckets_for
+from .handles import CommThread
 from .hierarchical import allreduce_hierarchical
 from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
 from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, count_offsets,
@@ -85,6 +86,8 @@ def _recorded(collective, nbytes=False):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
+            if not self._comm_thread.on_thread():
+                self._comm_thread.drain()  # keep the order of the operations already started
             event = timeline.span(collective, "comm")
             if not event:
                 return method(self, *args, **kwargs)
@@ -153,6 +156,8 @@ class Communicator:
         self._token = None
         self.payload_bytes = 0
         self._algorithms = None
+        self._comm_thread = CommThread(f"fleetmpi-comm-{id(self):x}")
+        self._async_stream = None
 
     # construction helpers
 
@@ -419,6 +424,54 @@ class Communicator:
             flat = bucket.load()
             self._allreduce_flat(flat, op, algorithm, compression, i % self.nccl_comm_num)
             bucket.store()
+
+    # asynchronous forms
+
+    def allreduce_async(self, x, op="sum", algorithm=None, compression=None, out=None):
+        """``allreduce`` started on this communicator's background thread; returns a
+        ``Handle`` whose ``wait()`` gives the result. ``x`` (and ``out``) must stay unchanged
+        until then. See ``fleetmpi.comm.handles`` for order, errors and threads."""
+        return self.submit("allreduce", lambda: self.allreduce(
+            x, op=op, algorithm=algorithm, compression=compression, out=out), x)
+
+    def allreduce_many_async(self, arrays, op="sum", algorithm=None, compression=None,
+                             fuse_grad_size_in_MB=None):
+        """``allreduce_many`` (in place) started on the background thread; returns a
+        ``Handle``: the arrays hold the reduction once its ``wait()`` returns."""
+        return self.submit("allreduce_many", lambda: self.allreduce_many(
+            arrays, op=op, algorithm=algorithm, compression=compression,
+            fuse_grad_size_in_MB=fuse_grad_size_in_MB), *arrays[:1])
+
+    def pending(self):
+        """How many asynchronous operations of this communicator have not finished."""
+        return self._comm_thread.pending()
+
+    def submit(self, collective, call, *arrays):
+        """Run ``call()`` (blocking collectives of this communicator only) on the background
+        thread after the operations started before it; returns its ``Handle``, named
+        ``collective``. ``arrays``: the arrays ``call`` reads, one is enough to tell whether
+        they live on a device. Device arrays: the operation runs on this
+        communicator's own stream, ordered after the work the caller's current stream has
+        queued so far by an event recorded now (the gradient's producer), and its handle gets
+        the event recorded after it (see ``Handle.wait``)."""
+        if not (arrays and is_device_array(arrays[0])):
+            return self._comm_thread.submit(collective, lambda handle: call())
+        import cupy
+
+        producer = cupy.cuda.get_current_stream().record()
+        device = cupy.cuda.Device()
+
+        def operation(handle):
+            with device:
+                if self._async_stream is None:
+                    self._async_stream = cupy.cuda.Stream(non_blocking=True)
+                stream = self._async_stream
+                stream.wait_event(producer)
+                with stream:
+                    result = call()
+                handle.device_event = stream.record()
+            return result
+        return self._comm_thread.submit(collective, operation)
 
     @_recorded("broadcast")
     def broadcast(self, x, root=0, algorithm=None):
@@ -754,7 +807,9 @@ class Communicator:
         self._run(0, lambda t: dissemination_barrier(self.transports[0], t), self._token)
 
     def free(self):
-        """Release this communicator's MPI communicators, windows and NCCL communicators."""
+        """Finish the asynchronous operations started, then release this communicator's MPI
+        communicators, windows and NCCL communicators."""
+        self._comm_thread.stop()
         if self._shm is not None:
             self._shm.free()
             self._shm.comm.Free()

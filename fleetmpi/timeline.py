@@ -39,12 +39,16 @@ the machines' NTP synchronisation.
 
 Cost. With the timeline off, a recording site costs one check of a module global. With it on,
 an event costs a few microseconds (see docs/launch.md for the per-step measurement).
-Record from the thread that trains: events of one lane are expected in start order.
+Threads. The training thread records the ``compute`` lane; a communicator's background thread
+(``fleetmpi.comm.handles``) records the ``comm`` events of the asynchronous collectives it runs,
+while backward goes on in the other lane. Events of one lane are expected in start order: a
+blocking collective waits for the asynchronous ones before it starts.
 """
 import atexit
 import json
 import os
 import socket
+import threading
 import time
 
 from . import files
@@ -136,17 +140,20 @@ class Recorder:
         self.start_ns = time.perf_counter_ns()
         self.first_ns = None
         self.last_spill = self.start_ns
+        self.lock = threading.Lock()  # the training thread and communicators' threads record
 
     def span(self, name, lane, args):
         record = [name, _LANE_IDS[lane], 0, -1, args]
-        if self.first_ns is None:
-            self.first_ns = time.perf_counter_ns()
-        self.pending.append(record)
+        with self.lock:
+            if self.first_ns is None:
+                self.first_ns = time.perf_counter_ns()
+            self.pending.append(record)
         return Span(self, record)
 
     def completed(self, now):
         if len(self.pending) >= SPILL_EVENTS or now - self.last_spill >= SPILL_SECONDS * 1e9:
-            self.spill()
+            with self.lock:
+                self.spill()
 
     def _open_part(self):
         self.rank, _, node = _identity()
@@ -175,7 +182,8 @@ class Recorder:
 
     def close(self):
         """Write out everything and close the part file; returns its path."""
-        self.spill(everything=True)
+        with self.lock:
+            self.spill(everything=True)
         self.part.close()
         return part_path(self.path, self.rank)
 

@@ -10,8 +10,25 @@ as the most layers whose gradients one fused allreduce carries).
 Each bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``,
 named ``bucket <index>``) with its index, algorithm, bytes and number of parameters.
 """
+import os
+
 from .. import timeline
 from .base import Strategy
+
+OVERLAP_ENV = "FLEETMPI_OVERLAP_ALLREDUCE"
+
+
+def overlap_allreduce(communicator, environ=os.environ):
+    """Whether buckets are reduced asynchronously (``FLEETMPI_OVERLAP_ALLREDUCE``: ``1`` on,
+    ``0`` off; unset: on when the communicator's transport moves device arrays, off on host
+    arrays, where the comm thread takes a core from backward, see docs/performance.md)."""
+    text = environ.get(OVERLAP_ENV, "")
+    if text == "":
+        return communicator.transports[0].device
+    if text not in ("0", "1"):
+        raise ValueError(f"{OVERLAP_ENV}={text!r} must be 0 (reduce each bucket before backward "
+                         f"goes on) or 1 (reduce buckets asynchronously, wait before the update)")
+    return text == "1"
 
 
 class Bucket:
@@ -79,13 +96,16 @@ class BucketSchedule:
     reduced. A bucket never completed during backward (a parameter that got no gradient this
     step, a branch not taken on this rank) is reduced by ``finish`` with every bucket after
     it, still in index order, so every rank issues the same collectives in the same order even
-    when ranks take different branches. ``reduce(bucket)`` does the reduction."""
+    when ranks take different branches. ``reduce(bucket)`` does the reduction,
+    or starts it and returns its ``Handle``: ``finish`` waits for those before the update (as
+    Horovod and DDP do), so the reduction of one bucket overlaps the backward still to come."""
 
     def __init__(self, buckets, reduce):
         self.buckets = buckets
         self._reduce = reduce
         self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.parameters}
         self._next = 0
+        self._handles = []
 
     def bucket_of(self, parameter):
         return self._bucket_of.get(id(parameter))
@@ -101,17 +121,34 @@ class BucketSchedule:
             self._next += 1
 
     def _run(self, bucket):
-        self._reduce(bucket)
+        handle = self._reduce(bucket)
+        if handle is not None:
+            self._handles.append(handle)
         bucket.pending = -1
 
     def finish(self, reduce_rest=True):
         """The end of the step's backward: reduce the buckets not reduced yet (unless
-        ``reduce_rest`` is off), and start the next step afresh."""
+        ``reduce_rest`` is off), wait for the reductions started asynchronously, and start the
+        next step afresh."""
         for bucket in self.buckets:
             if reduce_rest and bucket.pending >= 0:
                 self._run(bucket)
             bucket.pending = bucket.size
         self._next = 0
+        self.wait()
+
+    def wait(self):
+        """Wait for every asynchronous reduction started; raise the first one's error, after
+        all have finished."""
+        handles, self._handles = self._handles, []
+        errors = []
+        for handle in handles:
+            try:
+                handle.wait()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 class GradientAllreduce(Strategy):
@@ -125,7 +162,8 @@ class GradientAllreduce(Strategy):
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
         self.buckets = plan_gradient_buckets(optimizer._runs, *fusion_limits(strategy))
-        self.schedule = BucketSchedule(self.buckets, self._reduce)
+        self.overlap = overlap_allreduce(communicator)
+        self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
 
     def _reduce(self, bucket):
         grad = bucket.grad
@@ -136,6 +174,10 @@ class GradientAllreduce(Strategy):
                     algorithm=self.communicator.allreduce_algorithm(grad.nbytes,
                                                                     self.compression))
             self.communicator.allreduce_many([grad], op="mean", compression=self.compression)
+
+    def _start(self, bucket):
+        return self.communicator.submit(f"bucket {bucket.index}",
+                                        lambda: self._reduce(bucket), bucket.grad)
 
     def on_gradient(self, ctx, parameters):
         if ctx.sync_gradients:

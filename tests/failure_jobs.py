@@ -6,15 +6,19 @@
     mpiexec -n N python tests/failure_jobs.py place       # prints this rank's place
     mpiexec -n N python tests/failure_jobs.py exit0       # rank 1 leaves with os._exit(0)
     mpiexec -n N python tests/failure_jobs.py kill9       # rank 1 is killed with SIGKILL
+    mpiexec -n N python tests/failure_jobs.py kill9-async # ... during an asynchronous allreduce
 
 ``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
 ``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
 ``stall``: every rank makes one ``COLLECTIVE`` call, then rank ``LATE`` sleeps a minute
 (``sleep``) or leaves without the second call (``skip``) while the others make it;
 ``COLLECTIVE`` is a communicator's ``allreduce``, ``broadcast`` or ``barrier``,
-``fleet.barrier_worker()``, or ``checkpoint`` (a save into ``$FAILURE_JOB_DIR``).
+``fleet.barrier_worker()``, ``checkpoint`` (a save into ``$FAILURE_JOB_DIR``), or
+``allreduce_async`` (started and waited for, except by rank ``LATE``, which never waits on its
+handles).
 ``exit0``: rank 1 leaves with status 0 without finalizing MPI while the others train on;
-``kill9``: rank 1 prints its process id and kills itself with SIGKILL.
+``kill9``: rank 1 prints its process id and kills itself with SIGKILL; ``kill9-async`` does so
+just after every rank has started an asynchronous allreduce of 64 MiB, which the others wait on.
 """
 import os
 import signal
@@ -41,9 +45,13 @@ def fault():
     print(f"FAULT {time.time():.6f}", flush=True)
 
 
-def call(comm, collective):
+def call(comm, collective, late=None):
     x = np.ones(4)
-    if collective == "barrier_worker":
+    if collective == "allreduce_async":
+        handle = comm.allreduce_async(x)
+        if comm.rank != late:
+            handle.wait()
+    elif collective == "barrier_worker":
         fleet.barrier_worker()
     elif collective == "checkpoint":
         checkpoint.save(os.environ["FAILURE_JOB_DIR"], nn.Linear(2, 2), None, step=comm.rank)
@@ -75,19 +83,22 @@ def main(args):
         print(f"rank {comm.rank} left the allreduce", flush=True)
     elif mode == "stall":
         late, collective, how = int(args[1]), args[2], args[3]
-        call(comm, collective)
+        call(comm, collective, late)
         if comm.rank == late:
             fault()
             if how == "sleep":
                 time.sleep(60)
             return
-        call(comm, collective)
+        call(comm, collective, late)
         print(f"rank {comm.rank} finished", flush=True)
-    elif mode == "kill9":
+    elif mode.startswith("kill9"):
+        handle = comm.allreduce_async(np.ones(8 << 20)) if mode == "kill9-async" else None
         if comm.rank == 1:
             print(f"rank 1 pid {os.getpid()}", flush=True)
             fault()
             os.kill(os.getpid(), signal.SIGKILL)
+        if handle is not None:
+            handle.wait()
         time.sleep(5)
         print(f"rank {comm.rank} finished", flush=True)
     elif mode == "exit0":

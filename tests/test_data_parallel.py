@@ -9,7 +9,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.launch.mpi_command import local_command
-from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
+from fleetmpi.strategies.gradient_allreduce import OVERLAP_ENV, plan_gradient_buckets
 
 GLOBAL_BATCH = 24
 STEPS = 4
@@ -63,17 +63,22 @@ STRATEGIES = {
     "hierarchical": {"use_hierarchical_allreduce": True},
     "fused_kernels": {"build": {"fuse_elewise_add_act_ops": True,
                                 "fuse_all_optimizer_ops": True}},
+    # buckets reduced on the communicator's thread while backward goes on
+    "overlapped": {"overlap": "1", "fuse_grad_size_in_TFLOPS": 1},
+    "overlapped_unfused": {"overlap": "1", "fuse_all_reduce_ops": False},
 }
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))
-def test_n_ranks_match_one_process(opt_name, strategy_name):
+def test_n_ranks_match_one_process(opt_name, strategy_name, monkeypatch):
     fleet.init(is_collective=True)
     size, rank = fleet.worker_num(), fleet.worker_index()
     settings = dict(STRATEGIES[strategy_name])
     build = settings.pop("build", {})
+    overlap = settings.pop("overlap", "0")
+    monkeypatch.setenv(OVERLAP_ENV, overlap)
     strategy = fleet.DistributedStrategy()
     for key, value in settings.items():
         setattr(strategy, key, value)
@@ -98,6 +103,7 @@ def test_n_ranks_match_one_process(opt_name, strategy_name):
         loss = opt.minimize(model, loss_fn, x[rank * share:(rank + 1) * share],
                             y[rank * share:(rank + 1) * share])
         assert loss.shape == ()
+    assert opt.strategies["gradient_allreduce"].overlap == (overlap == "1")
 
     expected = reference_parameters(opt_name, build)
     for name, value in model.state_dict().items():

@@ -121,10 +121,12 @@ def test_install_does_nothing_when_switched_off(monkeypatch):
     assert threading.excepthook is threading.__excepthook__
 
 
-def test_a_killed_rank_is_named_with_its_process_id():
+@pytest.mark.parametrize("mode", ["kill9", "kill9-async"])
+def test_a_killed_rank_is_named_with_its_process_id(mode):
     """MPICH's report of a killed process names one PID (not always the killed one's);
-    fleetmpirun's report says which rank each process id was."""
-    result = run_job(fleetmpirun() + ["--np", "3", JOB, "kill9"])
+    fleetmpirun's report says which rank each process id was. ``kill9-async``: the rank dies
+    while an asynchronous allreduce that the others wait on is in flight."""
+    result = run_job(fleetmpirun() + ["--np", "3", JOB, mode])
     text = result.stdout + result.stderr
     assert result.returncode != 0, text
     pid = re.search(r"rank 1 pid (\d+)", text).group(1)

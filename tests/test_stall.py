@@ -34,8 +34,11 @@ def reports(text):
 
 
 @pytest.mark.parametrize("how", ["sleep", "skip"])
-def test_rank_1_missing_is_named_by_the_waiting_rank(how):
-    result, text = stalled_job(2, 1, "allreduce", how)
+@pytest.mark.parametrize("collective", ["allreduce", "allreduce_async"])
+def test_rank_1_missing_is_named_by_the_waiting_rank(how, collective):
+    """``allreduce_async``: rank 1 starts its operations but never waits on them; the other
+    rank's background thread reports the second one, which rank 1 never starts."""
+    result, text = stalled_job(2, 1, collective, how)
     assert result.returncode != 0, text
     found = reports(text)
     assert set(found) == {0}, text

@@ -13,6 +13,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import timeline
 from fleetmpi.launch.mpi_command import local_command
+from fleetmpi.strategies.gradient_allreduce import OVERLAP_ENV
 
 from comm_support import ok
 from strategy_support import make_strategy, train
@@ -69,9 +70,12 @@ def shared_trace(path):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_every_rank_step_and_bucket_on_one_time_axis(tmp_path):
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["blocking", "overlapped"])
+def test_every_rank_step_and_bucket_on_one_time_axis(tmp_path, overlap, monkeypatch):
+    """``overlapped``: the buckets' events come from the communicator's thread."""
     from mpi4py import MPI
 
+    monkeypatch.setenv(OVERLAP_ENV, overlap)
     fleet.init()
     size, rank = fleet.worker_num(), fleet.worker_index()
     path = str(tmp_path / "timeline.json")
