@@ -162,7 +162,7 @@ class GradientAllreduce(Strategy):
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
         self.buckets = plan_gradient_buckets(optimizer._runs, *fusion_limits(strategy))
-        self.overlap = overlap_allreduce(communicator)
+        self.overlap = communicator is not None and overlap_allreduce(communicator)
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
 
     def _reduce(self, bucket):
