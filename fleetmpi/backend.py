@@ -16,6 +16,8 @@ import os
 
 import numpy as np
 
+from .host_memory import keep_freed_memory
+
 DEVICE_ENV = "FLEETMPI_DEVICE"
 DEVICES = ("cpu", "gpu")
 THREADS_ENV = "FLEETMPI_NUM_THREADS"
@@ -120,6 +122,7 @@ def array_module():
         _xp = cupy if cupy is not None else np
         if _xp is np:
             limit_cpu_threads()
+            keep_freed_memory()
     return _xp
 
 
