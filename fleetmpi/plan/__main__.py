@@ -10,14 +10,6 @@ measured by a one-rank job on this machine (minutes for an ImageNet model on a C
 job. Links are presets or explicit ``--intra-bandwidth``/``--intra-latency`` and
 ``--inter-bandwidth``/``--inter-latency`` (GB/s and microseconds). Prints one table per
 inter-node link and draws every curve into ``--png``.
-
-A GPT (``--model gpt:N_LAYER,N_EMBD,N_HEAD,VOCAB,SEQ``) is planned over hybrid layouts instead
-(``fleetmpi.plan.hybrid``): the predicted step time, its tensor-parallel, pipeline and
-data-parallel parts, and the memory per rank of the ``--layout`` given (``dp=2,mp=4``), or of
-every layout of ``--world`` ranks that fits ``--memory-gb``, fastest first::
-
-    python -m fleetmpi.plan --model gpt:24,2048,16,50304,1024 --world 64 --global-batch 512 \\
-        --micro-batches 8 --gpus-per-node 8 --intra nvlink --inter ib100 --memory-gb 80
 """
 import argparse
 import sys
@@ -52,16 +44,6 @@ def parse_args(argv):
     parser.add_argument("--sparsity", type=float, default=0.999, help="dgc's final sparsity")
     parser.add_argument("--max-ranks", type=int, default=4096)
     parser.add_argument("--png", default="plan.png")
-    hybrid = parser.add_argument_group("hybrid layouts of a GPT (--model gpt:...)")
-    hybrid.add_argument("--world", type=int, help="ranks of the job")
-    hybrid.add_argument("--layout", help="degrees, e.g. dp=2,mp=4,pp=2,sharding=1")
-    hybrid.add_argument("--global-batch", type=int, default=512, help="sequences per step")
-    hybrid.add_argument("--micro-batches", type=int, default=1, help="per replica and step")
-    hybrid.add_argument("--tflops", type=float, default=100.0,
-                        help="a rank's achieved TFLOP/s (default 100)")
-    hybrid.add_argument("--memory-gb", type=float, help="memory per rank; larger layouts drop")
-    hybrid.add_argument("--recompute", action="store_true")
-    hybrid.add_argument("--top", type=int, default=10, help="layouts printed (default 10)")
     return parser.parse_args(argv)
 
 
@@ -111,52 +93,8 @@ def clusters(args):
     return result
 
 
-def plan_hybrid(args):
-    """The hybrid-layout table of a GPT (``--model gpt:...``)."""
-    from .hybrid import Layout, Transformer, predict_layout, rank_layouts
-
-    try:
-        model = Transformer.from_spec(args.model)
-        cluster = next(iter(clusters(args).values()))
-        flops = args.tflops * 1e12
-        if args.layout:
-            layout = Layout.from_spec(args.layout)
-            if args.world is not None and args.world != layout.world:
-                raise ValueError(f"--layout {args.layout} is {layout.world} ranks, not "
-                                 f"--world {args.world}")
-            predictions = [predict_layout(model, layout, cluster, args.global_batch,
-                                          args.micro_batches, flops, args.recompute)]
-        elif args.world is None:
-            raise ValueError("a GPT plan needs --layout or --world")
-        else:
-            memory = None if args.memory_gb is None else args.memory_gb * 2 ** 30
-            predictions = rank_layouts(model, cluster, args.world, args.global_batch,
-                                       args.micro_batches, flops, memory,
-                                       args.recompute)[:args.top]
-            if not predictions:
-                raise ValueError(f"no layout of {args.world} ranks fits {args.memory_gb} GB "
-                                 f"per rank")
-    except (ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"{args.model}: {model.params / 1e6:.1f}M parameters, global batch "
-          f"{args.global_batch} sequences of {model.seq}, {args.micro_batches} micro-batch(es), "
-          f"{args.tflops:g} TFLOP/s per rank, recompute {'on' if args.recompute else 'off'}")
-    print("| layout | step (ms) | compute | tensor parallel | pipeline (bubble, p2p) | "
-          "data parallel | memory per rank (GiB) | samples/s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for p in predictions:
-        print(f"| {p.layout.describe()} | {p.step_s * 1e3:.1f} | {p.compute_s * 1e3:.1f} | "
-              f"{p.tensor_parallel_s * 1e3:.1f} | {p.pipeline_s * 1e3:.1f} | "
-              f"{p.data_parallel_s * 1e3:.1f} | {p.memory_bytes / 2 ** 30:.2f} | "
-              f"{p.samples_per_s:.1f} |")
-    return 0
-
-
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.model.startswith("gpt"):
-        return plan_hybrid(args)
     try:
         _check(args)
         strategy = DistributedStrategy()
