@@ -25,6 +25,14 @@ COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_gra
                         "nccl_comm_num", "use_hierarchical_allreduce",
                         "hierarchical_allreduce_inter_nranks")
 _ALONE = "this process trains alone ({}), so there are no gradients to exchange"
+# Strategies whose whole effect is between ranks, and what a process alone lacks for them.
+_ALONE_SWITCHES = {
+    "fp16_allreduce": "gradients to exchange",
+    "sync_batch_norm": "batch statistics of other ranks to combine",
+    "localsgd": "parameters of other ranks to average",
+    "adaptive_localsgd": "parameters of other ranks to average",
+    "sharding": "other ranks to hold parts of the optimizer state",
+}
 
 
 def changed(strategy, default, name):
@@ -64,9 +72,10 @@ def not_applied(strategy, communicator, on_gpu, hooks=()):
     if communicator is None or communicator.size == 1:
         alone = _ALONE.format("local=True" if communicator is None else "one rank")
         _communication(strategy, default, reasons, alone)
-        if strategy.fp16_allreduce:
-            reasons["fp16_allreduce"] = alone
-        return reasons
+        for name, lacking in _ALONE_SWITCHES.items():
+            if getattr(strategy, name):
+                reasons[name] = alone.replace("gradients to exchange", lacking)
+        return _with_configs_of_unused(strategy, default, reasons)
     if "sharding" in by_name:
         _sharding_reasons(strategy, default, by_name["sharding"], reasons)
     if "pipeline" in by_name and by_name["pipeline"].layout.replicas == 1:
@@ -82,6 +91,16 @@ def not_applied(strategy, communicator, on_gpu, hooks=()):
             and changed(strategy, default, "hierarchical_allreduce_inter_nranks"):
         reasons.setdefault("hierarchical_allreduce_inter_nranks",
                            "use_hierarchical_allreduce is off")
+    return _with_configs_of_unused(strategy, default, reasons)
+
+
+def _with_configs_of_unused(strategy, default, reasons):
+    """A strategy that is on but has no effect here leaves its configs without effect too."""
+    for name in ORDER:
+        configs = f"{name}_configs"
+        if name in reasons and hasattr(default, configs) \
+                and changed(strategy, default, configs):
+            reasons[configs] = f"strategy {name} has no effect here: {reasons[name]}"
     return reasons
 
 
@@ -103,6 +122,20 @@ def _sharding_reasons(strategy, default, sharding, reasons):
             if changed(strategy, default, name):
                 reasons[name] = ("sharding stage 1 reduce-scatters the whole gradient space at "
                                  "once; gradient buckets exist from stage 2 on")
+    configs = strategy.sharding_configs
+    if sharding.group is None and changed(strategy, default, "sharding_configs") \
+            and configs["fuse_broadcast_MB"] != default.sharding_configs["fuse_broadcast_MB"]:
+        reasons["sharding_configs.fuse_broadcast_MB"] = (
+            "a sharding group of one rank broadcasts no shards")
+    if configs["hybrid_dp"] and sharding.replicas is None:
+        reasons["sharding_configs.hybrid_dp"] = (
+            f"the sharding group is the whole world of {sharding.world_size} rank(s), so there "
+            "are no data-parallel replicas")
+    if not configs["hybrid_dp"]:
+        for key in ("sharding_group_size", "sharding_degree"):
+            if configs[key] != default.sharding_configs[key]:
+                reasons[f"sharding_configs.{key}"] = (
+                    "without hybrid_dp the sharding group is the whole world")
     if changed(strategy, default, "nccl_comm_num") and \
             (sharding.stage == 3 or sharding.group is None):
         reasons["nccl_comm_num"] = (
@@ -123,6 +156,13 @@ def _strategy_reasons(strategy, on_gpu):
     if strategy.recompute and not recompute["enable_offload"] and recompute["checkpoint_shape"]:
         reasons["recompute_configs.checkpoint_shape"] = (
             "it sizes the host buffers of enable_offload, which is off")
+    amp = strategy.amp_configs
+    if strategy.amp and not amp["use_dynamic_loss_scaling"]:
+        base = DistributedStrategy().amp_configs
+        for key in ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio"):
+            if amp[key] != base[key]:
+                reasons[f"amp_configs.{key}"] = ("use_dynamic_loss_scaling is off: the loss "
+                                                 "scale stays at init_loss_scaling")
     if (strategy.lars or strategy.lamb) and strategy.build_strategy.fuse_all_optimizer_ops:
         reasons["build_strategy.fuse_all_optimizer_ops"] = (
             f"{'lars' if strategy.lars else 'lamb'} scales each parameter's update by its own "
@@ -145,6 +185,10 @@ def parameter_server_not_applied(strategy, on_gpu):
     reasons = {}
     for path, _ in cm.differences(strategy._message, DistributedStrategy()._message):
         configs, _, key = path.partition(".")
+        if path == "a_sync_configs.k_steps" and not strategy.a_sync:
+            reasons[path] = ("a_sync is off: synchronous training pushes every step, whatever "
+                             "k_steps says")
+            continue
         if path in ("a_sync", "elastic") or configs == "a_sync_configs" and key in EFFECTIVE_KEYS:
             continue
         reasons[path] = NO_EFFECT_KEYS[key] if configs == "a_sync_configs" else \
