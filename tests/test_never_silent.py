@@ -302,10 +302,16 @@ def _collective(mode):
     return ranks, reasons
 
 
+_BETWEEN_RANKS = ("fp16_allreduce", "sync_batch_norm", "localsgd", "adaptive_localsgd",
+                  "sharding")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_every_field_is_applied_or_reported_at_one_process(mode):
     ranks, reasons = _collective(mode)
     assert ranks == 1
+    if mode in _BETWEEN_RANKS:
+        assert "trains alone" in reasons[mode]
     # alone, nothing that travels between ranks has an effect
     for path in ("nccl_comm_num", "use_hierarchical_allreduce", "fuse_grad_size_in_MB"):
         assert "trains alone" in reasons[path]
@@ -318,6 +324,15 @@ def test_every_field_is_applied_or_reported_on_every_rank(mode):
 
     ranks, reasons = _collective(mode)
     assert MPI.COMM_WORLD.allgather(sorted(reasons)) == [sorted(reasons)] * ranks
+    if mode in _BETWEEN_RANKS:
+        assert mode not in reasons and f"{mode}_configs" not in reasons
+    if mode == "collective":
+        for path in ("nccl_comm_num", "use_hierarchical_allreduce",
+                     "hierarchical_allreduce_inter_nranks", "fuse_all_reduce_ops"):
+            assert path not in reasons, path
+    if mode == "amp":
+        assert "use_dynamic_loss_scaling is off" in reasons["amp_configs.incr_ratio"]
+        assert "amp_configs.init_loss_scaling" not in reasons
     if mode == "sharding":
         for path in ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks",
                      "nccl_comm_num", "sharding_configs.fuse_broadcast_MB"):
