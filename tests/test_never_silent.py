@@ -5,7 +5,7 @@ behaviour (``Effect``: the test that proves it) or never does (``Reported``: it 
 ``applied_strategy().not_applied`` whenever it is set). A field added to the proto without a
 row fails ``test_every_field_of_the_schema_has_one_row``.
 
-In each mode (plain collective, each strategy on its own path, parameter-server), the tests
+In each mode (plain collective, each strategy on its own path, auto, parameter-server), the tests
 set every field to a non-default value and check each one: reported as not applied with a
 reason, or an ``Effect`` row whose proving test exists. They run at one process and, marked
 ``mpi``, on every rank of a world of several.
@@ -213,8 +213,8 @@ FIELDS = {
 }
 
 SWITCHES = tuple(ORDER) + ("auto",)
-# auto calibrates on a first step and resolves into the fields of the other modes; its own
-# reports are tested in tests/test_auto.py.
+# The collective modes checked when the optimizer is built; auto, which decides on its first
+# step, has a test of its own below.
 MODES = ("collective",) + tuple(ORDER)
 
 
@@ -368,3 +368,22 @@ def test_the_cases_of_the_issue_are_reported():
         "it sizes the host buffers of enable_offload, which is off")
     assert "lars scales each parameter's update by its own trust ratio" in \
         reasons["build_strategy.fuse_all_optimizer_ops"]
+
+
+def test_every_field_is_applied_or_reported_under_auto():
+    """auto resolves into the strategy its calibration chose; every field that changes
+    nothing anywhere is still reported on what it chose."""
+    import numpy as np
+
+    fleet.init()
+    strategy = every_field_set("auto", 1)
+    model = _model()
+    opt = fleet.distributed_optimizer(
+        optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters()),
+        strategy, auto_seconds=1)
+    rng = np.random.default_rng(0)
+    x = fleet.backend.asarray(rng.standard_normal((8, 4)).astype("float32"))
+    opt.minimize(model, nn.CrossEntropyLoss(), x, rng.integers(0, 2, 8))
+    chosen = fleet.applied_strategy()
+    assert chosen.auto is False and chosen.calibration is not None
+    check_mode("auto", 1, dict(chosen.not_applied), strategy)
