@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from .host_memory import keep_freed_memory
+from .paddle_flags import memory_fraction
 
 DEVICE_ENV = "FLEETMPI_DEVICE"
 DEVICES = ("cpu", "gpu")
@@ -66,6 +67,9 @@ def _import_cupy(required):
             raise RuntimeError(f"{DEVICE_ENV}=gpu but CuPy sees no CUDA device")
         return None
     cupy.cuda.Device(_local_rank() % count).use()
+    fraction = memory_fraction()
+    if fraction is not None:
+        cupy.get_default_memory_pool().set_limit(fraction=fraction)
     return cupy
 
 

@@ -51,12 +51,12 @@ class UtilBase:
 
     def all_reduce(self, input, mode="sum", comm_world="worker"):
         """The elementwise ``mode`` (``"sum"``, ``"min"``, ``"max"``) of ``input`` (a number,
-        list or NumPy array) over the ranks of ``comm_world``, as a NumPy array."""
+        list or NumPy array) over the ranks of ``comm_world``, as a NumPy array of its shape."""
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not allowed; allowed: "
                              f"{', '.join(map(repr, MODES))}")
         x = _array(input, "all_reduce")
-        return self._communicator(comm_world).allreduce(x, op=mode)
+        return self._communicator(comm_world).allreduce(x.reshape(-1), op=mode).reshape(x.shape)
 
     def all_gather(self, input, comm_world="worker"):
         """Every rank's ``input`` in rank order, as a list: numbers for a number, NumPy arrays
@@ -92,4 +92,4 @@ def _array(value, call):
                         f"arrays, not {type(value).__name__} {value!r}")
     if array.dtype.kind == "b":
         array = array.astype(np.int64)
-    return np.ascontiguousarray(array)
+    return np.asarray(array, order="C")   # keeps a 0-d array 0-d, as ascontiguousarray does not

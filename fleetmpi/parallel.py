@@ -17,7 +17,7 @@ Two ways to train, with the same strategies:
 """
 import weakref
 
-from . import backend, hybrid, world
+from . import backend, hybrid, paddle_flags, world
 from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
 from .optimizer import Optimizer, StepContext, run_step
@@ -132,6 +132,7 @@ class DistributedOptimizer:
         if not isinstance(strategy, DistributedStrategy):
             raise TypeError(f"strategy must be a fleetmpi.DistributedStrategy, not "
                             f"{type(strategy).__name__}")
+        strategy = paddle_flags.with_flags(strategy)
         knobs = (auto_seconds, auto_allow, auto_memory_MB)
         self._calibration = None
         if strategy.auto:
@@ -182,7 +183,7 @@ class DistributedOptimizer:
         build = strategy.build_strategy
         self.inner.fuse_all_optimizer_ops = bool(build.fuse_all_optimizer_ops)
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
-        reasons = applied.not_applied(strategy, self.communicator, backend.on_gpu())
+        reasons = applied.not_applied(strategy, self.communicator, backend.on_gpu(), self.hooks)
         self.applied_strategy = applied.AppliedStrategy.of(
             strategy, [hook.name for hook in self.hooks], reasons, calibration)
         if self._calibration is None:
@@ -359,6 +360,23 @@ def _local_size(local):
     return 1 if local or world.worker_num() == 1 else world.local_size()
 
 
+def _parameter_server_optimizer(optimizer, strategy):
+    """``distributed_optimizer`` in parameter-server mode, with its ``applied_strategy``."""
+    global _applied
+    from .strategies.ps.runtime import make_optimizer
+
+    strategy = DistributedStrategy() if strategy is None else strategy
+    if strategy.auto:
+        raise NotImplementedError("strategy.auto calibrates collective training; in "
+                                  "parameter-server mode set a_sync and a_sync_configs")
+    ps_optimizer = make_optimizer(optimizer, strategy)
+    _applied = applied.AppliedStrategy.of(
+        strategy, [f"parameter_server ({ps_optimizer.mode})"],
+        applied.parameter_server_not_applied(strategy, backend.on_gpu()))
+    applied.report(_applied)
+    return ps_optimizer
+
+
 def distributed_optimizer(optimizer, strategy=None, communicator=None, local=False,
                           auto_seconds=None, auto_allow=None, auto_memory_MB=None):
     """Wrap ``optimizer`` for distributed training under ``strategy`` (the default
@@ -375,12 +393,6 @@ def distributed_optimizer(optimizer, strategy=None, communicator=None, local=Fal
     ``ParameterServerOptimizer``: ``a_sync`` and ``a_sync_configs`` choose synchronous,
     asynchronous or GEO training (see ``fleetmpi.strategies.ps``)."""
     if not local and world.roles() is not None:
-        from .strategies.ps.runtime import make_optimizer
-
-        if strategy is not None and strategy.auto:
-            raise NotImplementedError("strategy.auto calibrates collective training; in "
-                                      "parameter-server mode set a_sync and a_sync_configs")
-
-        return make_optimizer(optimizer, DistributedStrategy() if strategy is None else strategy)
+        return _parameter_server_optimizer(optimizer, strategy)
     return DistributedOptimizer(optimizer, strategy, communicator, local, auto_seconds,
                                 auto_allow, auto_memory_MB)

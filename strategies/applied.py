@@ -11,7 +11,7 @@ import os
 import types
 
 from .. import config_message as cm
-from .. import world
+from .. import paddle_flags, world
 from ..distributed_strategy import DistributedStrategy
 from ..elastic import RESTART_COUNT_ENV
 from ..log import logger
@@ -25,6 +25,14 @@ COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_gra
                         "nccl_comm_num", "use_hierarchical_allreduce",
                         "hierarchical_allreduce_inter_nranks")
 _ALONE = "this process trains alone ({}), so there are no gradients to exchange"
+# Strategies whose whole effect is between ranks, and what a process alone lacks for them.
+_ALONE_SWITCHES = {
+    "fp16_allreduce": "gradients to exchange",
+    "sync_batch_norm": "batch statistics of other ranks to combine",
+    "localsgd": "parameters of other ranks to average",
+    "adaptive_localsgd": "parameters of other ranks to average",
+    "sharding": "other ranks to hold parts of the optimizer state",
+}
 
 
 def changed(strategy, default, name):
@@ -35,44 +43,160 @@ def changed(strategy, default, name):
     return value != base
 
 
-def not_applied(strategy, communicator, on_gpu):
+def _in_every_mode(strategy, on_gpu):
+    """The reasons that do not depend on the mode: Paddle-only fields of a loaded file,
+    ``elastic`` outside ``fleetmpirun --elastic``, and ``FLAGS_*`` variables not read."""
+    reasons = {path: f"a field of Paddle's DistributedStrategy that fleetmpi does not have: "
+                     f"{PADDLE_ONLY[path]}" for path in strategy.paddle_only_fields()}
+    if strategy.elastic and RESTART_COUNT_ENV not in os.environ:
+        reasons["elastic"] = ("the job was not started by fleetmpirun --elastic, so nothing "
+                              "restarts it after a failure")
+    reasons.update(paddle_flags.unread(on_gpu))
+    return reasons
+
+
+def not_applied(strategy, communicator, on_gpu, hooks=()):
     """``{field path: why}`` for every field of ``strategy`` set away from its default that
-    changes nothing in a job with ``communicator`` (None: one process) on a GPU or not."""
+    changes nothing in a collective job with ``communicator`` (None: one process) on a GPU or
+    not, running the step ``hooks`` (the strategies' objects)."""
     default = DistributedStrategy()
     reasons = {path: NO_EFFECT[path] for path in inert_fields_set(strategy)}
-    reasons.update({path: f"a field of Paddle's DistributedStrategy that fleetmpi does not have: "
-                          f"{PADDLE_ONLY[path]}" for path in strategy.paddle_only_fields()})
+    reasons.update(_in_every_mode(strategy, on_gpu))
     for name in ORDER:
         configs = f"{name}_configs"
         if hasattr(default, configs) and not getattr(strategy, name) \
                 and changed(strategy, default, configs):
             reasons[configs] = f"strategy {name} is off, so its configs are not used"
-    if strategy.elastic and RESTART_COUNT_ENV not in os.environ:
-        reasons["elastic"] = ("the job was not started by fleetmpirun --elastic, so nothing "
-                              "restarts it after a failure")
+    reasons.update(_strategy_reasons(strategy, on_gpu))
+    by_name = {hook.name: hook for hook in hooks}
     if communicator is None or communicator.size == 1:
         alone = _ALONE.format("local=True" if communicator is None else "one rank")
-        for name in COMMUNICATION_FIELDS:
-            if changed(strategy, default, name):
-                reasons[name] = alone
-        if strategy.fp16_allreduce:
-            reasons["fp16_allreduce"] = alone
-        return _with_cpu_reasons(strategy, on_gpu, reasons)
+        _communication(strategy, default, reasons, alone)
+        for name, lacking in _ALONE_SWITCHES.items():
+            if getattr(strategy, name):
+                reasons[name] = alone.replace("gradients to exchange", lacking)
+        return _with_configs_of_unused(strategy, default, reasons)
+    if "sharding" in by_name:
+        _sharding_reasons(strategy, default, by_name["sharding"], reasons)
+    if "pipeline" in by_name and by_name["pipeline"].layout.replicas == 1:
+        _communication(strategy, default, reasons,
+                       "every pipeline stage has one replica here (world = stages), so no "
+                       "gradients are exchanged")
     if not strategy.fuse_all_reduce_ops:
         for name in ("fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS"):
             if changed(strategy, default, name):
-                reasons[name] = "fuse_all_reduce_ops is off: one allreduce per parameter"
+                reasons.setdefault(name, "fuse_all_reduce_ops is off: one allreduce per "
+                                         "parameter")
     if not strategy.use_hierarchical_allreduce \
             and changed(strategy, default, "hierarchical_allreduce_inter_nranks"):
-        reasons["hierarchical_allreduce_inter_nranks"] = "use_hierarchical_allreduce is off"
-    return _with_cpu_reasons(strategy, on_gpu, reasons)
+        reasons.setdefault("hierarchical_allreduce_inter_nranks",
+                           "use_hierarchical_allreduce is off")
+    return _with_configs_of_unused(strategy, default, reasons)
 
 
-def _with_cpu_reasons(strategy, on_gpu, reasons):
-    if strategy.recompute and not on_gpu and strategy.recompute_configs["enable_offload"]:
+def _with_configs_of_unused(strategy, default, reasons):
+    """A strategy that is on but has no effect here leaves its configs without effect too."""
+    for name in ORDER:
+        configs = f"{name}_configs"
+        if name in reasons and hasattr(default, configs) \
+                and changed(strategy, default, configs):
+            reasons[configs] = f"strategy {name} has no effect here: {reasons[name]}"
+    return reasons
+
+
+def _communication(strategy, default, reasons, why):
+    for name in COMMUNICATION_FIELDS:
+        if changed(strategy, default, name):
+            reasons[name] = why
+
+
+def _sharding_reasons(strategy, default, sharding, reasons):
+    """What sharding's own communication leaves unused (``fleetmpi.strategies.sharding``)."""
+    flat = ("sharding reduce-scatters over its group and averages over the replicas with "
+            "one-level communicators; there is no two-level allreduce")
+    for name in ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks"):
+        if changed(strategy, default, name):
+            reasons[name] = flat
+    if sharding.stage == 1:
+        for name in ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS"):
+            if changed(strategy, default, name):
+                reasons[name] = ("sharding stage 1 reduce-scatters the whole gradient space at "
+                                 "once; gradient buckets exist from stage 2 on")
+    configs = strategy.sharding_configs
+    if sharding.group is None and changed(strategy, default, "sharding_configs") \
+            and configs["fuse_broadcast_MB"] != default.sharding_configs["fuse_broadcast_MB"]:
+        reasons["sharding_configs.fuse_broadcast_MB"] = (
+            "a sharding group of one rank broadcasts no shards")
+    if configs["hybrid_dp"] and sharding.replicas is None:
+        reasons["sharding_configs.hybrid_dp"] = (
+            f"the sharding group is the whole world of {sharding.world_size} rank(s), so there "
+            "are no data-parallel replicas")
+    if not configs["hybrid_dp"]:
+        for key in ("sharding_group_size", "sharding_degree"):
+            if configs[key] != default.sharding_configs[key]:
+                reasons[f"sharding_configs.{key}"] = (
+                    "without hybrid_dp the sharding group is the whole world")
+    if changed(strategy, default, "nccl_comm_num") and \
+            (sharding.stage == 3 or sharding.group is None):
+        reasons["nccl_comm_num"] = (
+            "under sharding nccl_comm_num spreads the broadcasts of the updated shards over "
+            "communicators, and here none are broadcast ("
+            + ("stage 3 gathers parameters when they are used)" if sharding.stage == 3
+               else "a sharding group of one rank)"))
+
+
+def _strategy_reasons(strategy, on_gpu):
+    """Config keys that the enabled strategies leave unused in this configuration."""
+    reasons = {}
+    recompute = strategy.recompute_configs
+    if strategy.recompute and recompute["enable_offload"] and not on_gpu:
         reasons["recompute_configs.enable_offload"] = (
             "on CPU host and device memory are the same: checkpoints are copied to host "
             "buffers, but no device memory is freed")
+    if strategy.recompute and not recompute["enable_offload"] and recompute["checkpoint_shape"]:
+        reasons["recompute_configs.checkpoint_shape"] = (
+            "it sizes the host buffers of enable_offload, which is off")
+    amp = strategy.amp_configs
+    if strategy.amp and not amp["use_dynamic_loss_scaling"]:
+        base = DistributedStrategy().amp_configs
+        for key in ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio"):
+            if amp[key] != base[key]:
+                reasons[f"amp_configs.{key}"] = ("use_dynamic_loss_scaling is off: the loss "
+                                                 "scale stays at init_loss_scaling")
+    if (strategy.lars or strategy.lamb) and strategy.build_strategy.fuse_all_optimizer_ops:
+        reasons["build_strategy.fuse_all_optimizer_ops"] = (
+            f"{'lars' if strategy.lars else 'lamb'} scales each parameter's update by its own "
+            "trust ratio, walking the parameters one by one; there is no fused optimizer "
+            "kernel over the flat buffer")
+    return reasons
+
+
+_PARAMETER_SERVER = ("parameter-server mode trains with a_sync and a_sync_configs.k_steps; "
+                     "the collective strategies, communication and graph fields do not exist "
+                     "there")
+
+
+def parameter_server_not_applied(strategy, on_gpu):
+    """``{field path: why}`` for every field set away from its default in parameter-server
+    mode, where ``a_sync`` and ``a_sync_configs.k_steps`` alone choose what runs
+    (``fleetmpi.strategies.ps.mode``)."""
+    from .ps.mode import EFFECTIVE_KEYS, NO_EFFECT_KEYS
+
+    reasons = {}
+    for path, _ in cm.differences(strategy._message, DistributedStrategy()._message):
+        configs, _, key = path.partition(".")
+        if path == "a_sync_configs.k_steps" and not strategy.a_sync:
+            reasons[path] = ("a_sync is off: synchronous training pushes every step, whatever "
+                             "k_steps says")
+            continue
+        if path in ("a_sync", "elastic") or configs == "a_sync_configs" and key in EFFECTIVE_KEYS:
+            continue
+        reasons[path] = NO_EFFECT_KEYS[key] if configs == "a_sync_configs" else \
+            _PARAMETER_SERVER
+    reasons.update(_in_every_mode(strategy, on_gpu))
+    for name in paddle_flags.FIELD_FLAGS:
+        if os.environ.get(name, ""):
+            reasons[name] = _PARAMETER_SERVER
     return reasons
 
 

@@ -36,10 +36,9 @@ name: ``sharding_degree``) consecutive ranks, ``world size / group size`` of the
 data-parallel replicas. Steps that do not update (gradient_merge between its updates, amp's
 overflow) broadcast nothing.
 """
-from .. import backend, timeline, world
+from .. import backend, timeline
 from ..comm.communicator import NATIVE_BELOW_BYTES
 from ..comm.ring import overlap_counts, split_offsets
-from ..log import logger
 from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
@@ -66,10 +65,6 @@ def group_size(configs, world_size):
     ``sharding_group_size`` (or ``sharding_degree``), which must divide the world size."""
     size = configured_group_size(configs)
     if not configs["hybrid_dp"]:
-        if size not in (DEFAULT_GROUP_SIZE, world_size) and world.worker_index() == 0:
-            logger.warning("sharding_configs['sharding_group_size']=%d has no effect without "
-                           "hybrid_dp: the sharding group is the whole world of %d rank(s)",
-                           size, world_size)
         return world_size
     if world_size % size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]

@@ -297,6 +297,15 @@ def scenario_roles(args):
     if "PADDLE_PSERVERS_IP_PORT_LIST" in os.environ:   # fleetmpirun's variables, as Paddle's
         assert os.environ["PADDLE_PSERVERS_IP_PORT_LIST"] == fleet.server_endpoints(True)
         assert os.environ["PADDLE_TRAINER_ENDPOINTS"] == fleet.worker_endpoints(True)
+    strategy = fleet.DistributedStrategy()
+    strategy.a_sync_configs = {"send_queue_size": 4}
+    strategy.nccl_comm_num = 2
+    model = fleet.distributed_model(nn.Linear(4, 2))
+    fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1,
+                                              parameters=model.parameters()), strategy)
+    assert fleet.applied_strategy().active == ("parameter_server (async)",)
+    assert set(fleet.applied_strategy().not_applied) == {"a_sync_configs.send_queue_size",
+                                                         "nccl_comm_num"}
     everyone = fleet.util.all_gather(rank, comm_world="all")
     assert everyone == list(range(size)), everyone
     if fleet.is_server():

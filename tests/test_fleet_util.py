@@ -44,7 +44,8 @@ def test_util_reduces_gathers_and_shards_on_every_rank(capsys):
                           [size * (size + 1) / 2, -size * (size - 1) / 2])
     assert np.array_equal(fleet.util.all_reduce(values, mode="max"), [size, 0])
     assert np.array_equal(fleet.util.all_reduce(values, mode="min"), [1, -(size - 1)])
-    assert fleet.util.all_reduce(rank, comm_world="all") == size * (size - 1) // 2
+    total = fleet.util.all_reduce(rank, comm_world="all")
+    assert total.shape == () and float(total) == size * (size - 1) // 2
     assert fleet.util.all_gather(rank * 10) == [10 * r for r in range(size)]
     gathered = fleet.util.all_gather(np.full(3, rank, dtype=np.int32))
     assert [g.tolist() for g in gathered] == [[r] * 3 for r in range(size)]

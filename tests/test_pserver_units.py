@@ -78,25 +78,30 @@ def test_every_a_sync_configs_key_is_effective_or_listed_without_effect():
     assert not set(mode.EFFECTIVE_KEYS) & set(mode.NO_EFFECT_KEYS)
 
 
-def test_keys_without_effect_are_reported_once(caplog):
-    from fleetmpi.strategies import inert_fields
+def test_keys_without_effect_are_listed_and_reported_once(caplog):
+    from fleetmpi.strategies import applied, inert_fields
 
     s = strategy(True, 0)
     s.a_sync_configs = {"send_queue_size": 4, "thread_pool_size": 2}
-    inert_fields._reported.difference_update({"a_sync_configs.send_queue_size",
-                                              "a_sync_configs.thread_pool_size"})
+    s.amp_configs = {"init_loss_scaling": 8.0}
+    reasons = applied.parameter_server_not_applied(s, on_gpu=False)
+    assert reasons == {"a_sync_configs.send_queue_size": mode.NO_EFFECT_KEYS["send_queue_size"],
+                       "a_sync_configs.thread_pool_size": mode.NO_EFFECT_KEYS["thread_pool_size"],
+                       "amp_configs.init_loss_scaling": applied._PARAMETER_SERVER}
+    inert_fields._reported.difference_update(reasons)
     fleet_logger = inert_fields.logger
     fleet_logger.propagate = True
     try:
         with caplog.at_level("WARNING", logger="fleetmpi"):
-            mode.report_inert_keys(s, first_worker=True)
+            report = applied.AppliedStrategy.of(s, ["parameter_server (async)"], reasons)
+            applied.report(report)
             after_first = len(caplog.records)
-            mode.report_inert_keys(s, first_worker=True)
+            applied.report(report)
             assert len(caplog.records) == after_first   # nothing new the second time
     finally:
         fleet_logger.propagate = False
     lines = {r.getMessage() for r in caplog.records}
-    assert len(lines) == 2
+    assert len(lines) == 3
     assert any("a_sync_configs.send_queue_size" in line for line in lines)
     assert any("a_sync_configs.thread_pool_size" in line for line in lines)
 

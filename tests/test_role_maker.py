@@ -155,3 +155,24 @@ def test_every_rank_has_its_endpoint_under_mpiexec():
     assert fleet.worker_index() == rank
     assert np.all(np.array(_allgather(comm, fleet.worker_endpoints(to_string=True)))
                   == ",".join(endpoint_labels(size)))
+
+
+def test_fleetmpirun_gives_each_rank_paddles_collective_variables(tmp_path):
+    script = tmp_path / "endpoints.py"
+    script.write_text(
+        "import os\n"
+        "import fleetmpi as fleet\n"
+        "from fleetmpi import role_maker\n"
+        "fleet.init(role_maker.PaddleCloudRoleMaker(is_collective=True))\n"
+        "ends = fleet.worker_endpoints()\n"
+        "assert os.environ['PADDLE_TRAINER_ENDPOINTS'] == ','.join(ends)\n"
+        "assert os.environ['PADDLE_CURRENT_ENDPOINT'] == ends[fleet.worker_index()]\n"
+        "assert os.environ['PADDLE_TRAINER_ID'] == str(fleet.worker_index())\n"
+        "print(f'rank {fleet.worker_index()} is {ends[fleet.worker_index()]}', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
+    done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank, endpoint in enumerate(endpoint_labels(2)):
+        assert f"rank {rank} is {endpoint}" in output, output

@@ -3,10 +3,9 @@
 
 ``a_sync=False``: synchronous. ``a_sync=True`` with ``k_steps`` -1 or 0: asynchronous; with
 ``k_steps > 0``: GEO, pushing parameter deltas every ``k_steps`` local steps. Keys that change
-nothing here are reported once per process, on the first worker, when set away from their
-default.
+nothing here are listed by ``applied_strategy().not_applied`` with these reasons
+(``fleetmpi.strategies.applied.parameter_server_not_applied``) and warned once.
 """
-from ..inert_fields import report_once
 from ...config_message import ConfigError
 
 SYNC, ASYNC, GEO = "sync", "async", "geo"
@@ -51,13 +50,3 @@ def training_mode(strategy):
                               "needs a_sync=True; a_sync=False is synchronous training")
         return SYNC
     return GEO if k_steps > 0 else ASYNC
-
-
-def report_inert_keys(strategy, first_worker):
-    """Warn once per key that is set away from its default but has no effect here."""
-    from ...distributed_strategy import DistributedStrategy
-
-    default = DistributedStrategy().a_sync_configs
-    for key, why in NO_EFFECT_KEYS.items():
-        if strategy.a_sync_configs[key] != default[key]:
-            report_once(f"a_sync_configs.{key}", why, first_worker)

@@ -112,13 +112,11 @@ def init_server(dirname=None):
     """Build this server's blocks and table shards (from the model as built on this rank),
     or load them from the shards saved into ``dirname``."""
     global _server
-    from .mode import report_inert_keys
     from .server import Server
     from .server_state import ServerState
     from .shards import load_shard
 
     roles = _ready("init_server", "server")
-    report_inert_keys(_optimizer.strategy, first_worker=False)
     state = ServerState(_optimizer.inner.parameters(), sparse_tables(_model), _optimizer.inner,
                         roles.current_id, roles.server_num)
     if dirname is not None:
@@ -148,11 +146,9 @@ def init_worker():
     """Connect this worker to the servers: take their parameters into the model, and serve
     the model's sparse tables from them."""
     global _client
-    from .mode import report_inert_keys
     from .worker import Client
 
     roles = _ready("init_worker", "worker")
-    report_inert_keys(_optimizer.strategy, first_worker=roles.current_id == 0)
     tables = sparse_tables(_model)
     _client = Client(_comm, roles, _optimizer.inner.parameters(), tables, _optimizer.mode,
                      _optimizer.inner)

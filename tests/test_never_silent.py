@@ -1,0 +1,389 @@
+"""No strategy field is ever silently ignored.
+
+``FIELDS`` is the one table of what every field of the schema does: a field either changes
+behaviour (``Effect``: the test that proves it) or never does (``Reported``: it must appear in
+``applied_strategy().not_applied`` whenever it is set). A field added to the proto without a
+row fails ``test_every_field_of_the_schema_has_one_row``.
+
+In each mode (plain collective, each strategy on its own path, auto, parameter-server), the tests
+set every field to a non-default value and check each one: reported as not applied with a
+reason, or an ``Effect`` row whose proving test exists. They run at one process and, marked
+``mpi``, on every rank of a world of several.
+"""
+import ast
+import os
+from dataclasses import dataclass
+
+import pytest
+
+import fleetmpi as fleet
+from fleetmpi import config_message as cm
+from fleetmpi import nn, optimizer
+from fleetmpi.paddle_fields import PADDLE_ONLY
+from fleetmpi.proto import distributed_strategy_pb2 as schema
+from fleetmpi.strategies import applied
+from fleetmpi.strategies.compose import ORDER
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass(frozen=True)
+class Effect:
+    """The field changes behaviour where it is not reported; ``proof`` is the test showing
+    it (``file.py::test_name``)."""
+    value: object
+    proof: str
+
+
+@dataclass(frozen=True)
+class Reported:
+    """The field changes nothing anywhere: it is reported whenever it is set."""
+    value: object
+
+
+def _t(name):
+    return f"test_{name}"
+
+
+FIELDS = {
+    "auto": Effect(True, "test_auto.py::" + _t("auto_in_one_process_recomputes_over_budget_"
+                                               "and_trains_as_set_by_hand")),
+    "a_sync": Effect(False, "test_pserver.py::" + _t("sync_equals_data_parallel_with_uneven_"
+                                                     "batches")),
+    "sync_nccl_allreduce": Reported(False),
+    "nccl_comm_num": Effect(2, "test_comm_fusion.py::" + _t("buckets_spread_over_several_"
+                                                            "communicators")),
+    "use_hierarchical_allreduce": Effect(True, "test_comm_hierarchical.py::"
+                                         + _t("two_emulated_nodes_at_four_ranks")),
+    "hierarchical_allreduce_inter_nranks": Effect(lambda ranks: ranks if ranks > 1 else 2,
+                                                  "test_comm_hierarchical.py::"
+                                                  + _t("every_inter_nranks_group_size")),
+    "sync_batch_norm": Effect(True, "test_sync_batch_norm.py::"
+                              + _t("training_at_n_ranks_equals_one_process")),
+    "fuse_all_reduce_ops": Effect(False, "test_seed_examples.py::" + _t("allreduce_fusion")),
+    "fuse_grad_size_in_MB": Effect(8, "test_comm_fusion.py::"
+                                   + _t("buckets_respect_size_and_dtype")),
+    "fuse_grad_size_in_TFLOPS": Effect(3.0, "test_composition.py::"
+                                       + _t("fuse_grad_size_in_tflops_caps_the_layers_per_"
+                                            "bucket")),
+    "cudnn_exhaustive_search": Reported(False),
+    "conv_workspace_size_limit": Reported(100),
+    "cudnn_batchnorm_spatial_persistent": Reported(False),
+    "recompute": Effect(True, "test_recompute.py::" + _t("measured_peak_activation_memory_"
+                                                         "falls_for_a_16_layer_mlp")),
+    "recompute_configs.checkpoints": Effect(["1"], "test_recompute.py::"
+                                            + _t("checkpoints_of_a_user_model_are_bit_for_bit")),
+    "recompute_configs.enable_offload": Effect(True, "test_recompute.py::"
+                                               + _t("offload_is_bit_for_bit_and_keeps_"
+                                                    "checkpoints_on_the_host")),
+    "recompute_configs.checkpoint_shape": Effect([4, 8], "test_recompute.py::"
+                                                 + _t("offload_refuses_a_checkpoint_of_another_"
+                                                      "shape")),
+    "pipeline": Effect(True, "test_pipeline.py::"
+                       + _t("stages_x_replicas_equal_accumulated_gradients")),
+    "pipeline_configs.micro_batch": Effect(2, "test_pipeline.py::"
+                                           + _t("all_stages_in_one_process_equal_accumulated_"
+                                                "gradients")),
+    "pipeline_configs.schedule_mode": Effect("F-then-B", "test_pipeline.py::"
+                                             + _t("schedules_run_each_pass_once_in_dependency_"
+                                                  "order")),
+    "gradient_merge": Effect(True, "test_gradient_merge.py::"
+                             + _t("parameters_change_and_gradients_travel_only_every_k_steps")),
+    "gradient_merge_configs.k_steps": Effect(2, "test_gradient_merge.py::"
+                                             + _t("k_steps_equal_one_step_of_k_times_the_batch_"
+                                                  "in_one_process")),
+    "gradient_merge_configs.avg": Effect(False, "test_gradient_merge.py::"
+                                         + _t("k_steps_equal_one_step_of_k_times_the_batch_in_"
+                                              "one_process")),
+    "lars": Effect(True, "test_lars_lamb.py::" + _t("update_matches_the_transcription_over_"
+                                                    "steps")),
+    "lars_configs.lars_coeff": Effect(0.01, "test_lars_lamb.py::"
+                                      + _t("update_matches_the_transcription_over_steps")),
+    "lars_configs.lars_weight_decay": Effect(0.001, "test_lars_lamb.py::"
+                                             + _t("update_matches_the_transcription_over_steps")),
+    "lars_configs.epsilon": Effect(1e-8, "test_lars_lamb.py::"
+                                   + _t("update_matches_the_transcription_over_steps")),
+    "lars_configs.exclude_from_weight_decay": Effect(["bias"], "test_lars_lamb.py::"
+                                                     + _t("exclude_from_weight_decay_matches_"
+                                                          "names_by_substring")),
+    "lamb": Effect(True, "test_lars_lamb.py::" + _t("update_matches_the_transcription_over_"
+                                                    "steps")),
+    "lamb_configs.lamb_weight_decay": Effect(0.02, "test_lars_lamb.py::"
+                                             + _t("update_matches_the_transcription_over_steps")),
+    "lamb_configs.exclude_from_weight_decay": Effect(["bias"], "test_lars_lamb.py::"
+                                                     + _t("exclude_from_weight_decay_matches_"
+                                                          "names_by_substring")),
+    "localsgd": Effect(True, "test_localsgd.py::" + _t("local_steps_after_begin_step_and_"
+                                                       "averaging_every_k_steps")),
+    "localsgd_configs.k_steps": Effect(2, "test_localsgd.py::"
+                                       + _t("local_steps_after_begin_step_and_averaging_every_"
+                                            "k_steps")),
+    "localsgd_configs.begin_step": Effect(2, "test_localsgd.py::"
+                                          + _t("local_steps_after_begin_step_and_averaging_"
+                                               "every_k_steps")),
+    "adaptive_localsgd": Effect(True, "test_localsgd.py::"
+                                + _t("adaptive_period_follows_adacomm_from_the_averaged_loss")),
+    "adaptive_localsgd_configs.init_k_steps": Effect(2, "test_localsgd.py::"
+                                                     + _t("adaptive_period_follows_adacomm_"
+                                                          "from_the_averaged_loss")),
+    "adaptive_localsgd_configs.begin_step": Effect(2, "test_localsgd.py::"
+                                                   + _t("adaptive_period_follows_adacomm_from_"
+                                                        "the_averaged_loss")),
+    "amp": Effect(True, "test_amp.py::" + _t("linear_computes_in_float16_and_writes_float32_"
+                                             "master_gradients")),
+    "amp_configs.init_loss_scaling": Effect(1024.0, "test_amp.py::"
+                                            + _t("scale_schedule_and_exactly_the_overflowing_"
+                                                 "steps_skipped")),
+    "amp_configs.incr_every_n_steps": Effect(10, "test_amp.py::"
+                                             + _t("scale_schedule_and_exactly_the_overflowing_"
+                                                  "steps_skipped")),
+    "amp_configs.decr_every_n_nan_or_inf": Effect(3, "test_amp.py::"
+                                                  + _t("scale_schedule_and_exactly_the_"
+                                                       "overflowing_steps_skipped")),
+    "amp_configs.incr_ratio": Effect(3.0, "test_amp.py::"
+                                     + _t("scale_schedule_and_exactly_the_overflowing_steps_"
+                                          "skipped")),
+    "amp_configs.decr_ratio": Effect(0.25, "test_amp.py::"
+                                     + _t("scale_schedule_and_exactly_the_overflowing_steps_"
+                                          "skipped")),
+    "amp_configs.use_dynamic_loss_scaling": Effect(False, "test_amp.py::"
+                                                   + _t("fixed_loss_scaling_still_skips_"
+                                                        "overflowing_steps")),
+    "amp_configs.custom_white_list": Effect(["tanh"], "test_amp.py::"
+                                            + _t("custom_lists_move_operators")),
+    "amp_configs.custom_black_list": Effect(["mul"], "test_amp.py::"
+                                            + _t("custom_lists_move_operators")),
+    "dgc": Effect(True, "test_dgc.py::" + _t("matches_simulation")),
+    "dgc_configs.rampup_begin_step": Effect(1, "test_dgc.py::"
+                                            + _t("schedule_counts_from_rampup_begin_step")),
+    "dgc_configs.rampup_step": Effect(2, "test_dgc.py::" + _t("schedule_of_the_seed_example")),
+    "dgc_configs.sparsity": Effect([0.5], "test_dgc.py::" + _t("schedule_of_the_seed_example")),
+    "fp16_allreduce": Effect(True, "test_fp16_allreduce.py::"
+                             + _t("fp16_allreduce_stays_within_the_stated_bound_and_halves_the_"
+                                  "bytes")),
+    "sharding": Effect(True, "test_sharding.py::"
+                       + _t("n_ranks_equal_data_parallel_with_1_over_n_of_the_state")),
+    "sharding_configs.fuse_broadcast_MB": Effect(16.0, "test_sharding.py::"
+                                                 + _t("parameters_travel_back_in_messages_of_"
+                                                      "at_most_fuse_broadcast_mb")),
+    "sharding_configs.hybrid_dp": Effect(True, "test_sharding.py::"
+                                         + _t("hybrid_dp_equals_data_parallel_for_every_group_"
+                                              "size")),
+    "sharding_configs.sharding_group_size": Effect(1, "test_sharding.py::"
+                                                   + _t("hybrid_dp_equals_data_parallel_for_"
+                                                        "every_group_size")),
+    "sharding_configs.sharding_degree": Effect(1, "test_sharding_stages.py::"
+                                               + _t("sharding_degree_is_the_group_size_and_"
+                                                    "conflicts_with_a_different_group_size")),
+    "sharding_configs.stage": Effect(2, "test_sharding_stages.py::"
+                                     + _t("n_ranks_equal_one_process_on_a_user_model")),
+    "elastic": Effect(True, "test_elastic.py::" + _t("a_run_that_lost_a_rank_resumes_at_two_and_"
+                                                     "ends_as_an_uninterrupted_one")),
+    "a_sync_configs.k_steps": Effect(0, "test_pserver.py::"
+                                     + _t("async_and_geo_reach_95_percent_on_digits")),
+    "a_sync_configs.max_merge_var_num": Reported(2),
+    "a_sync_configs.send_queue_size": Reported(8),
+    "a_sync_configs.independent_recv_thread": Reported(True),
+    "a_sync_configs.min_send_grad_num_before_recv": Reported(2),
+    "a_sync_configs.thread_pool_size": Reported(2),
+    "a_sync_configs.send_wait_times": Reported(2),
+    "a_sync_configs.runtime_split_send_recv": Reported(True),
+    "a_sync_configs.launch_barrier": Reported(False),
+    "a_sync_configs.heter_worker_device_guard": Reported("gpu"),
+    "a_sync_configs.lr_decay_steps": Reported(5),
+    "a_sync_configs.use_ps_gpu": Reported(1),
+    "build_strategy.enable_sequential_execution": Reported(True),
+    "build_strategy.fuse_elewise_add_act_ops": Effect(True, "test_kernels.py::"
+                                                      + _t("fused_equals_unfused")),
+    "build_strategy.fuse_bn_act_ops": Effect(True, "test_kernels.py::"
+                                             + _t("fused_equals_unfused")),
+    "build_strategy.fuse_relu_depthwise_conv": Reported(True),
+    "build_strategy.fuse_broadcast_ops": Reported(True),
+    "build_strategy.fuse_all_optimizer_ops": Effect(True, "test_optim.py::"
+                                                    + _t("fused_and_unfused_updates_are_"
+                                                         "identical")),
+    "build_strategy.enable_inplace": Reported(True),
+    "build_strategy.enable_backward_optimizer_op_deps": Reported(False),
+    "build_strategy.cache_runtime_context": Reported(True),
+    "build_strategy.enable_auto_fusion": Reported(True),
+    "execution_strategy.num_threads": Reported(2),
+    "execution_strategy.num_iteration_per_drop_scope": Reported(5),
+    "execution_strategy.num_iteration_per_run": Reported(2),
+    "execution_strategy.use_thread_barrier": Reported(True),
+}
+
+SWITCHES = tuple(ORDER) + ("auto",)
+# The collective modes checked when the optimizer is built; auto, which decides on its first
+# step, has a test of its own below.
+MODES = ("collective",) + tuple(ORDER)
+
+
+def _leaf_paths(descriptor, prefix=""):
+    paths = []
+    for field in descriptor.fields:
+        if field.message_type is not None:
+            paths += _leaf_paths(field.message_type, f"{prefix}{field.name}.")
+        else:
+            paths.append(prefix + field.name)
+    return paths
+
+
+def test_every_field_of_the_schema_has_one_row():
+    assert sorted(_leaf_paths(schema.DistributedStrategy.DESCRIPTOR)) == sorted(FIELDS)
+    in_both = {path for path in PADDLE_ONLY if path in FIELDS
+               or path.split(".")[0] in schema.DistributedStrategy.DESCRIPTOR.fields_by_name
+               and "." not in path}
+    assert not in_both, f"implemented now: remove {in_both} from fleetmpi.paddle_fields"
+
+
+def test_every_proving_test_exists():
+    for path, row in FIELDS.items():
+        if isinstance(row, Effect):
+            file_name, test_name = row.proof.split("::")
+            with open(os.path.join(HERE, file_name)) as f:
+                names = {node.name for node in ast.walk(ast.parse(f.read()))
+                         if isinstance(node, ast.FunctionDef)}
+            assert test_name in names, f"{path}: {row.proof} does not exist"
+
+
+def _value(row, ranks):
+    return row.value(ranks) if callable(row.value) else row.value
+
+
+def every_field_set(mode, ranks):
+    """A strategy with every field away from its default, the switches of other modes off."""
+    strategy = fleet.DistributedStrategy()
+    for path, row in FIELDS.items():
+        if path in SWITCHES and path != mode:
+            continue
+        owner, _, key = path.rpartition(".")
+        if owner in ("build_strategy", "execution_strategy"):
+            setattr(getattr(strategy, owner), key, _value(row, ranks))
+        elif owner:
+            getattr(strategy, owner)[key] = _value(row, ranks)
+        else:
+            setattr(strategy, path, _value(row, ranks))
+    return strategy
+
+
+def _model():
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1D(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _reported(path, reasons):
+    return path in reasons or path.split(".")[0] in reasons
+
+
+def check_mode(mode, ranks, reasons, strategy):
+    set_paths = [path for path, _ in cm.differences(strategy._message,
+                                                   fleet.DistributedStrategy()._message)]
+    assert len(set_paths) == len(FIELDS) - len(SWITCHES) + (mode in SWITCHES)
+    for path in set_paths:
+        # an Effect field that is not reported is shown to act by its proving test
+        if isinstance(FIELDS[path], Reported):
+            assert _reported(path, reasons), f"{mode} at {ranks} rank(s): {path} is not reported"
+    for path, why in reasons.items():
+        assert why and isinstance(why, str), path
+
+
+def _collective(mode):
+    from mpi4py import MPI
+
+    fleet.init()
+    ranks = MPI.COMM_WORLD.Get_size()
+    strategy = every_field_set(mode, ranks)
+    model = _model()
+    inner = (optimizer.Adam(learning_rate=0.01, parameters=model.parameters()) if mode == "lamb"
+             else optimizer.Momentum(learning_rate=0.01, momentum=0.9,
+                                     parameters=model.parameters()))
+    fleet.distributed_optimizer(inner, strategy)
+    reasons = dict(fleet.applied_strategy().not_applied)
+    check_mode(mode, ranks, reasons, strategy)
+    return ranks, reasons
+
+
+_BETWEEN_RANKS = ("fp16_allreduce", "sync_batch_norm", "localsgd", "adaptive_localsgd",
+                  "sharding")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_field_is_applied_or_reported_at_one_process(mode):
+    ranks, reasons = _collective(mode)
+    assert ranks == 1
+    if mode in _BETWEEN_RANKS:
+        assert "trains alone" in reasons[mode]
+    # alone, nothing that travels between ranks has an effect
+    for path in ("nccl_comm_num", "use_hierarchical_allreduce", "fuse_grad_size_in_MB"):
+        assert "trains alone" in reasons[path]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_field_is_applied_or_reported_on_every_rank(mode):
+    from mpi4py import MPI
+
+    ranks, reasons = _collective(mode)
+    assert MPI.COMM_WORLD.allgather(sorted(reasons)) == [sorted(reasons)] * ranks
+    if mode in _BETWEEN_RANKS:
+        assert mode not in reasons and f"{mode}_configs" not in reasons
+    if mode == "collective":
+        for path in ("nccl_comm_num", "use_hierarchical_allreduce",
+                     "hierarchical_allreduce_inter_nranks", "fuse_all_reduce_ops"):
+            assert path not in reasons, path
+    if mode == "amp":
+        assert "use_dynamic_loss_scaling is off" in reasons["amp_configs.incr_ratio"]
+        assert "amp_configs.init_loss_scaling" not in reasons
+    if mode == "sharding":
+        for path in ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks",
+                     "nccl_comm_num", "sharding_configs.fuse_broadcast_MB"):
+            assert path in reasons, path
+
+
+def test_every_field_is_applied_or_reported_in_parameter_server_mode():
+    strategy = every_field_set("parameter-server", 1)
+    reasons = applied.parameter_server_not_applied(strategy, on_gpu=False)
+    check_mode("parameter-server", 1, reasons, strategy)
+    assert "a_sync" not in reasons
+    assert "not started by fleetmpirun --elastic" in reasons["elastic"]
+    assert "a_sync is off" in reasons["a_sync_configs.k_steps"]
+    for path in FIELDS:
+        owner = path.split(".")[0]
+        if path not in SWITCHES and owner != "a_sync_configs" and path not in ("a_sync",
+                                                                              "elastic"):
+            assert reasons[path].startswith("parameter-server mode trains with a_sync"), path
+
+
+def test_the_cases_of_the_issue_are_reported():
+    fleet.init()
+    model = _model()
+    strategy = fleet.DistributedStrategy()
+    strategy.recompute = True
+    strategy.recompute_configs = {"checkpoints": ["1"], "checkpoint_shape": [4, 8]}
+    strategy.lars = True
+    strategy.build_strategy.fuse_all_optimizer_ops = True
+    fleet.distributed_optimizer(optimizer.Momentum(learning_rate=0.1, momentum=0.9,
+                                                   parameters=model.parameters()), strategy)
+    reasons = fleet.applied_strategy().not_applied
+    assert reasons["recompute_configs.checkpoint_shape"] == (
+        "it sizes the host buffers of enable_offload, which is off")
+    assert "lars scales each parameter's update by its own trust ratio" in \
+        reasons["build_strategy.fuse_all_optimizer_ops"]
+
+
+def test_every_field_is_applied_or_reported_under_auto():
+    """auto resolves into the strategy its calibration chose; every field that changes
+    nothing anywhere is still reported on what it chose."""
+    import numpy as np
+
+    fleet.init()
+    strategy = every_field_set("auto", 1)
+    model = _model()
+    opt = fleet.distributed_optimizer(
+        optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters()),
+        strategy, auto_seconds=1)
+    rng = np.random.default_rng(0)
+    x = fleet.backend.asarray(rng.standard_normal((8, 4)).astype("float32"))
+    opt.minimize(model, nn.CrossEntropyLoss(), x, rng.integers(0, 2, 8))
+    chosen = fleet.applied_strategy()
+    assert chosen.auto is False and chosen.calibration is not None
+    check_mode("auto", 1, dict(chosen.not_applied), strategy)
