@@ -124,6 +124,12 @@ def plan(strategy, optimizer, world_communicator, local):
     Refuses degrees whose product is not the world size (naming each), a layout other than
     the one ``fleet.init`` built, and a model whose pipeline stages are not ``pp_degree``."""
     if not is_hybrid(strategy):
+        layout = hybrid_topology.current()
+        if not local and layout is not None and layout.degrees["model"] > 1:
+            raise ValueError(f"fleet.init laid the ranks out with {_named(layout.degrees)}, "
+                             f"so tensor-parallel layers hold parts of their weights, but this "
+                             f"strategy has no hybrid degrees; pass the same strategy to "
+                             f"fleet.init and distributed_optimizer")
         return None
     from .strategies.pipeline_stages import count_stages
 

@@ -137,17 +137,22 @@ def test_tensor_parallel_gpt_at_mp2_equals_the_serial_gpt():
 
 
 @pytest.mark.mpi(min_size=4)
-@pytest.mark.parametrize("layout", [{"dp_degree": 2, "mp_degree": 2}, {"mp_degree": 4},
-                                    {"dp_degree": 2, "sharding_degree": 2}],
-                         ids=["dp2-mp2", "mp4", "dp2-sharding2"])
-def test_gpt_layouts_of_four_ranks_equal_one_process(layout):
+@pytest.mark.parametrize("layout, fields", [
+    ({"dp_degree": 2, "mp_degree": 2}, {}),
+    ({"mp_degree": 4}, {}),
+    ({"dp_degree": 2, "sharding_degree": 2}, {}),
+    ({"sharding_degree": 2, "mp_degree": 2}, {}),
+    ({"dp_degree": 2, "sharding_degree": 2}, {"sharding_configs": {"stage": 3}}),
+], ids=["dp2-mp2", "mp4", "dp2-sharding2", "sharding2-mp2", "dp2-sharding2-stage3"])
+def test_gpt_layouts_of_four_ranks_equal_one_process(layout, fields):
     four_ranks()
     serial, _ = train_serial(tiny_gpt, token_batch)
-    model, opt, _ = train_hybrid(layout, tiny_gpt, token_batch)
+    model, opt, _ = train_hybrid(layout, tiny_gpt, token_batch, **fields)
     check_equals_serial(model, serial)
     if layout.get("sharding_degree", 1) > 1:
         sharding = opt.strategies["sharding"]
-        ok(sharding.group_size == 2 and sharding.replicas_num == 2)
+        ok(sharding.group_size == 2 and sharding.replicas_num == layout.get("dp_degree", 1))
+        ok(sharding.stage == fields.get("sharding_configs", {}).get("stage", 1))
 
 
 @pytest.mark.mpi(min_size=4)
@@ -232,5 +237,9 @@ def test_what_needs_whole_tensors_is_refused_with_tensor_parallel():
         fleet.distributed_optimizer(
             optimizer.AdamW(parameters=model.parameters(),
                             grad_clip=ClipGradByGlobalNorm(1.0)), strategy)
+    with raises(ValueError, match="fleet.init laid the ranks out with .*mp_degree=2.* but "
+                                  "this strategy has no hybrid degrees"):
+        fleet.distributed_optimizer(optimizer.AdamW(parameters=model.parameters()),
+                                    fleet.DistributedStrategy())
     with raises(ValueError, match="dropout=0.1 over a model-parallel group of 2"):
         nn.GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=1, n_head=2, n_embd=8, dropout=0.1)
