@@ -5,13 +5,11 @@ mp2 x dp2, mp4, pp2 x dp2 and pp2 x mp2, in one run.
                                 [--seq 32] [--batch 16] [--steps 5] [--micro_batch 4]
 
 One ``mpiexec -n 4`` job trains the same GPT (float32, AdamW, seed 0) under each layout in
-turn on the same global batch of token ids, each data-parallel replica on its share. The
-model is ``nn.GPT``'s blocks in two pieces, the embeddings with the first half of the blocks
-and the second half with the final norm and an output head of its own (a pipeline stage
-boundary separates the embedding from the head, so the head is not tied to it here; every
-layout trains this same model): under pp_degree 2 the pieces are the two stages. The token
-embedding, attention heads, MLP and output head are split over the model-parallel group
-(``nn.VocabParallelEmbedding``, ``nn.ColumnParallelLinear``, ``nn.RowParallelLinear``) and the
+turn on the same global batch of token ids, each data-parallel replica on its share. The model
+is ``nn.gpt_pipeline``: ``nn.GPT``'s layers as a Sequential that pipeline can cut, with an
+output projection of its own (a stage boundary separates it from the token embedding); every
+layout trains this same model, on two stages under pp_degree 2. The token embedding,
+attention heads, MLP and output projection are split over the model-parallel group and the
 loss is ``nn.ParallelCrossEntropy``.
 
 Reported per layout: the largest over the ranks of the parameter bytes and of the optimizer
@@ -53,57 +51,6 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def gpt_in_two_pieces(args, stages):
-    """The benchmark's GPT (module docstring); the pieces on stages 0 and 1 when ``stages``
-    is 2."""
-    import fleetmpi as fleet
-    from fleetmpi import backend, nn
-    from fleetmpi.nn.gpt import INIT_STD, TransformerBlock
-
-    class Embeddings(nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.VocabParallelEmbedding(args.vocab, args.width)
-            self.wpe = nn.Embedding(args.seq, args.width)
-            self.blocks = nn.LayerList([TransformerBlock(args.width, args.heads,
-                                                         mp_group=self.wte.mp_group)
-                                        for _ in range(args.layers // 2)])
-
-        def forward(self, idx):
-            x = self.wte(idx) + self.wpe(backend.array_module().arange(idx.shape[1]))
-            for block in self.blocks:
-                x = block(x)
-            return x
-
-    class Head(nn.Layer):
-        def __init__(self):
-            super().__init__()
-            self.head = nn.ColumnParallelLinear(args.width, args.vocab, has_bias=False,
-                                                gather_output=False)
-            self.blocks = nn.LayerList([TransformerBlock(args.width, args.heads,
-                                                         mp_group=self.head.mp_group)
-                                        for _ in range(args.layers - args.layers // 2)])
-            self.ln_f = nn.LayerNorm(args.width)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    pieces = []
-    for stage, piece in enumerate((Embeddings, Head)):
-        if stages > 1:
-            with fleet.device_guard(f"stage:{stage}"):
-                pieces.append((f"piece{stage}", piece()))
-        else:
-            pieces.append((f"piece{stage}", piece()))
-    model = nn.Sequential(*pieces)
-    for _, layer in model.named_sublayers():
-        if hasattr(layer, "weight") and layer.weight is not None and layer.weight.ndim == 2:
-            nn.tensor_parallel.initialize_weight(layer, nn.initializer.Normal(0.0, INIT_STD))
-    return model
-
-
 def run_layout(name, layout, args):
     import fleetmpi as fleet
     from fleetmpi import backend, nn, optimizer
@@ -115,7 +62,9 @@ def run_layout(name, layout, args):
     group = fleet.get_hybrid_communicate_group() if layout.get("mp_degree", 1) > 1 or \
         layout.get("pp_degree", 1) > 1 else None
     backend.manual_seed(0)
-    model = fleet.distributed_model(gpt_in_two_pieces(args, layout.get("pp_degree", 1)))
+    model = fleet.distributed_model(nn.gpt_pipeline(
+        args.vocab, args.seq, args.layers, args.heads, args.width,
+        stages=layout.get("pp_degree", 1)))
     opt = fleet.distributed_optimizer(
         optimizer.AdamW(learning_rate=1e-3, parameters=model.parameters()), strategy)
     replicas = layout.get("dp_degree", 1)

@@ -36,6 +36,15 @@ INIT_STD = 0.02
 _WEIGHTED = (Linear, Embedding, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
+def _initialize_as_gpt2(model, n_layer):
+    """GPT-2's initial weights (module docstring), each rank its part of them."""
+    for name, layer in model.named_sublayers():
+        if isinstance(layer, _WEIGHTED):
+            residual = name.endswith(".proj")
+            std = INIT_STD / math.sqrt(2 * n_layer) if residual else INIT_STD
+            initialize_weight(layer, initializer.Normal(0.0, std))
+
+
 def _heads_part(n_head, mp_group):
     size = 1 if mp_group is None else mp_group.size
     if n_head % size:
@@ -141,11 +150,7 @@ class GPT(Layer):
                                                   self.mp_group)
                                  for _ in range(n_layer)])
         self.ln_f = LayerNorm(n_embd, dtype=dtype)
-        for name, layer in self.named_sublayers():
-            if isinstance(layer, _WEIGHTED):
-                residual = name.endswith(".proj")
-                std = INIT_STD / math.sqrt(2 * n_layer) if residual else INIT_STD
-                initialize_weight(layer, initializer.Normal(0.0, std))
+        _initialize_as_gpt2(self, n_layer)
 
     def forward(self, idx):
         batch, seq = idx.shape
@@ -162,3 +167,78 @@ class GPT(Layer):
         if not self.parallel_output:
             logits = F.gather_from_model_parallel(logits, self.mp_group)
         return logits.reshape([batch, seq, logits.shape[-1]])
+
+
+class GPTEmbeddings(Layer):
+    """The first piece of ``gpt_pipeline``: token (split over the model-parallel group when
+    there is one) and position embeddings."""
+
+    def __init__(self, vocab_size, block_size, n_embd, dropout=0.0, dtype=None, mp_group=None):
+        super().__init__(dtype)
+        self.block_size = block_size
+        self.wte = Embedding(vocab_size, n_embd, dtype=dtype) if mp_group is None else \
+            VocabParallelEmbedding(vocab_size, n_embd, mp_group=mp_group, dtype=dtype)
+        self.wpe = Embedding(block_size, n_embd, dtype=dtype)
+        self.drop = Dropout(dropout)
+
+    def forward(self, idx):
+        seq = idx.shape[1]
+        if seq > self.block_size:
+            raise ValueError(f"GPT got sequences of {seq} tokens; block_size is "
+                             f"{self.block_size}")
+        return self.drop(self.wte(idx) + self.wpe(backend.array_module().arange(seq)))
+
+
+class GPTHead(Layer):
+    """The last piece of ``gpt_pipeline``: the final LayerNorm and an output projection of its
+    own to the vocabulary (split over the model-parallel group: this rank's logits)."""
+
+    def __init__(self, vocab_size, n_embd, dtype=None, mp_group=None):
+        super().__init__(dtype)
+        self.ln_f = LayerNorm(n_embd, dtype=dtype)
+        self.out = Linear(n_embd, vocab_size, bias=False, dtype=dtype) if mp_group is None \
+            else ColumnParallelLinear(n_embd, vocab_size, has_bias=False, gather_output=False,
+                                      mp_group=mp_group, dtype=dtype)
+
+    def forward(self, x):
+        return self.out(self.ln_f(x))
+
+
+def gpt_pipeline(vocab_size, block_size, n_layer, n_head, n_embd, stages=1, dropout=0.0,
+                 dtype=None, mp_group=None):
+    """``GPT``'s layers as an ``nn.Sequential`` that ``pipeline`` can cut: ``embed``
+    (``GPTEmbeddings``), ``block0`` ... ``block{n_layer-1}`` and ``head`` (``GPTHead``), built
+    under ``device_guard`` on ``stages`` stages (block ``i`` on stage ``i * stages //
+    n_layer``, the embeddings on the first, the head on the last; ``stages=1``: no stage).
+
+    A stage boundary separates the token embedding from the output projection, so the head has
+    a weight of its own instead of GPT's tied one. Tensor-parallel over ``mp_group`` as
+    ``GPT`` (by default the layout's model-parallel group), GPT-2's initialisation."""
+    from ..device_guard import device_guard
+    from .containers import Sequential
+
+    check_positive_int("stages", stages)
+    if stages > n_layer + 1:
+        raise ValueError(f"gpt_pipeline: {stages} stages need at least {stages - 1} blocks, "
+                         f"n_layer is {n_layer}")
+    mp_group = model_parallel_group(mp_group)
+    if mp_group is not None and dropout:
+        raise ValueError(f"gpt_pipeline with dropout={dropout} over a model-parallel group of "
+                         f"{mp_group.size} ranks: the ranks of the group must drop the same "
+                         f"activations; use dropout=0.0")
+
+    def on_stage(stage, build):
+        if stages == 1:
+            return build()
+        with device_guard(f"stage:{stage}"):
+            return build()
+    layers = [("embed", on_stage(0, lambda: GPTEmbeddings(vocab_size, block_size, n_embd,
+                                                          dropout, dtype, mp_group)))]
+    for i in range(n_layer):
+        layers.append((f"block{i}", on_stage(i * stages // n_layer, lambda: TransformerBlock(
+            n_embd, n_head, dropout, dtype, mp_group))))
+    layers.append(("head", on_stage(stages - 1, lambda: GPTHead(vocab_size, n_embd, dtype,
+                                                                 mp_group))))
+    model = Sequential(*layers)
+    _initialize_as_gpt2(model, n_layer)
+    return model
