@@ -8,9 +8,12 @@ rank's layout gives it from those whole tensors, so a checkpoint of mp_degree 2 
 mp_degree 1, 4 or 2 alike, and into a serial model. The files, manifest, digests and atomic
 replacement are ``fleetmpi.checkpoint``'s.
 
-The optimizer state is laid out over a rank's own parameters, so it loads only at the
-model-parallel degree that saved it: ``load`` refuses an optimizer when the degrees differ
-(pass ``optimizer=None`` and the optimizer starts afresh from the loaded parameters).
+The optimizer's state moves the same way, parameter by parameter (each split parameter's
+state gathered whole, and cut to the loading layout's part), so training goes on at another
+degree as it would have. Sharding's optimizer holds a shard of the parameter space rather than
+whole parameters; its state loads only at the model-parallel degree that saved it (another is
+refused: load with ``optimizer=None`` to start the optimizer afresh). Strategies' own state
+(amp's loss scale, step counters) is carried as it is.
 """
 import numpy as np
 
@@ -43,13 +46,7 @@ def merged_state_dict(model):
     serial model's state); every rank of the group must call it."""
     state = model.state_dict()
     for name, layer, attr in _split_parameters(model):
-        part = np.ascontiguousarray(state[name])
-        parts = backend.to_numpy(layer.mp_group.allgather(backend.asarray(part), stack=True))
-        shape = layer.full_weight_shape if attr == "weight" else (layer.full_weight_shape[1],)
-        whole = np.empty(shape, dtype=part.dtype)
-        for rank in range(layer.mp_size):
-            whole[layer.split_index(attr, rank)] = parts[rank]
-        state[name] = whole
+        state[name] = _whole(state[name], layer, attr)
     return state
 
 
@@ -61,6 +58,20 @@ def split_state_dict(model, state):
         if name in state:
             state[name] = np.asarray(state[name])[layer.split_index(attr, layer.mp_rank)]
     return state
+
+
+def _whole(part, layer, attr):
+    """A split parameter's (or its state's) ``part`` joined whole over the layer's group."""
+    parts = backend.to_numpy(layer.mp_group.allgather(
+        backend.asarray(np.ascontiguousarray(part)), stack=True))
+    shape = layer.full_weight_shape if attr == "weight" else (layer.full_weight_shape[1],)
+    whole = np.empty(shape, dtype=parts.dtype)
+    for rank in range(layer.mp_size):
+        whole[layer.split_index(attr, rank)] = parts[rank]
+    return whole
+
+
+_PARAMETER_STATE = "parameter."
 
 
 class _SerialView:
@@ -79,24 +90,102 @@ class _SerialView:
         state = dict(state)
         saved = int(state.pop(DEGREE_KEY, 1))
         degree = _degree(self.model)
-        if self.optimizer is not None and saved != degree:
-            raise ValueError(f"the checkpoint was saved at mp_degree {saved}; this model runs "
-                             f"at mp_degree {degree}, and optimizer state is laid out over a "
-                             f"rank's own parameters: load with optimizer=None to start the "
-                             f"optimizer afresh from the loaded parameters")
+        if self.optimizer is not None and _sharded(self.optimizer):
+            _check_sharded_degree(saved, degree)
         self.model.set_state_dict(split_state_dict(self.model, state))
 
 
+def _check_sharded_degree(saved, degree):
+    if saved != degree:
+        raise ValueError(f"the checkpoint was saved at mp_degree {saved}; this model runs at "
+                         f"mp_degree {degree}, and a sharded optimizer's state is laid out "
+                         f"over a rank's own parameter space: load with optimizer=None to "
+                         f"start the optimizer afresh from the loaded parameters")
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "inner", optimizer)
+
+
+def _sharded(optimizer):
+    inner = _inner(optimizer)
+    return tuple(inner.shard_range) != (0, inner.space_size)
+
+
+class _SerialOptimizer:
+    """What ``fleetmpi.checkpoint`` sees of an optimizer over a tensor-parallel model: its
+    state per parameter of the serial model (``parameter.<state>.<name>``, split parameters'
+    gathered whole) besides its step counters and strategies' state."""
+
+    def __init__(self, optimizer, model):
+        self.optimizer, self.model = optimizer, model
+        self.inner = _inner(optimizer)
+        self.split = {name: (layer, attr) for name, layer, attr in _split_parameters(model)}
+        self.run_keys = {f"{state}.{index}" for state in self.inner.state_names
+                         for index in range(len(self.inner.flat_runs()))}
+
+    def _owned(self):
+        return [(name, p) for name, p in self.model.named_parameters() if self.inner.owns(p)]
+
+    def state_dict(self):
+        state = {k: v for k, v in self.optimizer.state_dict().items() if k not in self.run_keys}
+        for name, parameter in self._owned():
+            for key, value in self.inner.parameter_state(parameter).items():
+                value = backend.to_numpy(value)
+                if name in self.split:
+                    value = _whole(value, *self.split[name])
+                state[f"{_PARAMETER_STATE}{key}.{name}"] = np.array(value)
+        return state
+
+    def set_state_dict(self, state):
+        per_parameter = {k: v for k, v in state.items() if k.startswith(_PARAMETER_STATE)}
+        current = self.optimizer.state_dict()
+        current.update({k: v for k, v in state.items() if not k.startswith(_PARAMETER_STATE)
+                        and k not in self.run_keys})
+        writes = []
+        for name, parameter in self._owned():
+            for key, view in self.inner.parameter_state(parameter).items():
+                stored = per_parameter.get(f"{_PARAMETER_STATE}{key}.{name}")
+                if stored is None:
+                    raise KeyError(f"the checkpoint holds no optimizer state {key!r} for "
+                                   f"parameter {name!r}")
+                if name in self.split:
+                    layer, attr = self.split[name]
+                    stored = np.asarray(stored)[layer.split_index(attr, layer.mp_rank)]
+                if tuple(stored.shape) != tuple(view.shape):
+                    raise ValueError(f"optimizer state {key!r} of {name!r} has shape "
+                                     f"{tuple(stored.shape)} in the checkpoint; this "
+                                     f"parameter's is {tuple(view.shape)}")
+                writes.append((view, stored))
+        self.optimizer.set_state_dict(current)
+        for view, stored in writes:
+            view[...] = backend.asarray(stored)
+
+
 def save(directory, model, optimizer, step, extra=None):
-    """``fleetmpi.checkpoint.save`` with the model's parameters stored whole (module
-    docstring); every rank must call it."""
-    return checkpoint.save(directory, _SerialView(model, optimizer), optimizer, step, extra)
+    """``fleetmpi.checkpoint.save`` with the model's parameters, and an unsharded optimizer's
+    state, stored as the serial model's (module docstring); every rank must call it."""
+    return checkpoint.save(directory, _SerialView(model, optimizer), _portable(optimizer, model),
+                           step, extra)
 
 
 def load(directory, model, optimizer=None):
-    """Restore ``model`` (at any model-parallel degree, or serial) and, when the degree is the
-    one that saved, ``optimizer`` from a checkpoint ``save`` wrote. Every rank's file holds
-    the whole model, so without an optimizer a job of another size loads it too (rank ``r``
-    reads file ``r % saved``); with one, ``fleetmpi.checkpoint.load``'s rules apply."""
-    return checkpoint.load(directory, _SerialView(model, optimizer), optimizer,
-                           replicated=optimizer is None)
+    """Restore ``model`` (at any model-parallel degree, or serial) and ``optimizer`` (at any
+    degree unless sharded) from a checkpoint ``save`` wrote. Every rank's file holds the
+    whole model, and the whole state of every parameter its optimizer updates, so a job of
+    another size loads it too (rank ``r`` reads file ``r % saved``) unless the optimizer is
+    sharded or holds one pipeline stage (``fleetmpi.checkpoint.load``'s rules then apply)."""
+    if optimizer is not None and _sharded(optimizer):
+        saved = checkpoint.saved_model_value(directory, DEGREE_KEY)
+        _check_sharded_degree(1 if saved is None else int(saved), _degree(model))
+    portable = _portable(optimizer, model)
+    whole = optimizer is None or (portable is not optimizer and all(
+        _inner(optimizer).owns(p) for p in model.parameters()))
+    return checkpoint.load(directory, _SerialView(model, optimizer), portable,
+                           replicated=whole)
+
+
+def _portable(optimizer, model):
+    if optimizer is None or _sharded(optimizer):
+        return optimizer
+    return _SerialOptimizer(optimizer, model)

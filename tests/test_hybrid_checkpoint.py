@@ -1,8 +1,8 @@
-"""Checkpoints of tensor-parallel models across model-parallel degrees: a GPT trained at
-mp_degree 2 is saved as the serial model and loads into the serial model, into mp_degree 2
-(with its optimizer state, training on exactly as without the checkpoint) and, at four
-ranks, into mp_degree 4; an optimizer at another degree is refused."""
-import numpy as np
+"""Checkpoints of tensor-parallel models across model-parallel degrees: a GPT trained two
+steps at mp_degree 2 is saved as the serial model (parameters and the optimizer's state per
+parameter) and loads into a serial model, and at mp_degree 1, 2 and 4 (as the world allows)
+with its optimizer, where the next step lands exactly where the mp 2 run's third step does; a
+sharded optimizer at another degree is refused and everything put back."""
 import pytest
 
 import fleetmpi as fleet
@@ -12,65 +12,84 @@ from strategy_support import make_strategy
 from test_hybrid import expected_parts, tiny_gpt, token_batch, train_hybrid
 
 
-def mp_layout(degree):
-    strategy = make_strategy(hybrid_configs={"mp_degree": degree})
+def layout(degree, **fields):
+    fields.setdefault("hybrid_configs", {"mp_degree": degree})
+    strategy = make_strategy(**fields)
     fleet.init(is_collective=True, strategy=strategy)
     return strategy
 
 
-def fresh_gpt(seed=5):
+def fresh(strategy, seed=5):
     backend.manual_seed(seed)
-    return tiny_gpt()
+    model = tiny_gpt()
+    opt = fleet.distributed_optimizer(
+        optimizer.AdamW(learning_rate=0.01, parameters=model.parameters()), strategy)
+    return model, opt
+
+
+def shared_directory(tmp_path_factory):
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tp"))
+                                if MPI.COMM_WORLD.rank == 0 else None)
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_checkpoint_of_mp2_loads_serial_at_mp2_and_at_mp4(tmp_path_factory):
+def test_a_checkpoint_of_mp2_goes_on_at_mp1_mp2_and_mp4(tmp_path_factory):
     fleet.init(is_collective=True)
     size = fleet.worker_num()
     if size % 2:
         pytest.skip("mp_degree 2 needs an even world")
-    from mpi4py import MPI
-
-    directory = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("tp")) if
-                                     MPI.COMM_WORLD.rank == 0 else None)
+    directory = shared_directory(tmp_path_factory)
     model, opt, _ = train_hybrid({"mp_degree": 2}, tiny_gpt, token_batch, steps=2)
     hybrid_checkpoint.save(directory, model, opt, step=2)
-    serial_state = hybrid_checkpoint.merged_state_dict(model)
+    saved = hybrid_checkpoint.merged_state_dict(model)
+    third, _, _ = train_hybrid({"mp_degree": 2}, tiny_gpt, token_batch, steps=3)
+    continued = hybrid_checkpoint.merged_state_dict(third)
 
     fleet.init(is_collective=True, strategy=fleet.DistributedStrategy())
-    serial = fresh_gpt()
+    backend.manual_seed(5)
+    serial = tiny_gpt()
     hybrid_checkpoint.load(directory, serial)
     for name, value in serial.state_dict().items():
-        equal(value, serial_state[name], err_msg=name)
-    parts = expected_parts(model, serial)
-    for name, value in model.state_dict().items():
-        equal(value, parts[name], err_msg=name)
+        equal(value, saved[name], err_msg=name)
 
-    # The same degree: parameters and optimizer state, so training goes on as it would have.
-    _, _, going_on = train_hybrid({"mp_degree": 2}, tiny_gpt, token_batch, steps=3)
-    strategy = mp_layout(2)
-    restored = fresh_gpt()
-    opt = fleet.distributed_optimizer(
-        optimizer.AdamW(learning_rate=0.01, parameters=restored.parameters()), strategy)
-    assert hybrid_checkpoint.load(directory, restored, opt)["step"] == 2
     x, y = token_batch(2)
-    share = len(x) // (size // 2)
-    rank = fleet.get_hybrid_communicate_group().get_data_parallel_rank()
-    loss = float(opt.minimize(restored, nn.ParallelCrossEntropy(),
-                              x[rank * share:(rank + 1) * share],
-                              y[rank * share:(rank + 1) * share]))
-    close(loss, going_on[2], rtol=1e-12)
+    for degree in (1, 2, 4):
+        if size % degree:
+            continue
+        other, opt = fresh(layout(degree))
+        assert hybrid_checkpoint.load(directory, other, opt)["step"] == 2
+        parts = expected_parts(other, serial)
+        for name, value in other.state_dict().items():
+            equal(value, parts[name], err_msg=f"mp {degree}: {name}")
+        share = len(x) // (size // degree)
+        replica = fleet.worker_index() // degree
+        mine = slice(replica * share, (replica + 1) * share)
+        loss = nn.ParallelCrossEntropy() if degree > 1 else nn.CrossEntropyLoss()
+        opt.minimize(other, loss, x[mine], y[mine])
+        after = hybrid_checkpoint.merged_state_dict(other)
+        for name, value in after.items():
+            close(value, continued[name], rtol=1e-9, atol=1e-12,
+                  err_msg=f"mp {degree}: {name} after the next step")
 
-    if size % 4 == 0:
-        strategy = mp_layout(4)
-        wider = fresh_gpt()
-        hybrid_checkpoint.load(directory, wider)
-        parts = expected_parts(wider, serial)
-        for name, value in wider.state_dict().items():
-            equal(value, parts[name], err_msg=name)
-        opt = fleet.distributed_optimizer(
-            optimizer.AdamW(learning_rate=0.01, parameters=wider.parameters()), strategy)
-        with raises(ValueError, match="saved at mp_degree 2; this model runs at mp_degree 4"):
-            hybrid_checkpoint.load(directory, wider, opt)
-        for name, value in wider.state_dict().items():
-            equal(value, parts[name], err_msg=f"{name} put back after the refusal")
+
+@pytest.mark.mpi(min_size=4)
+def test_a_sharded_optimizer_loads_only_at_the_degree_that_saved(tmp_path_factory):
+    fleet.init(is_collective=True)
+    if fleet.worker_num() != 4:
+        pytest.skip("layouts of four ranks")
+    directory = shared_directory(tmp_path_factory)
+    model, opt = fresh(layout(2, hybrid_configs={"mp_degree": 2, "sharding_degree": 2}))
+    hybrid_checkpoint.save(directory, model, opt, step=0)
+    serial, opt = fresh(layout(1, hybrid_configs={"sharding_degree": 2}), seed=6)
+    before = serial.state_dict()
+    with raises(ValueError, match="saved at mp_degree 2; this model runs at mp_degree 1, and "
+                                  "a sharded optimizer"):
+        hybrid_checkpoint.load(directory, serial, opt)
+    for name, value in serial.state_dict().items():
+        equal(value, before[name], err_msg=f"{name} put back after the refusal")
+    hybrid_checkpoint.load(directory, serial)
+    saved = hybrid_checkpoint.merged_state_dict(model)
+    for name, value in serial.state_dict().items():
+        equal(value, saved[name], err_msg=name)
