@@ -48,8 +48,8 @@ __all__ = [
     "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
     "PaddleCloudRoleMaker", "Role", "UserDefinedRoleMaker", "applied_strategy", "barrier_worker",
     "device_guard", "distributed_model", "distributed_optimizer", "get_hybrid_communicate_group",
-    "init", "init_server",
-    "init_worker", "is_first_worker", "is_server", "is_worker", "local_rank", "local_size", "nn",
-    "node_index", "node_num", "optimizer", "run_server", "save_persistables", "server_index",
-    "server_num", "split_stages", "stop_worker", "utils", "worker_index", "worker_num",
+    "init", "init_server", "init_worker", "is_first_worker", "is_server", "is_worker",
+    "local_rank", "local_size", "nn", "node_index", "node_num", "optimizer", "run_server",
+    "save_persistables", "server_index", "server_num", "split_stages", "stop_worker", "utils",
+    "worker_index", "worker_num",
 ]

@@ -237,8 +237,8 @@ def test_degree_products_that_are_not_the_world_are_refused_at_distributed_optim
     with raises(ValueError, match=r"pp_degree'\]=1 but the model has 2 pipeline stage"):
         fleet.distributed_optimizer(adamw(model.parameters()),
                                     make_strategy(hybrid_configs={"mp_degree": 2}))
-    with raises(ValueError, match=r"strategy.sharding is on but hybrid_configs\['sharding_degree'\] "
-                                  r"is 1"):
+    with raises(ValueError, match=r"strategy.sharding is on but "
+                                  r"hybrid_configs\['sharding_degree'\] is 1"):
         fleet.distributed_optimizer(adamw(model.parameters()),
                                     make_strategy(hybrid_configs={"mp_degree": 2,
                                                                   "pp_degree": 2},
