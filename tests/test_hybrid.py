@@ -226,7 +226,8 @@ def test_degree_products_that_are_not_the_world_are_refused_at_distributed_optim
     fleet.init(is_collective=True, strategy=fleet.DistributedStrategy())
     backend.manual_seed(0)
     model = staged_mlp(False)
-    for layout in ({"dp_degree": 3, "mp_degree": 2}, {"mp_degree": 8}):
+    for layout in ({"dp_degree": 3, "mp_degree": 2}, {"mp_degree": 8},
+                   {"dp_degree": 2, "mp_degree": 1}):
         strategy = make_strategy(hybrid_configs=layout)
         named = ", ".join(f"{key}={value}" for key, value in
                           {"dp_degree": layout.get("dp_degree", -1),
