@@ -1,10 +1,15 @@
 """The planner's hybrid layouts: tensor-parallel communication is four allreduces of the
-activation per block and micro-batch (plus the embedding's), priced by the comm layer's ring;
+activation per block and micro-batch (plus the embedding's and the output projection's), as
+counted in a step of the tensor-parallel GPT at 2 ranks, priced by the comm layer's ring;
 compute and parameters divide by mp x pp; layouts are checked, enumerated and ranked; the
 command line prints a given layout and the ranking."""
 import math
 
+import numpy as np
 import pytest
+
+import fleetmpi as fleet
+from fleetmpi import backend, nn
 
 from fleetmpi.plan import costs, hybrid
 from fleetmpi.plan.__main__ import main
@@ -24,6 +29,8 @@ def test_tensor_parallel_is_four_activation_allreduces_per_block_and_micro_batch
     activation = 32 // 2 // micro * 512 * 1024 * 2
     one = costs.ring_allreduce(activation, 4, CLUSTER.intra, GPU.gamma) + GPU.call_overhead
     assert got == pytest.approx(micro * (4 * 8 // 2 + 1) * one)
+    alone = hybrid.tensor_parallel_seconds(MODEL, dict(layout, pp=1), CLUSTER, micro)
+    assert alone == pytest.approx(micro * (4 * 8 + 2) * one)
     assert hybrid.tensor_parallel_seconds(MODEL, dict(layout, mp=1), CLUSTER, micro) == 0.0
     across_nodes = hybrid.tensor_parallel_seconds(MODEL, {"dp": 1, "pp": 1, "sharding": 1,
                                                           "mp": 16}, CLUSTER, 1)
@@ -76,3 +83,35 @@ def test_the_command_line_prints_the_layout_and_the_ranking(capsys):
     assert out.count("| dp8 |") == 1 and "| mp8 |" in out
     assert main(argv[:-4] + ["--layout", "dp=3,mp=2"]) == 2
     assert "the degrees multiply to 6, not the 8 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_planner_counts_the_allreduces_a_tensor_parallel_gpt_step_makes():
+    fleet.init(is_collective=True)
+    if fleet.worker_num() % 2:
+        pytest.skip("mp_degree 2 needs an even world")
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"mp_degree": 2}
+    fleet.init(is_collective=True, strategy=strategy)
+    layers, batch, seq, width = 3, 4, 6, 8
+    backend.manual_seed(0)
+    model = nn.GPT(vocab_size=12, block_size=seq, n_layer=layers, n_head=2, n_embd=width,
+                   dtype="float64")
+    group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
+    sizes = []
+    allreduce = group.allreduce
+
+    def counting(x, *args, **kwargs):
+        sizes.append(x.size)
+        return allreduce(x, *args, **kwargs)
+    group.allreduce = counting
+    try:
+        tokens = np.random.default_rng(0).integers(0, 12, (batch, seq + 1))
+        loss = nn.ParallelCrossEntropy()(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    finally:
+        del group.allreduce
+    activation = batch * seq * width
+    assert sizes.count(activation) == \
+        hybrid.ALLREDUCES_PER_BLOCK * layers + hybrid.ALLREDUCES_OUTSIDE_BLOCKS
+    assert sorted(set(sizes) - {activation}) == [batch * seq, 2 * batch * seq]

@@ -13,7 +13,8 @@ mp innermost, then sharding, pipeline and data, ``fleetmpi.comm.hybrid_topology`
 
 * tensor parallel: per block and micro-batch two ring allreduces of the activation
   (``b_micro * seq * h`` values) in forward, after the attention and after the MLP, and two in
-  backward, into their inputs; plus the embedding's allreduce in forward;
+  backward, into their inputs; plus the embedding's in forward and the output projection's
+  in backward;
 * pipeline: per micro-batch and stage boundary one activation sent forward and its gradient
   back; the schedule's bubble makes the compute ``(m + pp - 1) / m`` of its share (``m``
   micro-batches, 1F1B);
@@ -33,6 +34,13 @@ import math
 from . import costs
 
 AXES = ("dp", "pp", "sharding", "mp")
+# Activation-sized allreduces of the model-parallel group per micro-batch: per block the
+# attention's and the MLP's row-parallel outputs in forward and their column-parallel inputs'
+# gradients in backward; outside the blocks the token embedding's lookup in forward and the
+# output projection's input gradient in backward (tests/test_plan_hybrid.py counts them in a
+# step of nn.GPT).
+ALLREDUCES_PER_BLOCK = 4
+ALLREDUCES_OUTSIDE_BLOCKS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +110,11 @@ def _allreduce(nbytes, ranks, link, cluster):
 
 
 def tensor_parallel_seconds(model, layout, cluster, micro_batches):
-    """The tensor-parallel allreduces of one step: four per block and micro-batch (two in
-    forward, two in backward) of the micro-batch's activation, one more for the embedding."""
+    """The tensor-parallel allreduces of one step on the busiest stage: per micro-batch
+    ``ALLREDUCES_PER_BLOCK`` per block of the stage (two in forward, two in backward) of the
+    micro-batch's activation, and those outside the blocks (both on one stage without
+    pipeline, one on the first and one on the last stage with it). The parallel cross
+    entropy's allreduces of a few numbers per token are left out."""
     mp = layout["mp"]
     if mp == 1:
         return 0.0
@@ -111,7 +122,8 @@ def tensor_parallel_seconds(model, layout, cluster, micro_batches):
     activation = b_micro * model.seq * model.width * model.value_bytes
     one = _allreduce(activation, mp, _group_link(cluster, mp), cluster)
     blocks_per_stage = model.layers // layout["pp"]
-    return micro_batches * (4 * blocks_per_stage + 1) * one
+    outside = ALLREDUCES_OUTSIDE_BLOCKS if layout["pp"] == 1 else 1
+    return micro_batches * (ALLREDUCES_PER_BLOCK * blocks_per_stage + outside) * one
 
 
 def predict_layout(model, layout, cluster, flops, micro_batches=None):
