@@ -224,6 +224,15 @@ def _join_shards(directory, manifest, state, own):
     return state
 
 
+def saved_model_value(directory, name):
+    """The model-state array ``name`` of the first rank's file of the checkpoint in
+    ``directory`` (after checking its digest), or None when it holds no such entry: what a
+    loader checks before loading anything."""
+    entry = read_manifest(directory)["files"][0]
+    stored, _ = _read(_verified(directory, entry))
+    return stored.get(_MODEL + name)
+
+
 def load(directory, model, optimizer=None, replicated=False):
     """Restore this rank's model, optimizer and random state from ``directory``; returns
     ``{"step": int, "extra": ...}``.

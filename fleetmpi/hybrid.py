@@ -63,6 +63,8 @@ def build_layout(strategy, topology):
     over the world ``topology``, after reseeding with ``tensor_init_seed`` when it is set.
     A strategy that is not hybrid clears the layout."""
     if not is_hybrid(strategy):
+        if strategy.hybrid_configs["dp_degree"] != -1:
+            resolve_degrees(hybrid_configs(strategy), topology.size)
         hybrid_topology.set_current(None)
         return None
     seed = int(strategy.tensor_parallel_configs["tensor_init_seed"])
@@ -123,12 +125,20 @@ def plan(strategy, optimizer, world_communicator, local):
     """The ``HybridPlan`` of ``strategy`` for ``optimizer``, or None when it is not hybrid.
     Refuses degrees whose product is not the world size (naming each), a layout other than
     the one ``fleet.init`` built, and a model whose pipeline stages are not ``pp_degree``."""
+    world_size = 1 if local or world_communicator is None else world_communicator.size
     if not is_hybrid(strategy):
+        if not local and strategy.hybrid_configs["dp_degree"] != -1:
+            resolve_degrees(hybrid_configs(strategy), world_size)
+        layout = hybrid_topology.current()
+        if not local and layout is not None and layout.degrees["model"] > 1:
+            raise ValueError(f"fleet.init laid the ranks out with {_named(layout.degrees)}, "
+                             f"so tensor-parallel layers hold parts of their weights, but this "
+                             f"strategy has no hybrid degrees; pass the same strategy to "
+                             f"fleet.init and distributed_optimizer")
         return None
     from .strategies.pipeline_stages import count_stages
 
     configs = hybrid_configs(strategy)
-    world_size = 1 if local or world_communicator is None else world_communicator.size
     if local:
         degrees = {axis: configs[DEGREE_NAMES[axis]] for axis in DEGREE_NAMES}
         degrees["data"] = max(degrees["data"], 1)

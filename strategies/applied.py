@@ -163,6 +163,10 @@ def _strategy_reasons(strategy, on_gpu):
             if amp[key] != base[key]:
                 reasons[f"amp_configs.{key}"] = ("use_dynamic_loss_scaling is off: the loss "
                                                  "scale stays at init_loss_scaling")
+    if strategy.tensor_parallel and strategy.tensor_parallel_configs["tensor_parallel_degree"] == 1 \
+            and strategy.hybrid_configs["mp_degree"] == 1:
+        reasons["tensor_parallel"] = ("tensor_parallel_degree is 1: no weight is split over "
+                                      "ranks")
     if (strategy.lars or strategy.lamb) and strategy.build_strategy.fuse_all_optimizer_ops:
         reasons["build_strategy.fuse_all_optimizer_ops"] = (
             f"{'lars' if strategy.lars else 'lamb'} scales each parameter's update by its own "

@@ -2,6 +2,7 @@
 import pytest
 
 from fleetmpi import backend, nn
+from fleetmpi.comm import hybrid_topology
 
 
 @pytest.fixture
@@ -12,3 +13,11 @@ def float64_layers():
     backend.manual_seed(0)
     yield
     nn.set_default_dtype("float32")
+
+
+@pytest.fixture(autouse=True)
+def no_hybrid_layout_after():
+    """A test that lays the ranks out with hybrid_configs leaves no layout to the next one
+    (layers built without a group would take its model-parallel group)."""
+    yield
+    hybrid_topology.set_current(None)

@@ -54,7 +54,7 @@ FIELDS = {
     "nccl_comm_num": Effect(2, "test_comm_fusion.py::" + _t("buckets_spread_over_several_"
                                                             "communicators")),
     "use_hierarchical_allreduce": Effect(True, "test_comm_hierarchical.py::"
-                                         + _t("two_emulated_nodes_at_four_ranks")),
+                                         + _t("emulated_nodes_of_every_size")),
     "hierarchical_allreduce_inter_nranks": Effect(lambda ranks: ranks if ranks > 1 else 2,
                                                   "test_comm_hierarchical.py::"
                                                   + _t("every_inter_nranks_group_size")),
@@ -181,6 +181,24 @@ FIELDS = {
                                                      "ends_as_an_uninterrupted_one")),
     "a_sync_configs.k_steps": Effect(0, "test_pserver.py::"
                                      + _t("async_and_geo_reach_95_percent_on_digits")),
+    "hybrid_configs.dp_degree": Effect(lambda ranks: ranks, "test_hybrid.py::"
+                                       + _t("degree_products_that_are_not_the_world_are_"
+                                            "refused_at_distributed_optimizer")),
+    # Degrees above 1 need a world they divide, with the others set to match: set here to
+    # 1 explicitly; the layouts of test_hybrid.py prove what each does above 1.
+    "hybrid_configs.mp_degree": Effect(1, "test_hybrid.py::"
+                                       + _t("tensor_parallel_gpt_at_mp2_equals_the_serial_gpt")),
+    "hybrid_configs.pp_degree": Effect(1, "test_hybrid.py::"
+                                       + _t("gpt_in_pipeline_stages_equals_one_process")),
+    "hybrid_configs.sharding_degree": Effect(1, "test_hybrid.py::"
+                                             + _t("gpt_layouts_of_four_ranks_equal_one_"
+                                                  "process")),
+    "tensor_parallel": Effect(True, "test_hybrid.py::"
+                              + _t("tensor_parallel_gpt_at_mp2_equals_the_serial_gpt")),
+    "tensor_parallel_configs.tensor_parallel_degree": Effect(
+        1, "test_hybrid.py::" + _t("tensor_parallel_gpt_at_mp2_equals_the_serial_gpt")),
+    "tensor_parallel_configs.tensor_init_seed": Effect(
+        7, "test_hybrid.py::" + _t("tensor_init_seed_reseeds_the_tensor_parallel_weights")),
     "a_sync_configs.max_merge_var_num": Reported(2),
     "a_sync_configs.send_queue_size": Reported(8),
     "a_sync_configs.independent_recv_thread": Reported(True),
@@ -266,6 +284,14 @@ def every_field_set(mode, ranks):
     return strategy
 
 
+def _default(path):
+    owner, _, key = path.rpartition(".")
+    default = fleet.DistributedStrategy()
+    if owner in ("build_strategy", "execution_strategy"):
+        return getattr(getattr(default, owner), key)
+    return getattr(default, owner)[key] if owner else getattr(default, path)
+
+
 def _model():
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1D(8), nn.ReLU(), nn.Linear(8, 2))
 
@@ -277,7 +303,9 @@ def _reported(path, reasons):
 def check_mode(mode, ranks, reasons, strategy):
     set_paths = [path for path, _ in cm.differences(strategy._message,
                                                    fleet.DistributedStrategy()._message)]
-    assert len(set_paths) == len(FIELDS) - len(SWITCHES) + (mode in SWITCHES)
+    at_default = sum(1 for path, row in FIELDS.items() if path not in SWITCHES
+                     and _value(row, ranks) == _default(path))
+    assert len(set_paths) == len(FIELDS) - len(SWITCHES) + (mode in SWITCHES) - at_default
     for path in set_paths:
         # an Effect field that is not reported is shown to act by its proving test
         if isinstance(FIELDS[path], Reported):
@@ -349,7 +377,8 @@ def test_every_field_is_applied_or_reported_in_parameter_server_mode():
     for path in FIELDS:
         owner = path.split(".")[0]
         if path not in SWITCHES and owner != "a_sync_configs" and path not in ("a_sync",
-                                                                              "elastic"):
+                                                                              "elastic") \
+                and _value(FIELDS[path], 1) != _default(path):
             assert reasons[path].startswith("parameter-server mode trains with a_sync"), path
 
 

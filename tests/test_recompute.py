@@ -374,7 +374,10 @@ def every_layer_kind():
             (nn.Sequential(nn.Linear(3, 3), nn.Tanh()), (x2,)), (nn.MLP([3, 4, 2]), (x2,)),
             (nn.GPT(vocab_size=7, block_size=3, n_layer=1, n_head=1, n_embd=4),
              (np.array([[1, 2, 3], [6, 0, 5]]),)),
-            (nn.CrossEntropyLoss(), (x2, labels)), (nn.MSELoss(), (x2, x2[::-1].copy()))]
+            (nn.CrossEntropyLoss(), (x2, labels)), (nn.MSELoss(), (x2, x2[::-1].copy())),
+            (nn.ColumnParallelLinear(3, 5), (x2,)), (nn.RowParallelLinear(3, 5), (x2,)),
+            (nn.VocabParallelEmbedding(7, 3), (np.array([[1, 2], [6, 0]]),)),
+            (nn.ParallelCrossEntropy(), (x2, labels))]
 
 
 def test_fleet_utils_recompute_of_every_layer_kind_is_the_plain_call(float64_layers):

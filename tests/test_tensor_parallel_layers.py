@@ -11,7 +11,7 @@ import fleetmpi as fleet
 import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, to_tensor
 from fleetmpi.comm import get_communicator
-from comm_support import close, equal, host, ok, raises
+from comm_support import close, equal, host, raises
 
 IN, OUT, VOCAB, ROWS = 12, 24, 24, 5
 TOL = {"rtol": 1e-10, "atol": 1e-12}

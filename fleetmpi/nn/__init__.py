@@ -4,6 +4,7 @@ from . import functional, initializer
 from .containers import LayerDict, LayerList, ResidualBlock, Sequential
 from .conv import AdaptiveAvgPool2D, AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
 from .flat import FlatBuffer, flatten
+from .gpt import gpt_pipeline
 from .layer import Layer, get_default_dtype, set_default_dtype
 from .layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
                      Softmax, Tanh)
@@ -21,5 +22,6 @@ __all__ = [
     "Linear", "MLP", "MSELoss", "MaxPool2D", "ParallelCrossEntropy", "Parameter", "ReLU",
     "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "Softmax", "Tanh",
     "VocabParallelEmbedding", "basic_block", "bottleneck_block", "flatten", "functional",
-    "get_default_dtype", "initializer", "resnet20", "resnet50", "resnet101", "set_default_dtype"
+    "get_default_dtype", "gpt_pipeline", "initializer", "resnet101", "resnet20", "resnet50",
+    "set_default_dtype"
 ]

@@ -51,7 +51,10 @@ def initialize_weight(layer, init):
     layer.weight.set_value(init(tuple(shape))[getattr(layer, "weight_part", ...)])
 
 
-class _ParallelLayer(Layer):
+class TensorParallelLayer(Layer):
+    """A layer whose parameters are split over a model-parallel group (``split_index`` says
+    which part each rank holds)."""
+
     def __init__(self, mp_group, dtype):
         super().__init__(dtype)
         self.mp_group = model_parallel_group(mp_group)
@@ -66,11 +69,17 @@ class _ParallelLayer(Layer):
         values = default_initializer(tuple(full_shape))[part]
         return self.create_parameter(values.shape, default_initializer=values)
 
-    def _range(self, width):
-        return slice(self.mp_rank * width, (self.mp_rank + 1) * width)
+    def _range(self, width, rank=None):
+        rank = self.mp_rank if rank is None else rank
+        return slice(rank * width, (rank + 1) * width)
+
+    def split_index(self, name, rank):
+        """The index into the serial layer's parameter ``name`` of the part rank ``rank`` of
+        the group holds; None for a parameter every rank holds whole."""
+        raise NotImplementedError
 
 
-class ColumnParallelLinear(_ParallelLayer):
+class ColumnParallelLinear(TensorParallelLayer):
     """``y = x @ weight + bias`` with the output features split: a rank holds
     ``out_features / size`` columns of the weight and the bias. The input is used whole
     (its gradient summed over the group); ``gather_output=True`` joins the parts into the
@@ -97,20 +106,24 @@ class ColumnParallelLinear(_ParallelLayer):
         block = out_features // output_blocks // self.mp_size
         self.gather_output = bool(gather_output)
         self.full_weight_shape = (in_features, out_features)
-        columns = self._columns(block)
-        self.weight_part = (slice(None), columns)
+        self._block = block
+        self.weight_part = self.split_index("weight", self.mp_rank)
         self.weight = self._part_parameter(self.full_weight_shape, self.weight_part)
-        self.bias = self._part_parameter((out_features,), columns, is_bias=True) \
+        self.bias = self._part_parameter((out_features,), self.weight_part[1], is_bias=True) \
             if has_bias else None
 
-    def _columns(self, block):
-        """This rank's columns: its part of every block."""
+    def _columns(self, rank):
+        """Rank ``rank``'s columns: its part of every block."""
         if self.output_blocks == 1:
-            return self._range(block)
+            return self._range(self._block, rank)
         width = self.out_features // self.output_blocks
-        return np.concatenate([np.arange(b * width + self.mp_rank * block,
-                                         b * width + (self.mp_rank + 1) * block)
+        return np.concatenate([np.arange(b * width + rank * self._block,
+                                         b * width + (rank + 1) * self._block)
                                for b in range(self.output_blocks)])
+
+    def split_index(self, name, rank):
+        columns = self._columns(rank)
+        return (slice(None), columns) if name == "weight" else (columns,)
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, rank part "
@@ -122,7 +135,7 @@ class ColumnParallelLinear(_ParallelLayer):
         return F.gather_from_model_parallel(y, self.mp_group) if self.gather_output else y
 
 
-class RowParallelLinear(_ParallelLayer):
+class RowParallelLinear(TensorParallelLayer):
     """``y = x @ weight + bias`` with the input features split: a rank holds
     ``in_features / size`` rows of the weight, multiplies its part of the input and the
     partial products are summed over the group; the bias (whole on every rank) is added after.
@@ -136,11 +149,14 @@ class RowParallelLinear(_ParallelLayer):
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
         self.input_is_parallel = bool(input_is_parallel)
-        part = _split("in_features", in_features, self.mp_group)
+        self._rows = _split("in_features", in_features, self.mp_group)
         self.full_weight_shape = (in_features, out_features)
-        self.weight_part = (self._range(part), slice(None))
+        self.weight_part = self.split_index("weight", self.mp_rank)
         self.weight = self._part_parameter(self.full_weight_shape, self.weight_part)
         self.bias = self.create_parameter((out_features,), is_bias=True) if has_bias else None
+
+    def split_index(self, name, rank):
+        return (self._range(self._rows, rank), slice(None)) if name == "weight" else None
 
     def extra_repr(self):
         return (f"{self.in_features}, {self.out_features}, rank part {self.weight.shape[0]}, "
@@ -156,7 +172,7 @@ class RowParallelLinear(_ParallelLayer):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(_ParallelLayer):
+class VocabParallelEmbedding(TensorParallelLayer):
     """An ``Embedding`` whose rows (the vocabulary) are split: a rank holds rows
     ``[rank * V / size, (rank + 1) * V / size)``, looks up the ids in its range (zeros for the
     others) and the group sums the lookups."""
@@ -165,12 +181,15 @@ class VocabParallelEmbedding(_ParallelLayer):
         super().__init__(mp_group, dtype)
         self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
-        rows = _split("num_embeddings", num_embeddings, self.mp_group)
-        self.vocab_start = self.mp_rank * rows
+        self._rows = _split("num_embeddings", num_embeddings, self.mp_group)
+        self.vocab_start = self.mp_rank * self._rows
         self.full_weight_shape = (num_embeddings, embedding_dim)
-        self.weight_part = (self._range(rows), slice(None))
+        self.weight_part = self.split_index("weight", self.mp_rank)
         self.weight = self._part_parameter(self.full_weight_shape, self.weight_part,
                                            initializer.Normal())
+
+    def split_index(self, name, rank):
+        return self._range(self._rows, rank), slice(None)
 
     def extra_repr(self):
         return f"{self.num_embeddings}, {self.embedding_dim}, rank part {self.weight.shape[0]}"

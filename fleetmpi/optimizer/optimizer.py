@@ -269,6 +269,18 @@ class Optimizer:
         """``(start, stop)``: the range of the parameter space this optimizer updates."""
         return self._shard or (0, self.space_size)
 
+    def parameter_state(self, parameter):
+        """``{state name: the state of parameter}``, writable views shaped like it, for an
+        optimizer that holds the state of whole parameters (not a shard); what a checkpoint
+        that re-splits parameters moves state by."""
+        if self._shard is not None:
+            raise ValueError("parameter_state: this optimizer holds one shard of the parameter "
+                             "space, not whole parameters' state")
+        for run, run_state in zip(self._runs, self._state):
+            if any(p is parameter for p in run.parameters):
+                return {name: run.view(flat, parameter) for name, flat in run_state.items()}
+        raise KeyError(f"parameter {parameter.name!r} is not one this optimizer updates")
+
     def state_nbytes(self):
         """Bytes of optimizer state this process holds (velocity, moments)."""
         return sum(int(flat.nbytes) for run_state in self._state for flat in run_state.values())

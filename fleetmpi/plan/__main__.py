@@ -10,6 +10,15 @@ measured by a one-rank job on this machine (minutes for an ImageNet model on a C
 job. Links are presets or explicit ``--intra-bandwidth``/``--intra-latency`` and
 ``--inter-bandwidth``/``--inter-latency`` (GB/s and microseconds). Prints one table per
 inter-node link and draws every curve into ``--png``.
+
+Hybrid layouts of a GPT (``fleetmpi.plan.hybrid``):
+
+    python -m fleetmpi.plan --gpt 24,2048,16,50304,1024 --global-batch 64 --ranks 32 \
+        --gpus-per-node 8 --tflops 100 --layout dp=2,pp=2,mp=8 --memory-GB 32
+
+prints the predicted step time (compute, tensor-parallel, pipeline and data-parallel parts)
+and memory per rank of ``--layout``, and every layout of ``--ranks`` ranks ranked by step time
+(those within ``--memory-GB`` first).
 """
 import argparse
 import sys
@@ -44,7 +53,68 @@ def parse_args(argv):
     parser.add_argument("--sparsity", type=float, default=0.999, help="dgc's final sparsity")
     parser.add_argument("--max-ranks", type=int, default=4096)
     parser.add_argument("--png", default="plan.png")
+    parser.add_argument("--gpt", help="hybrid layouts of a GPT: LAYERS,WIDTH,HEADS,VOCAB,SEQ")
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--layout", help="the layout to predict: dp=..,pp=..,sharding=..,mp=..")
+    parser.add_argument("--tflops", type=float, default=100.0,
+                        help="sustained TFLOPS of one device (default 100)")
+    parser.add_argument("--memory-GB", type=float, help="memory per device")
+    parser.add_argument("--micro-batches", type=int,
+                        help="pipeline micro-batches (default: pp_degree)")
+    parser.add_argument("--value-bytes", type=int, default=2,
+                        help="bytes per parameter and activation value (default 2)")
     return parser.parse_args(argv)
+
+
+def _parse_layout(text):
+    layout = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if not value.isdigit():
+            raise ValueError(f"--layout item {item!r} is not DEGREE=N (dp, pp, sharding, mp)")
+        layout[key.strip()] = int(value)
+    return layout
+
+
+def plan_hybrid(args):
+    """The ``--gpt`` report: the given layout's prediction and the ranking."""
+    from . import hybrid
+
+    try:
+        numbers = [int(v) for v in args.gpt.split(",")]
+        if len(numbers) != 5:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--gpt {args.gpt!r} must be LAYERS,WIDTH,HEADS,VOCAB,SEQ") from None
+    if args.tflops <= 0:
+        raise ValueError(f"--tflops={args.tflops} must be positive")
+    model = hybrid.GPTShape(*numbers, batch=args.global_batch, value_bytes=args.value_bytes)
+    memory = None if args.memory_GB is None else args.memory_GB * 2 ** 30
+    flops = args.tflops * 1e12
+    lines = [f"GPT {args.gpt}: {model.parameters / 1e6:.1f} M parameters, global batch "
+             f"{model.batch}, {args.ranks} ranks, {args.tflops:g} TFLOPS per device"]
+    header = ["| layout | step (ms) | compute | tensor parallel | pipeline | data parallel | "
+              "memory (GiB) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def row(p):
+        return (f"| {hybrid.describe(p.layout)} | {p.step_s * 1e3:.2f} | "
+                f"{p.compute_s * 1e3:.2f} | {p.tensor_parallel_s * 1e3:.2f} | "
+                f"{p.pipeline_s * 1e3:.2f} | {p.data_parallel_s * 1e3:.2f} | "
+                f"{p.memory_bytes / 2 ** 30:.2f}"
+                f"{' (over)' if memory is not None and p.memory_bytes > memory else ''} |")
+    for label, cluster in clusters(args).items():
+        lines += ["", label]
+        if args.layout:
+            given = _parse_layout(args.layout)
+            hybrid.check_layout(given, args.ranks, model)
+            lines += ["", "given layout:"] + header + [
+                row(hybrid.predict_layout(model, given, cluster, flops, args.micro_batches))]
+        lines += ["", "every layout, fastest first" + (" (within --memory-GB first)"
+                                                      if memory is not None else "") + ":"]
+        lines += header + [row(p) for p in hybrid.rank_layouts(
+            model, args.ranks, cluster, flops, memory, args.micro_batches)]
+    return "\n".join(lines)
 
 
 def _link(level, name, args):
@@ -95,6 +165,13 @@ def clusters(args):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.gpt:
+        try:
+            print(plan_hybrid(args))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         _check(args)
         strategy = DistributedStrategy()
