@@ -4,7 +4,8 @@
 
 Prints, for float32 buffers from 4 KB to 64 MB: time per call, algorithm bandwidth
 (``bytes / time``) and bus bandwidth (``algbw * 2 * (n - 1) / n``, nccl-tests' definition) of
-the ring, hierarchical and (on one node) shared-memory allreduce, of native MPI_Allreduce, and
+``comm.allreduce`` with its default pick, of the ring, hierarchical and (on one node)
+shared-memory allreduce, of native MPI_Allreduce (mpi4py's ``Allreduce``), and
 of gloo when torch is installed, with each one's speed relative to native MPI. Every result is
 checked against the exact sum before it is timed. Like MPI_Allreduce with a separate receive
 buffer, ours write into a preallocated ``out=`` array. Times are the slowest rank's, median of
@@ -99,10 +100,11 @@ def main():
         native()
         assert np.array_equal(recv, exact), "native allreduce gave a wrong sum"
         results["native MPI"] = timed(native, world, args.budget)
-        for name in algorithms:
+        for name in [None] + algorithms:
             assert np.array_equal(comm.allreduce(x, algorithm=name, out=recv), exact), name
-            results[name] = timed(lambda: comm.allreduce(x, algorithm=name, out=recv), world,
-                                  args.budget)
+            label = name or f"default ({comm.allreduce_algorithm(nbytes)})"
+            results[label] = timed(lambda: comm.allreduce(x, algorithm=name, out=recv), world,
+                                   args.budget)
         if gloo is not None:
             torch, dist = gloo
             tensor = torch.from_numpy(x.copy())

@@ -10,7 +10,8 @@ import pytest
 
 from comm_support import (all_data, close, equal, ok, rank_data, raises, single_process,
                           small_chunks, tolerance, world)
-from fleetmpi.comm import CollectiveMismatchError
+import fleetmpi as fleet
+from fleetmpi.comm import CollectiveMismatchError, Communicator
 
 
 @pytest.mark.mpi(min_size=2)
@@ -61,7 +62,8 @@ def test_handles_complete_in_the_order_they_were_started():
 
 @pytest.mark.mpi(min_size=2)
 def test_a_mismatch_raises_from_wait_on_every_rank_and_later_operations_still_run():
-    comm = world()
+    fleet.init()
+    comm = Communicator(fleet.world.topology())  # no call agreed before: each one is new
     bad = comm.allreduce_async(np.ones(3 + comm.rank))
     good = comm.allreduce_async(np.ones(5))
     with raises(CollectiveMismatchError, match=r"rank 0: float64 \(3,\), rank 1: float64 \(4,\)"):

@@ -6,9 +6,18 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi.comm import CollectiveMismatchError, Communicator, NCCLUnavailableError
+from fleetmpi.comm import CollectiveMismatchError, Communicator, NCCLUnavailableError, stall
+from fleetmpi.comm.communicator import check_mode
 
 from comm_support import close, equal, ok, raises, rank_data, world
+
+
+def unused():
+    """A communicator that has agreed on no call yet: by default a call whose arguments have
+    been agreed before makes no exchange, so a mismatch is raised on every rank at a call that
+    is new to every rank (``test_per_signature_check`` covers the rest)."""
+    fleet.init()
+    return Communicator(fleet.world.topology())
 
 
 def still_works(comm):
@@ -20,7 +29,7 @@ def still_works(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "native"])
 def test_shape_and_dtype_mismatch_raise_on_every_rank(algorithm):
-    comm = world()
+    comm = unused()
     n = 5 if comm.rank == 0 else 6
     with raises(CollectiveMismatchError, match=r"count differs \(rank 0: 5, rank 1: 6"):
         comm.allreduce(np.ones(n), algorithm=algorithm)
@@ -41,7 +50,7 @@ def test_shape_and_dtype_mismatch_raise_on_every_rank(algorithm):
 
 @pytest.mark.mpi(min_size=2)
 def test_op_root_algorithm_and_collective_mismatch_raise_on_every_rank():
-    comm = world()
+    comm = unused()
     first = comm.rank == 0
     with raises(CollectiveMismatchError, match="op differs.*'sum'.*'max'"):
         comm.allreduce(np.ones(3), op="sum" if first else "max")
@@ -60,8 +69,58 @@ def test_op_root_algorithm_and_collective_mismatch_raise_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_per_signature_check_exchanges_once_and_tells_of_diverged_ranks_at_the_next_new_call():
+    comm = unused()
+    exchanges = stall.call_state(comm._control)
+    x = np.ones(3)
+    ops = ["sum", "sum", "max", "max", "sum"]  # every pair of consecutive ops, ending in sum
+    for op in ops:
+        comm.allreduce(x, op=op)
+    before = exchanges.calls
+    for op in ops * 2:
+        equal(comm.allreduce(x, op=op), np.full(3, float(comm.size if op == "sum" else 1)))
+    ok(exchanges.calls == before, f"{exchanges.calls - before} exchanges for repeated calls")
+    comm.allreduce(x, op="max" if comm.rank == 0 else "sum")  # both seen in this place
+    ok(exchanges.calls == before, "a call seen before in this place was exchanged")
+    with raises(CollectiveMismatchError, match="history differs.*called different collectives "
+                                               "since the last call"):
+        comm.allreduce(np.ones(4))
+    comm.allreduce(np.ones(4))
+    ok(exchanges.calls == before + 2, "the new call after the mismatch was not exchanged")
+    still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_always_exchanges_at_every_call(monkeypatch):
+    monkeypatch.setenv("FLEETMPI_CHECK_COLLECTIVES", "always")
+    comm = unused()
+    ok(comm.check == "always")
+    x = np.ones(3)
+    comm.allreduce(x)
+    comm.allreduce(x, op="max")
+    with raises(CollectiveMismatchError, match="op differs.*'max'.*'sum'"):
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
+    still_works(comm)
+
+
+@pytest.mark.parametrize("text, mode", [("", True), ("1", True), ("0", False),
+                                        ("always", "always")])
+def test_check_knob(text, mode):
+    assert check_mode(None, {"FLEETMPI_CHECK_COLLECTIVES": text}) == mode
+    assert check_mode(mode, {"FLEETMPI_CHECK_COLLECTIVES": "bogus"}) == mode
+
+
+@pytest.mark.parametrize("text", ["2", "yes", "ALWAYS"])
+def test_bad_check_knob_is_named(text):
+    with pytest.raises(ValueError, match=f"FLEETMPI_CHECK_COLLECTIVES={text!r} must be 0"):
+        check_mode(None, {"FLEETMPI_CHECK_COLLECTIVES": text})
+    with pytest.raises(ValueError, match="check='sometimes' must be False, True or 'always'"):
+        check_mode("sometimes")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_bad_argument_on_one_rank_raises_everywhere():
-    comm = world()
+    comm = unused()
     first = comm.rank == 0
     if first:
         with raises(ValueError, match="op='prod' is not a reduction.*sum, mean, max, min"):
