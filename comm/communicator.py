@@ -12,7 +12,10 @@ algorithm it ran and its bytes (this rank's payload as it travels, as ``payload_
 it; an array's bytes for ``send``/``recv``).
 
 Knobs, each an argument and (where it makes sense per job) an environment variable:
-``transport`` / ``FLEETMPI_TRANSPORT`` (``"mpi"`` or ``"nccl"``), ``check`` /
+``transport`` / ``FLEETMPI_TRANSPORT`` (``"auto"``, the default: NCCL when every rank's arrays
+live on a GPU of its own, MPI otherwise, see ``transport_choice``; ``"mpi"`` or ``"nccl"``;
+when ``"auto"`` chose NCCL and it cannot start, MPI with a warning naming each rank's reason,
+where an explicit ``"nccl"`` is an error), ``check`` /
 ``FLEETMPI_CHECK_COLLECTIVES`` (``0`` skips the agreement step, ``1``: once per distinct call,
 ``always``: on every call; see ``_agree``), ``nccl_comm_num``,
 ``fuse_grad_size_in_MB``, ``fuse_broadcast_MB``, ``use_hierarchical_allreduce``,
@@ -28,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import timeline
+from ..log import logger
 from .agreement import agree, call_row, describe_arrays, dtype_name, history_step, row_code
 from .barrier import barrier as dissemination_barrier
 from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
@@ -40,11 +44,13 @@ from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_devic
 from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, count_offsets,
                    reduce_scatter_ring, split_offsets)
 from .stall import gather_rows
+from .transport_choice import AUTO, device_identity, pick_transport
+from .transport_nccl import NCCLUnavailableError
 
 TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
 CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
 ALWAYS = "always"
-TRANSPORTS = ("mpi", "nccl")
+TRANSPORTS = (AUTO, "mpi", "nccl")
 ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
 BROADCAST_ALGORITHMS = ("tree", "chain", "native")
 GATHER_ALGORITHMS = ("ring", "native")
@@ -132,7 +138,7 @@ class Communicator:
                  fuse_broadcast_MB=32, use_hierarchical_allreduce=False,
                  hierarchical_allreduce_inter_nranks=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
                  check=None):
-        transport = transport or os.environ.get(TRANSPORT_ENV) or "mpi"
+        transport = transport or os.environ.get(TRANSPORT_ENV) or AUTO
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not known; allowed: "
                              f"{', '.join(TRANSPORTS)}")
@@ -149,7 +155,9 @@ class Communicator:
         self.topology = topology
         self.rank = topology.rank
         self.size = topology.size
-        self.transport_name = transport
+        self.requested_transport = transport
+        self.transport_name = (pick_transport(topology.world, device_identity())
+                               if transport == AUTO else transport)
         self.nccl_comm_num = int(nccl_comm_num)
         self.fuse_grad_size_in_MB = fuse_grad_size_in_MB
         self.fuse_broadcast_MB = fuse_broadcast_MB
@@ -159,7 +167,7 @@ class Communicator:
         self.check = check_mode(check)
         world = topology.world
         self._control = world.Dup()
-        self.transports = [self._make_transport(world.Dup()) for _ in range(self.nccl_comm_num)]
+        self.transports = self._start_transports(world)
         self._levels = {}
         self._shm = None
         self._single_node_pick = None
@@ -174,6 +182,30 @@ class Communicator:
         self._async_stream = None
 
     # construction helpers
+
+    def _start_transports(self, world):
+        """The ``nccl_comm_num`` transports. When ``"auto"`` chose NCCL and NCCL cannot start
+        (the error names every rank's reason, on every rank), MPI instead, with one warning."""
+        transports = []
+        try:
+            for _ in range(self.nccl_comm_num):
+                comm = world.Dup()
+                try:
+                    transports.append(self._make_transport(comm))
+                except NCCLUnavailableError:
+                    comm.Free()
+                    raise
+        except NCCLUnavailableError as exc:
+            if self.requested_transport != AUTO:
+                raise
+            for transport in transports:
+                transport.free()
+            if self.rank == 0:
+                logger.warning("transport 'auto' chose NCCL, which could not start, so the "
+                               "job uses MPI: %s", exc)
+            self.transport_name = "mpi"
+            return self._start_transports(world)
+        return transports
 
     def _make_transport(self, comm, stream=None):
         if self.transport_name == "nccl":
