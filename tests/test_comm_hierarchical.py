@@ -52,6 +52,30 @@ def test_two_emulated_nodes_at_four_ranks(monkeypatch):
         topology.free()
 
 
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("local_size", [4, 2], ids=["2 nodes x 4", "4 nodes x 2"])
+def test_emulated_nodes_at_eight_ranks(monkeypatch, local_size):
+    """The two levels at 8 ranks (``tests/run`` starts this test at 8 ranks)."""
+    fleet.init()
+    comm, topology = emulated_nodes(monkeypatch, local_size)
+    try:
+        ok(topology.num_nodes == comm.size // local_size and topology.local_size == local_size)
+        for case, n in enumerate((1, 7, 1000)):
+            for dtype in (np.float64, np.int64):
+                stack = all_data(comm.size, n, dtype, case)
+                for op in ("sum", "mean", "max"):
+                    got = comm.allreduce(stack[comm.rank], op=op, algorithm="hierarchical")
+                    want = single_process(stack, op)
+                    if np.dtype(dtype).kind == "f":
+                        rtol, atol = tolerance(dtype, comm.size)
+                        close(got, want, rtol=rtol, atol=atol)
+                    else:
+                        equal(got, want)
+    finally:
+        comm.free()
+        topology.free()
+
+
 @pytest.mark.mpi
 def test_every_inter_nranks_group_size():
     fleet.init()
