@@ -151,7 +151,8 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
     log = _Log()
     cupy = fake_cupy(log)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    comm = world()
+    fleet.init()
+    comm = Communicator(fleet.world.topology())  # its stream will be a stand-in's
     device_array = type("ndarray", (), {"__module__": "cupy._core.core"})()
 
     def call():
@@ -170,3 +171,4 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
     comm.submit("allreduce", call, device_array).wait()
     assert [e for e in log if e[0] == "work on"] == [("work on", async_stream, True)], \
         "the communicator's stream is made once and reused"
+    comm.free()
