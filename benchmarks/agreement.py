@@ -8,8 +8,9 @@ Prints, on rank 0, the time per call of:
   its rows before the stall inspector),
 - the polled exchange the stall inspector uses (``fleetmpi.comm.stall.gather_rows``),
 - the whole ``agree`` step (row building, exchange, comparison),
-- a one-element ``allreduce`` with the library's own algorithm, with and without the agreement
-  (``check=False``).
+- a one-element ``allreduce`` with the library's own algorithm, with the agreement at every
+  call (``check="always"``), once per distinct call (``check=True``, the default: repeated
+  calls make no exchange) and without it (``check=False``).
 
 The variants run in alternating rounds of ``--calls`` calls and the median round is printed,
 so a machine shared with other work slows them alike.
@@ -48,15 +49,18 @@ def main():
     comm = MPI.COMM_WORLD.Dup()
     row = np.zeros(len(FIELDS), dtype=np.int64)
     rows = np.empty((comm.Get_size(), len(FIELDS)), dtype=np.int64)
-    checked = Communicator(topology(), check=True)
+    always = Communicator(topology(), check="always")
+    once = Communicator(topology(), check=True)
     unchecked = Communicator(topology(), check=False)
     x = np.ones(1)
     variants = {
         "row exchange, blocking Allgather": lambda: comm.Allgather(row, rows),
         "row exchange, polled (stall inspector)": lambda: gather_rows(comm, row, "bench"),
         "agree (whole step)": lambda: agree(comm, "bench", TABLES),
-        "allreduce(1 float64), with agreement":
-            lambda: checked.allreduce(x, algorithm="native"),
+        "allreduce(1 float64), check='always'":
+            lambda: always.allreduce(x, algorithm="native"),
+        "allreduce(1 float64), check once per call":
+            lambda: once.allreduce(x, algorithm="native"),
         "allreduce(1 float64), check=False": lambda: unchecked.allreduce(x, algorithm="native"),
     }
     times = {name: [] for name in variants}

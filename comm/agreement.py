@@ -1,13 +1,18 @@
 """Agreement on a collective's arguments before any data moves.
 
-Every collective first allgathers a short vector of integers describing the call (which
-collective, op, algorithm, compression, root, dtype, element count, number of arrays, a
-checksum of all shapes and dtypes, and whether the arguments passed this rank's own checks).
-If the vectors differ, or some rank rejected its arguments, every rank raises
-``CollectiveMismatchError`` instead of entering a transfer whose sizes do not match, which
-would hang or return garbage. The cost is one small gather to rank 0 and broadcast back per
-call (per ``allreduce_many``/``broadcast_many`` call, not per array), polled so that a rank
-that never arrives is reported instead of waited for forever (``fleetmpi.comm.stall``).
+Every checked collective first allgathers a short vector of integers describing the call
+(which collective, op, algorithm, compression, root, dtype, element count, number of arrays, a
+checksum of all shapes and dtypes, whether the arguments passed this rank's own checks, and
+the running hash of the calls since the last exchange). If the vectors differ, or some rank
+rejected its arguments, every rank raises ``CollectiveMismatchError`` instead of entering a
+transfer whose sizes do not match, which would hang or return garbage. The cost is one small
+gather to rank 0 and broadcast back per call (per ``allreduce_many``/``broadcast_many`` call,
+not per array), polled so that a rank that never arrives is reported instead of waited for
+forever (``fleetmpi.comm.stall``).
+
+Which calls are checked is the communicator's choice (``FLEETMPI_CHECK_COLLECTIVES``): every
+call, or only a call whose arguments this rank has not seen agreed before; the others add their
+row to the running hash that the next exchange compares.
 """
 import zlib
 
@@ -16,7 +21,7 @@ import numpy as np
 from .stall import gather_rows
 
 FIELDS = ("collective", "op", "algorithm", "compression", "root", "dtype", "count", "arrays",
-          "shapes", "rejected")
+          "shapes", "unchecked", "history", "rejected")
 _REJECTED = FIELDS.index("rejected")
 
 
@@ -65,17 +70,8 @@ def describe_shapes(arrays):
     return ", ".join(f"{a.dtype} {tuple(a.shape)}" for a in arrays) or "no arrays"
 
 
-def agree(comm, collective, tables, problem=None, described=(), layout=None, **fields):
-    """Gather this call's description from every rank of the MPI ``comm``; raise on every rank
-    if ranks differ, abort the job if some do not arrive (``fleetmpi.comm.stall``).
-
-    ``tables`` maps field names (``collective``, ``op``, ...) to the tuple of allowed values;
-    values are sent as their index. ``fields`` holds the raw values for this rank. ``problem``
-    is the exception this rank's own argument checks produced, if any: it is raised here, after
-    the other ranks have learnt that this rank rejected the call. When the shapes differ, every
-    rank's dtypes and shapes (of the arrays ``described``) and ``layout`` are exchanged once
-    more, so that the error prints them instead of their checksum.
-    """
+def call_row(collective, tables, problem=None, **fields):
+    """The agreement row of one call: ``FIELDS`` as integers (see ``agree``)."""
     values = []
     for name in FIELDS:
         if name == "collective":
@@ -86,7 +82,35 @@ def agree(comm, collective, tables, problem=None, described=(), layout=None, **f
             values.append(_code(fields.get(name), tables[name]))
         else:
             values.append(int(fields.get(name, 0)))
-    rows = gather_rows(comm, np.array(values, dtype=np.int64), collective)
+    return np.array(values, dtype=np.int64)
+
+
+def row_code(row):
+    """A number that stands for one agreed row, the same on every rank: what the running hash
+    of the calls that skip the exchange is made of."""
+    return zlib.crc32(row.tobytes())
+
+
+def history_step(history, code):
+    """The running hash after one more unchecked call whose row had ``code``."""
+    return (history * 1000003 + code) & 0x7FFFFFFFFFFFFFFF
+
+
+def agree(comm, collective, tables, problem=None, described=(), layout=None, **fields):
+    """Gather this call's description from every rank of the MPI ``comm``; raise on every rank
+    if ranks differ, abort the job if some do not arrive (``fleetmpi.comm.stall``).
+
+    ``tables`` maps field names (``collective``, ``op``, ...) to the tuple of allowed values;
+    values are sent as their index. ``fields`` holds the raw values for this rank. ``problem``
+    is the exception this rank's own argument checks produced, if any: it is raised here, after
+    the other ranks have learnt that this rank rejected the call. When the shapes differ, every
+    rank's dtypes and shapes (of the arrays ``described``) and ``layout`` are exchanged once
+    more, so that the error prints them instead of their checksum. ``unchecked`` and
+    ``history``: how many calls skipped the exchange since the last one, and the running hash
+    of their rows (``history_step``); ranks that differ there called different collectives in
+    between.
+    """
+    rows = gather_rows(comm, call_row(collective, tables, problem, **fields), collective)
     if problem is None and (rows == rows[0]).all():
         return
     rejecters = np.flatnonzero(rows[:, _REJECTED])
@@ -108,5 +132,10 @@ def agree(comm, collective, tables, problem=None, described=(), layout=None, **f
                                               _decode(FIELDS[i], int(rows[r, i]), tables))
                              for r in range(len(rows)))
             parts.append(f"{FIELDS[i]} differ{'' if FIELDS[i] == 'shapes' else 's'} ({seen})")
+        diverged = any(FIELDS[i] in ("unchecked", "history") for i in differing)
         raise CollectiveMismatchError(
-            f"{collective} called with different arguments across ranks: " + "; ".join(parts))
+            f"{collective} called with different arguments across ranks: " + "; ".join(parts)
+            + ("; the ranks called different collectives since the last call whose arguments "
+               "were exchanged (a call whose arguments every rank has agreed on before skips "
+               "the exchange; FLEETMPI_CHECK_COLLECTIVES=always checks every call)"
+               if diverged else ""))

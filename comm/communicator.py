@@ -2,17 +2,22 @@
 
 Single-array collectives (``allreduce``, ``broadcast``, ``allgather``, ``reduce_scatter``)
 return a new array and leave their input alone; ``allreduce_many`` and ``broadcast_many`` work
-in place on many arrays, fused into buckets. Every collective first checks that all ranks
+in place on many arrays, fused into buckets. A collective first checks that all ranks
 called it with the same arguments (``agreement``), so a mismatch raises on every rank instead
-of hanging.
+of hanging; by default only a call whose arguments have not been agreed before makes that
+exchange (``_agree``).
 
 Each collective is one event of the timeline (``fleetmpi.timeline``, lane ``comm``) with the
 algorithm it ran and its bytes (this rank's payload as it travels, as ``payload_bytes`` counts
 it; an array's bytes for ``send``/``recv``).
 
 Knobs, each an argument and (where it makes sense per job) an environment variable:
-``transport`` / ``FLEETMPI_TRANSPORT`` (``"mpi"`` or ``"nccl"``), ``check`` /
-``FLEETMPI_CHECK_COLLECTIVES`` (``0`` skips the agreement step), ``nccl_comm_num``,
+``transport`` / ``FLEETMPI_TRANSPORT`` (``"auto"``, the default: NCCL when every rank's arrays
+live on a GPU of its own, MPI otherwise, see ``transport_choice``; ``"mpi"`` or ``"nccl"``;
+when ``"auto"`` chose NCCL and it cannot start, MPI with a warning naming each rank's reason,
+where an explicit ``"nccl"`` is an error), ``check`` /
+``FLEETMPI_CHECK_COLLECTIVES`` (``0`` skips the agreement step, ``1``: once per distinct call,
+``always``: on every call; see ``_agree``), ``nccl_comm_num``,
 ``fuse_grad_size_in_MB``, ``fuse_broadcast_MB``, ``use_hierarchical_allreduce``,
 ``hierarchical_allreduce_inter_nranks``, ``chunk_bytes``.
 """
@@ -26,7 +31,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import timeline
-from .agreement import agree, describe_arrays, dtype_name
+from ..log import logger
+from .agreement import agree, call_row, describe_arrays, dtype_name, history_step, row_code
 from .barrier import barrier as dissemination_barrier
 from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
 from .compression import COMPRESSIONS, accumulate_dtypes, check_compression, to_wire
@@ -38,10 +44,13 @@ from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_devic
 from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, count_offsets,
                    reduce_scatter_ring, split_offsets)
 from .stall import gather_rows
+from .transport_choice import AUTO, device_identity, pick_transport
+from .transport_nccl import NCCLUnavailableError
 
 TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
 CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
-TRANSPORTS = ("mpi", "nccl")
+ALWAYS = "always"
+TRANSPORTS = (AUTO, "mpi", "nccl")
 ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
 BROADCAST_ALGORITHMS = ("tree", "chain", "native")
 GATHER_ALGORITHMS = ("ring", "native")
@@ -63,13 +72,20 @@ HEADER_DIMS = 32
 P2P_TAG = 7
 
 
-def _env_flag(name, default):
-    text = os.environ.get(name, "")
-    if text == "":
-        return default
-    if text not in ("0", "1"):
-        raise ValueError(f"{name}={text!r} must be 0 or 1")
-    return text == "1"
+def check_mode(check, environ=os.environ):
+    """The argument check a communicator makes: ``False`` (none), ``True`` (a call whose
+    arguments this rank has seen agreed before skips the exchange) or ``"always"``; from
+    ``check`` when given, else from ``FLEETMPI_CHECK_COLLECTIVES`` (``0``, ``1``, ``always``;
+    unset: ``1``)."""
+    if check is None:
+        text = environ.get(CHECK_ENV, "")
+        if text not in ("", "0", "1", ALWAYS):
+            raise ValueError(f"{CHECK_ENV}={text!r} must be 0 (no check), 1 (once per distinct "
+                             f"call, the default) or always (every call)")
+        return ALWAYS if text == ALWAYS else text != "0"
+    if check not in (False, True, ALWAYS):
+        raise ValueError(f"check={check!r} must be False, True or {ALWAYS!r}")
+    return check
 
 
 def _positive(name, value, kind=numbers.Real):
@@ -86,7 +102,7 @@ def _recorded(collective, nbytes=False):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            if not self._comm_thread.on_thread():
+            if self._comm_thread.pending() and not self._comm_thread.on_thread():
                 self._comm_thread.drain()  # keep the order of the operations already started
             event = timeline.span(collective, "comm")
             if not event:
@@ -122,7 +138,7 @@ class Communicator:
                  fuse_broadcast_MB=32, use_hierarchical_allreduce=False,
                  hierarchical_allreduce_inter_nranks=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
                  check=None):
-        transport = transport or os.environ.get(TRANSPORT_ENV) or "mpi"
+        transport = transport or os.environ.get(TRANSPORT_ENV) or AUTO
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not known; allowed: "
                              f"{', '.join(TRANSPORTS)}")
@@ -139,27 +155,57 @@ class Communicator:
         self.topology = topology
         self.rank = topology.rank
         self.size = topology.size
-        self.transport_name = transport
+        self.requested_transport = transport
+        self.transport_name = (pick_transport(topology.world, device_identity())
+                               if transport == AUTO else transport)
         self.nccl_comm_num = int(nccl_comm_num)
         self.fuse_grad_size_in_MB = fuse_grad_size_in_MB
         self.fuse_broadcast_MB = fuse_broadcast_MB
         self.use_hierarchical_allreduce = bool(use_hierarchical_allreduce)
         self.hierarchical_allreduce_inter_nranks = inter
         self.chunk_bytes = int(chunk_bytes)
-        self.check = _env_flag(CHECK_ENV, True) if check is None else bool(check)
+        self.check = check_mode(check)
         world = topology.world
         self._control = world.Dup()
-        self.transports = [self._make_transport(world.Dup()) for _ in range(self.nccl_comm_num)]
+        self.transports = self._start_transports(world)
         self._levels = {}
         self._shm = None
         self._single_node_pick = None
         self._token = None
         self.payload_bytes = 0
         self._algorithms = None
+        self._agreed = {}
+        self._previous = -1
+        self._unchecked = 0
+        self._history = 0
         self._comm_thread = CommThread(f"fleetmpi-comm-{id(self):x}")
         self._async_stream = None
 
     # construction helpers
+
+    def _start_transports(self, world):
+        """The ``nccl_comm_num`` transports. When ``"auto"`` chose NCCL and NCCL cannot start
+        (the error names every rank's reason, on every rank), MPI instead, with one warning."""
+        transports = []
+        try:
+            for _ in range(self.nccl_comm_num):
+                comm = world.Dup()
+                try:
+                    transports.append(self._make_transport(comm))
+                except NCCLUnavailableError:
+                    comm.Free()
+                    raise
+        except NCCLUnavailableError as exc:
+            if self.requested_transport != AUTO:
+                raise
+            for transport in transports:
+                transport.free()
+            if self.rank == 0:
+                logger.warning("transport 'auto' chose NCCL, which could not start, so the "
+                               "job uses MPI: %s", exc)
+            self.transport_name = "mpi"
+            return self._start_transports(world)
+        return transports
 
     def _make_transport(self, comm, stream=None):
         if self.transport_name == "nccl":
@@ -242,19 +288,45 @@ class Communicator:
 
     def _agree(self, collective, arrays, problem, layout=None, **fields):
         """Check that every rank called ``collective`` alike; ``layout`` (a tuple of integers
-        every rank must agree on, such as per-rank counts) joins the shapes' checksum."""
+        every rank must agree on, such as per-rank counts) joins the shapes' checksum.
+
+        With ``check=True`` a call whose arguments this rank has seen agreed before, right
+        after the same call as now (a step's sequence of calls repeats), makes no exchange: it
+        adds its row's code to the running hash that the next exchange compares
+        (``fleetmpi.comm.agreement``). So a mismatch at a call no rank has made before in that
+        place raises on every rank at that call; ranks that go different ways among calls made
+        before are told at the next new call; and a rank that goes on to a new call (or
+        rejects its arguments) while the others repeat an old one waits in the exchange until
+        the stall inspector reports it. ``check="always"`` exchanges at every call."""
         if problem is None:
             self._count_payload(arrays, fields.get("compression"))
         if not self.check:
             if problem is not None:
                 raise problem
             return
+        key = None
+        if problem is None and self.check is True:
+            key = (self._previous, collective, layout, tuple(fields.items()),
+                   tuple((a.dtype.num, a.shape) for a in arrays))
+            code = self._agreed.get(key)
+            if code is not None:
+                self._unchecked += 1
+                self._history = history_step(self._history, code)
+                self._previous = code
+                return
         if problem is None:
             dtype, count, n, shapes = describe_arrays(arrays)
             if layout is not None:
                 shapes = zlib.crc32(repr(tuple(layout)).encode(), shapes)
             fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
-        agree(self._control, collective, _TABLES, problem, arrays, layout, **fields)
+        unchecked, history = self._unchecked, self._history
+        self._unchecked = self._history = 0
+        self._previous = -1  # what every rank holds after a call that raised
+        agree(self._control, collective, _TABLES, problem, arrays, layout,
+              unchecked=unchecked, history=history, **fields)
+        if key is not None:
+            self._previous = self._agreed[key] = row_code(call_row(collective, _TABLES,
+                                                                   **fields))
 
     def _note(self, algorithm):
         """Remember the algorithm a flat operation ran, for the timeline event of its call."""

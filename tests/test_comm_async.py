@@ -10,7 +10,8 @@ import pytest
 
 from comm_support import (all_data, close, equal, ok, rank_data, raises, single_process,
                           small_chunks, tolerance, world)
-from fleetmpi.comm import CollectiveMismatchError
+import fleetmpi as fleet
+from fleetmpi.comm import CollectiveMismatchError, Communicator
 
 
 @pytest.mark.mpi(min_size=2)
@@ -61,7 +62,8 @@ def test_handles_complete_in_the_order_they_were_started():
 
 @pytest.mark.mpi(min_size=2)
 def test_a_mismatch_raises_from_wait_on_every_rank_and_later_operations_still_run():
-    comm = world()
+    fleet.init()
+    comm = Communicator(fleet.world.topology())  # no call agreed before: each one is new
     bad = comm.allreduce_async(np.ones(3 + comm.rank))
     good = comm.allreduce_async(np.ones(5))
     with raises(CollectiveMismatchError, match=r"rank 0: float64 \(3,\), rank 1: float64 \(4,\)"):
@@ -149,7 +151,8 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
     log = _Log()
     cupy = fake_cupy(log)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    comm = world()
+    fleet.init()
+    comm = Communicator(fleet.world.topology())  # its stream will be a stand-in's
     device_array = type("ndarray", (), {"__module__": "cupy._core.core"})()
 
     def call():
@@ -168,3 +171,4 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
     comm.submit("allreduce", call, device_array).wait()
     assert [e for e in log if e[0] == "work on"] == [("work on", async_stream, True)], \
         "the communicator's stream is made once and reused"
+    comm.free()

@@ -6,9 +6,19 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi.comm import CollectiveMismatchError, Communicator, NCCLUnavailableError
+from fleetmpi.comm import CollectiveMismatchError, Communicator, NCCLUnavailableError, stall
+from fleetmpi.comm.communicator import check_mode
+from fleetmpi.comm.transport_nccl import _probe
 
 from comm_support import close, equal, ok, raises, rank_data, world
+
+
+def unused():
+    """A communicator that has agreed on no call yet: by default a call whose arguments have
+    been agreed before makes no exchange, so a mismatch is raised on every rank at a call that
+    is new to every rank (``test_per_signature_check`` covers the rest)."""
+    fleet.init()
+    return Communicator(fleet.world.topology())
 
 
 def still_works(comm):
@@ -20,7 +30,7 @@ def still_works(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "native"])
 def test_shape_and_dtype_mismatch_raise_on_every_rank(algorithm):
-    comm = world()
+    comm = unused()
     n = 5 if comm.rank == 0 else 6
     with raises(CollectiveMismatchError, match=r"count differs \(rank 0: 5, rank 1: 6"):
         comm.allreduce(np.ones(n), algorithm=algorithm)
@@ -41,7 +51,7 @@ def test_shape_and_dtype_mismatch_raise_on_every_rank(algorithm):
 
 @pytest.mark.mpi(min_size=2)
 def test_op_root_algorithm_and_collective_mismatch_raise_on_every_rank():
-    comm = world()
+    comm = unused()
     first = comm.rank == 0
     with raises(CollectiveMismatchError, match="op differs.*'sum'.*'max'"):
         comm.allreduce(np.ones(3), op="sum" if first else "max")
@@ -60,8 +70,58 @@ def test_op_root_algorithm_and_collective_mismatch_raise_on_every_rank():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_per_signature_check_exchanges_once_and_tells_of_diverged_ranks_at_the_next_new_call():
+    comm = unused()
+    exchanges = stall.call_state(comm._control)
+    x = np.ones(3)
+    ops = ["sum", "sum", "max", "max", "sum"]  # every pair of consecutive ops, ending in sum
+    for op in ops:
+        comm.allreduce(x, op=op)
+    before = exchanges.calls
+    for op in ops * 2:
+        equal(comm.allreduce(x, op=op), np.full(3, float(comm.size if op == "sum" else 1)))
+    ok(exchanges.calls == before, f"{exchanges.calls - before} exchanges for repeated calls")
+    comm.allreduce(x, op="max" if comm.rank == 0 else "sum")  # both seen in this place
+    ok(exchanges.calls == before, "a call seen before in this place was exchanged")
+    with raises(CollectiveMismatchError, match="history differs.*called different collectives "
+                                               "since the last call"):
+        comm.allreduce(np.ones(4))
+    comm.allreduce(np.ones(4))
+    ok(exchanges.calls == before + 2, "the new call after the mismatch was not exchanged")
+    still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_always_exchanges_at_every_call(monkeypatch):
+    monkeypatch.setenv("FLEETMPI_CHECK_COLLECTIVES", "always")
+    comm = unused()
+    ok(comm.check == "always")
+    x = np.ones(3)
+    comm.allreduce(x)
+    comm.allreduce(x, op="max")
+    with raises(CollectiveMismatchError, match="op differs.*'max'.*'sum'"):
+        comm.allreduce(x, op="max" if comm.rank == 0 else "sum")
+    still_works(comm)
+
+
+@pytest.mark.parametrize("text, mode", [("", True), ("1", True), ("0", False),
+                                        ("always", "always")])
+def test_check_knob(text, mode):
+    assert check_mode(None, {"FLEETMPI_CHECK_COLLECTIVES": text}) == mode
+    assert check_mode(mode, {"FLEETMPI_CHECK_COLLECTIVES": "bogus"}) == mode
+
+
+@pytest.mark.parametrize("text", ["2", "yes", "ALWAYS"])
+def test_bad_check_knob_is_named(text):
+    with pytest.raises(ValueError, match=f"FLEETMPI_CHECK_COLLECTIVES={text!r} must be 0"):
+        check_mode(None, {"FLEETMPI_CHECK_COLLECTIVES": text})
+    with pytest.raises(ValueError, match="check='sometimes' must be False, True or 'always'"):
+        check_mode("sometimes")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_bad_argument_on_one_rank_raises_everywhere():
-    comm = world()
+    comm = unused()
     first = comm.rank == 0
     if first:
         with raises(ValueError, match="op='prod' is not a reduction.*sum, mean, max, min"):
@@ -121,10 +181,15 @@ def test_strided_and_empty_inputs():
 
 
 @pytest.mark.mpi
-def test_nccl_transport_without_cupy_raises_a_clear_error_on_every_rank():
+def test_nccl_transport_where_nccl_cannot_run_raises_a_clear_error_on_every_rank():
+    """Without CuPy, or with CuPy (the ``gpu`` extra) but no device, or a CPU-forced run:
+    each rank's reason is named; where NCCL can run here, the test has nothing to check."""
     fleet.init()
-    with raises(NCCLUnavailableError, match="rank 0: CuPy with NCCL is not importable.*"
-                                                    "transport='mpi'"):
+    if _probe() is None:
+        pytest.skip("NCCL can run here")
+    with raises(NCCLUnavailableError, match="rank 0: (CuPy with NCCL is not importable|no "
+                                            "usable CUDA device|no CUDA device is visible|this "
+                                            "CuPy build has no NCCL).*transport='mpi'"):
         Communicator(fleet.world.topology(), transport="nccl")
     still_works(world())
 
@@ -138,7 +203,7 @@ def test_importing_fleetmpi_needs_no_cupy():
 def test_bad_constructor_arguments_name_the_value():
     fleet.init()
     topology = fleet.world.topology()
-    with raises(ValueError, match="transport='gloo' is not known; allowed: mpi, nccl"):
+    with raises(ValueError, match="transport='gloo' is not known; allowed: auto, mpi, nccl"):
         Communicator(topology, transport="gloo")
     with raises(ValueError, match="nccl_comm_num=0 must be a positive integer"):
         Communicator(topology, nccl_comm_num=0)
