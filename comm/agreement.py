@@ -6,8 +6,8 @@ checksum of all shapes and dtypes, whether the arguments passed this rank's own 
 the running hash of the calls since the last exchange). If the vectors differ, or some rank
 rejected its arguments, every rank raises ``CollectiveMismatchError`` instead of entering a
 transfer whose sizes do not match, which would hang or return garbage. The cost is one small
-gather to rank 0 and broadcast back per call (per ``allreduce_many``/``broadcast_many`` call,
-not per array), polled so that a rank that never arrives is reported instead of waited for
+gather to rank 0 up a binomial tree and a broadcast back per call (per ``allreduce_many``/
+``broadcast_many`` call, not per array), polled so that a rank that never arrives is reported instead of waited for
 forever (``fleetmpi.comm.stall``).
 
 Which calls are checked is the communicator's choice (``FLEETMPI_CHECK_COLLECTIVES``): every

@@ -3,18 +3,23 @@
 Every collective starts with the agreement (``fleetmpi.comm.agreement``), so the agreement is
 where a rank waits for ranks that never come: one that skipped a collective, hangs, or is busy
 elsewhere. A blocking ``Allgather`` would wait forever and could not say for whom. Here the
-rows travel in requests that are polled:
+rows travel in requests that are polled, up a binomial tree and back down:
 
-* every rank but 0 sends its row to rank 0 with ``Issend`` (it completes only once rank 0 has
-  posted the matching receive, that is, once rank 0 has arrived at this call) and posts an
-  ``Ibcast`` for the table;
-* rank 0 posts one ``Irecv`` per rank, and when all rows are in, broadcasts the table.
+* rank ``r`` collects the rows of its subtree (ranks ``r .. r + lowbit(r) - 1``) from its
+  children ``r + 1, r + 2, r + 4, ...`` (below ``lowbit(r)``), then sends them to its parent
+  ``r - lowbit(r)`` with ``Issend`` (complete only once the parent has posted the matching
+  receive, that is, has arrived at this call);
+* rank 0, the root, holds every row once its children are in, and ``Ibcast`` hands the table
+  to all. Each rank receives from at most ``ceil(log2 P)`` children and sends once: the
+  exchange is O(log P) messages per rank.
 
 A rank that has waited ``FLEETMPI_STALL_TIMEOUT`` seconds (default 600; ``0`` waits forever)
 writes which ranks have not arrived at which call (the collective and the communicator's call
-number) and aborts the MPI job. Rank 0 knows exactly who is missing and sends the list to the
-ranks that have arrived, so each of them writes it too; a rank whose row rank 0 has not taken
-knows that rank 0 itself is missing.
+number) and aborts the MPI job. Only then does rank 0 learn exactly who is missing: it asks
+every rank (``QUERY_TAG``), the ranks waiting in this exchange answer (``HERE_TAG``), and
+after ``REPORT_LINGER_SECONDS`` the silent ones are the missing; rank 0 sends the list to the
+ranks that answered, so each of them writes it too. A rank that rank 0 never asks within a
+second stall time knows that rank 0 itself has not arrived.
 
 Waiting first spins (yielding the core to other processes) for ``SPIN_SECONDS``, then sleeps
 in growing steps up to ``SLEEP_MAX_SECONDS``, so ranks waiting on an oversubscribed machine do
@@ -32,6 +37,8 @@ STALL_ENV = "FLEETMPI_STALL_TIMEOUT"
 DEFAULT_STALL_SECONDS = 600.0
 ROW_TAG = 101
 REPORT_TAG = 102
+QUERY_TAG = 103
+HERE_TAG = 104
 SPIN_SECONDS = 1e-3
 SLEEP_MIN_SECONDS = 50e-6
 SLEEP_MAX_SECONDS = 1e-3
@@ -132,6 +139,30 @@ def _stalled(message):
     abort(message, linger=REPORT_LINGER_SECONDS)
 
 
+def lowbit(rank):
+    """The lowest set bit of ``rank`` (rank 0, the root, stands above every other)."""
+    return rank & -rank
+
+
+def tree_children(rank, size):
+    """The children of ``rank`` in the binomial tree of ``size`` ranks, nearest first."""
+    limit = lowbit(rank) if rank else size
+    step, children = 1, []
+    while step < limit and rank + step < size:
+        children.append(rank + step)
+        step *= 2
+    return children
+
+
+def subtree_size(rank, size):
+    """How many ranks the subtree of ``rank`` holds: ``rank`` and the next ones below it."""
+    return min(lowbit(rank) if rank else size, size - rank)
+
+
+def tree_parent(rank):
+    return rank - lowbit(rank)
+
+
 def _wait(requests, clock, probe=None):
     """Poll ``requests`` until all complete (True) or the clock runs out (False); ``probe()``
     returning True also ends the wait (False). The probe is asked only once the spinning is
@@ -147,6 +178,92 @@ def _wait(requests, clock, probe=None):
     return True
 
 
+class _Exchange:
+    """One rank's part of one exchange up the tree and back down (module docstring)."""
+
+    def __init__(self, comm, rows, collective, state):
+        self.comm, self.rows, self.collective, self.state = comm, rows, collective, state
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.pending = [comm.Irecv(rows[c:c + subtree_size(c, self.size)], source=c,
+                                   tag=ROW_TAG)
+                        for c in tree_children(self.rank, self.size)]
+        self.sent = self.rank == 0
+        self.send = self.table = None
+        self.asked = False
+
+    def advance(self):
+        """Move on as far as the messages allow; True once this rank holds every row."""
+        from mpi4py import MPI
+
+        if self.pending and not MPI.Request.Testall(self.pending):
+            return False
+        self.pending = []
+        if self.table is None:
+            if self.rank:
+                mine = self.rows[self.rank:self.rank + subtree_size(self.rank, self.size)]
+                self.send = self.comm.Issend(mine, dest=tree_parent(self.rank), tag=ROW_TAG)
+            self.table = self.comm.Ibcast(self.rows, root=0)
+        return self.table.Test() and (self.send is None or self.send.Test())
+
+    def answer_query(self):
+        """Answer rank 0's question whether this rank is here; True once rank 0 has asked."""
+        if not self.asked and self.comm.Iprobe(source=0, tag=QUERY_TAG):
+            question = np.empty(1, dtype=np.int64)
+            self.comm.Recv(question, source=0, tag=QUERY_TAG)
+            self.comm.Send(np.array([self.rank], dtype=np.int64), dest=0, tag=HERE_TAG)
+            self.asked = True
+        return self.asked
+
+    def run(self, timeout):
+        """Advance until done (True), a stall report is waiting (False), or ``timeout``."""
+        clock = _Clock(timeout)
+        while not self.advance():
+            if self.rank and clock.sleeping():
+                self.answer_query()
+                if self.comm.Iprobe(source=0, tag=REPORT_TAG):
+                    return False
+            if not clock.pause():
+                return False
+        return True
+
+
+def _root_stalled(exchange, waited):
+    """Rank 0 after the stall time: ask every rank, name the silent ones, tell the others."""
+    comm, size = exchange.comm, exchange.size
+    question = np.zeros(1, dtype=np.int64)
+    answers = np.zeros((size, 1), dtype=np.int64)
+    exchange.asks = [comm.Isend(question, dest=r, tag=QUERY_TAG) for r in range(1, size)]
+    replies = {r: comm.Irecv(answers[r], source=r, tag=HERE_TAG) for r in range(1, size)}
+    _wait(list(replies.values()), _Clock(REPORT_LINGER_SECONDS))
+    here = [r for r, request in replies.items() if request.Test()]
+    missing = sorted(set(range(1, size)) - set(here))
+    mask = np.zeros(size, dtype=np.int64)
+    mask[missing] = 1
+    _wait([comm.Isend(mask, dest=r, tag=REPORT_TAG) for r in here],
+          _Clock(REPORT_LINGER_SECONDS))
+    _stalled(stall_message(0, size, exchange.collective, exchange.state.calls, missing,
+                           waited))
+
+
+def _member_stalled(exchange, clock):
+    """Any other rank after the stall time: wait up to one more stall time for rank 0's
+    question and report (the exchange may still finish: then it returns the rows)."""
+    if exchange.run(exchange.state.timeout):
+        return exchange.rows
+    comm, rank, size = exchange.comm, exchange.rank, exchange.size
+    if comm.Iprobe(source=0, tag=REPORT_TAG):
+        mask = np.zeros(size, dtype=np.int64)
+        comm.Recv(mask, source=0, tag=REPORT_TAG)
+        _stalled(stall_message(rank, size, exchange.collective, exchange.state.calls,
+                               np.flatnonzero(mask), clock.waited(), reported_by=0))
+    if exchange.asked:
+        _stalled(f"[fleetmpi] stall: rank {rank}/{size} has waited {clock.waited():.1f} s in "
+                 f"{exchange.collective}, call #{exchange.state.calls} of its communicator; "
+                 f"rank 0 asked who had arrived but sent no report; aborting the job")
+    _stalled(stall_message(rank, size, exchange.collective, exchange.state.calls, None,
+                           clock.waited()))
+
+
 def gather_rows(comm, row, collective):
     """Every rank's ``row`` (an int64 vector) stacked in rank order, on every rank; aborts the
     job with a stall report when ranks do not arrive in time (see the module docstring)."""
@@ -158,33 +275,17 @@ def gather_rows(comm, row, collective):
     if size == 1:
         return rows
     clock = _Clock(state.timeout)
+    exchange = _Exchange(comm, rows, collective, state)
+    if exchange.run(state.timeout):
+        return rows
     if rank == 0:
-        receives = [comm.Irecv(rows[r], source=r, tag=ROW_TAG) for r in range(1, size)]
-        if not _wait(receives, clock):
-            missing = [r for r, request in zip(range(1, size), receives) if not request.Test()]
-            mask = np.zeros(size, dtype=np.int64)
-            mask[missing] = 1
-            reports = [comm.Isend(mask, dest=r, tag=REPORT_TAG)
-                       for r in sorted(set(range(1, size)) - set(missing))]
-            _wait(reports, _Clock(REPORT_LINGER_SECONDS))
-            _stalled(stall_message(0, size, collective, state.calls, missing, clock.waited()))
-        table = comm.Ibcast(rows, root=0)
-        _wait([table], _Clock(math.inf))
+        if exchange.table is None:
+            _root_stalled(exchange, clock.waited())
+        _wait([exchange.table], _Clock(math.inf))
         return rows
-    send = comm.Issend(rows[rank], dest=0, tag=ROW_TAG)
-    table = comm.Ibcast(rows, root=0)
-    if _wait([send, table], clock, lambda: comm.Iprobe(source=0, tag=REPORT_TAG)):
-        return rows
-    if not comm.Iprobe(source=0, tag=REPORT_TAG) and not send.Test():
-        _stalled(stall_message(rank, size, collective, state.calls, None, clock.waited()))
-    # rank 0 has arrived and reports within its own stall time; wait that long for the report
-    if _wait([table], _Clock(state.timeout), lambda: comm.Iprobe(source=0, tag=REPORT_TAG)):
-        return rows
-    mask = np.zeros(size, dtype=np.int64)
     if comm.Iprobe(source=0, tag=REPORT_TAG):
+        mask = np.zeros(size, dtype=np.int64)
         comm.Recv(mask, source=0, tag=REPORT_TAG)
         _stalled(stall_message(rank, size, collective, state.calls, np.flatnonzero(mask),
                                clock.waited(), reported_by=0))
-    _stalled(f"[fleetmpi] stall: rank {rank}/{size} has waited {clock.waited():.1f} s in "
-             f"{collective}, call #{state.calls} of its communicator; rank 0 took this rank's "
-             f"arrival but sent neither the agreement nor a stall report; aborting the job")
+    return _member_stalled(exchange, clock)

@@ -119,3 +119,56 @@ def test_polled_exchange_gives_every_rank_every_row_and_counts_calls():
     ok(stall.call_state(control).calls == before + 3)
     counts = control.allgather(stall.call_state(control).calls)
     ok(len(set(counts)) == 1, f"call counters differ across ranks: {counts}")
+
+
+@pytest.mark.parametrize("size", list(range(1, 70)) + [128, 1000, 1024, 4096])
+def test_the_tree_covers_every_rank_once_with_log_p_children(size):
+    limit = max(1, math.ceil(math.log2(size))) if size > 1 else 0
+    covered = np.zeros(size, dtype=int)
+    for rank in range(size):
+        children = stall.tree_children(rank, size)
+        ok(len(children) <= limit, f"rank {rank} of {size} has {len(children)} children")
+        for child in children:
+            ok(stall.tree_parent(child) == rank)
+        span = stall.subtree_size(rank, size)
+        ok(span == 1 + sum(stall.subtree_size(c, size) for c in children))
+        if rank:
+            covered[rank] += 1
+    ok(stall.subtree_size(0, size) == size and (covered[1:] == 1).all())
+
+
+class CountingComm:
+    """An MPI communicator that counts the point-to-point messages a rank posts."""
+
+    def __init__(self, comm):
+        self.comm, self.receives, self.sends = comm, 0, 0
+
+    def Irecv(self, *args, **kwargs):
+        self.receives += 1
+        return self.comm.Irecv(*args, **kwargs)
+
+    def Issend(self, *args, **kwargs):
+        self.sends += 1
+        return self.comm.Issend(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_each_rank_exchanges_log_p_messages():
+    """One agreement exchange: a rank receives from its children in the tree (at most
+    ceil(log2 P)) and sends once to its parent; rank 0 sends nothing but the broadcast."""
+    comm = world()
+    counting = CountingComm(comm._control.Dup())
+    try:
+        row = np.array([comm.rank, 5], dtype=np.int64)
+        rows = stall.gather_rows(counting, row, "test")
+        equal(rows, np.array([[r, 5] for r in range(comm.size)]))
+        ok(counting.receives == len(stall.tree_children(comm.rank, comm.size)))
+        ok(counting.receives <= math.ceil(math.log2(comm.size)))
+        ok(counting.sends == (0 if comm.rank == 0 else 1))
+        counts = comm._control.allgather((counting.receives, counting.sends))
+        ok(sum(r for r, _ in counts) == comm.size - 1 == sum(s for _, s in counts))
+    finally:
+        counting.comm.Free()
