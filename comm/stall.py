@@ -251,6 +251,10 @@ def _member_stalled(exchange, clock):
     if exchange.run(exchange.state.timeout):
         return exchange.rows
     comm, rank, size = exchange.comm, exchange.rank, exchange.size
+    # rank 0, once it has asked, reports after waiting REPORT_LINGER_SECONDS for the answers
+    answered = _Clock(3 * REPORT_LINGER_SECONDS)
+    while exchange.asked and not comm.Iprobe(source=0, tag=REPORT_TAG) and answered.pause():
+        pass
     if comm.Iprobe(source=0, tag=REPORT_TAG):
         mask = np.zeros(size, dtype=np.int64)
         comm.Recv(mask, source=0, tag=REPORT_TAG)
