@@ -72,10 +72,15 @@ def test_a_run_that_lost_a_rank_resumes_at_two_and_ends_as_an_uninterrupted_one(
     assert restart_line, result.stderr[-3000:]
     assert "exit status 9" in restart_line.group(1)
     assert "ended first: rank" in restart_line.group(1)
-    assert "1 step(s) lost (reached 5, last commit 4)" in restart_line.group(1)
+    # Rank 0 records step 5 as reached once its update of step 4 is done; the launcher may
+    # end it first, the moment rank 2 dies after the same step: then step 4 was reached.
+    lost = re.search(r"(\d+) step\(s\) lost \(reached (\d+), last commit 4\)",
+                     restart_line.group(1))
+    assert lost and lost.group(2) in ("4", "5"), restart_line.group(1)
+    assert int(lost.group(1)) == int(lost.group(2)) - 4, restart_line.group(1)
     assert "fleetmpirun: elastic: 1 restart(s); the last attempt ran 2 rank(s) and ended " \
            "with status 0" in result.stderr
-    assert "fleetmpirun: elastic: 1 step(s) lost in all" in result.stderr
+    assert f"fleetmpirun: elastic: {lost.group(1)} step(s) lost in all" in result.stderr
     resumed = outputs(tmp_path / "out", 2)
     assert not os.path.exists(f"{tmp_path / 'out'}.2.npz")
     reference = parameters(uninterrupted[0])
