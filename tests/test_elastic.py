@@ -105,8 +105,15 @@ def test_exhausted_restarts_end_the_job_non_zero_with_the_cause(tmp_path):
     assert "restart 1 of at most 1 with 2 rank(s)" in result.stderr
     assert re.search(r"gave up: attempt 1 with 2 rank\(s\) failed: exit status 9.*no restart "
                      r"left \(--max_restarts 1\)", result.stderr), result.stderr[-3000:]
-    # the second attempt resumed from step 2 and died before step 3 again: 1 step lost each time
-    assert "fleetmpirun: elastic: 2 step(s) lost in all" in result.stderr
+    # each attempt committed step 2 and died before step 3: step 3 reached, one step lost,
+    # unless the launcher ended rank 0 before it recorded step 3
+    lost = dict((attempt, (int(n), reached)) for attempt, n, reached in re.findall(
+        r"attempt (\d+) with 2 rank\(s\) failed: [^\n]*?(\d+) step\(s\) lost "
+        r"\(reached (\d+), last commit 2\)", result.stderr))
+    assert sorted(lost) == ["0", "1"] and all(n == int(reached) - 2 and reached in ("2", "3")
+                                              for n, reached in lost.values()), result.stderr
+    assert (f"fleetmpirun: elastic: {sum(n for n, _ in lost.values())} step(s) lost in all"
+            in result.stderr)
 
 
 def test_a_restart_below_min_np_is_not_made_and_named(tmp_path):
