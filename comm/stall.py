@@ -187,7 +187,6 @@ class _Exchange:
         self.pending = [comm.Irecv(rows[c:c + subtree_size(c, self.size)], source=c,
                                    tag=ROW_TAG)
                         for c in tree_children(self.rank, self.size)]
-        self.sent = self.rank == 0
         self.send = self.table = None
         self.asked = False
 
@@ -287,9 +286,4 @@ def gather_rows(comm, row, collective):
             _root_stalled(exchange, clock.waited())
         _wait([exchange.table], _Clock(math.inf))
         return rows
-    if comm.Iprobe(source=0, tag=REPORT_TAG):
-        mask = np.zeros(size, dtype=np.int64)
-        comm.Recv(mask, source=0, tag=REPORT_TAG)
-        _stalled(stall_message(rank, size, collective, state.calls, np.flatnonzero(mask),
-                               clock.waited(), reported_by=0))
     return _member_stalled(exchange, clock)
