@@ -41,8 +41,8 @@ from .fusion import buckets_for
 from .handles import CommThread
 from .hierarchical import allreduce_hierarchical
 from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
-from .ring import (DEFAULT_CHUNK_BYTES, allgather_ring, allreduce_ring, count_offsets,
-                   reduce_scatter_ring, split_offsets)
+from .ring import (DEFAULT_CHUNK_BYTES, RingAllreduce, allgather_ring, allreduce_ring,
+                   count_offsets, reduce_scatter_ring, split_offsets)
 from .stall import gather_rows
 from .transport_choice import AUTO, device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
@@ -102,7 +102,7 @@ def _recorded(collective, nbytes=False):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
-            if self._comm_thread.pending() and not self._comm_thread.on_thread():
+            if self._comm_thread.blocks_caller():
                 self._comm_thread.drain()  # keep the order of the operations already started
             event = timeline.span(collective, "comm")
             if not event:
@@ -175,6 +175,7 @@ class Communicator:
         self.payload_bytes = 0
         self._algorithms = None
         self._agreed = {}
+        self._repeats = {}
         self._previous = -1
         self._unchecked = 0
         self._history = 0
@@ -310,9 +311,7 @@ class Communicator:
                    tuple((a.dtype.num, a.shape) for a in arrays))
             code = self._agreed.get(key)
             if code is not None:
-                self._unchecked += 1
-                self._history = history_step(self._history, code)
-                self._previous = code
+                self._skip_agreement(code)
                 return
         if problem is None:
             dtype, count, n, shapes = describe_arrays(arrays)
@@ -327,6 +326,14 @@ class Communicator:
         if key is not None:
             self._previous = self._agreed[key] = row_code(call_row(collective, _TABLES,
                                                                    **fields))
+
+    def _skip_agreement(self, code):
+        """Account for a call that repeats an agreed one (its row's ``code``) without an
+        exchange: the next exchange compares the count and the running hash."""
+        if self.check:
+            self._unchecked += 1
+            self._history = history_step(self._history, code)
+            self._previous = code
 
     def _note(self, algorithm):
         """Remember the algorithm a flat operation ran, for the timeline event of its call."""
@@ -396,28 +403,38 @@ class Communicator:
             self._single_node_pick = "shm" if best[1] < best[0] else "ring"
         return self._single_node_pick
 
-    def _allreduce_flat(self, buf, op, algorithm, compression, index):
+    def _allreduce_flat(self, buf, op, algorithm, compression, index, sendbuf=None):
+        """Allreduce the flat ``buf`` in place on transport ``index``, or reduce the flat
+        ``sendbuf`` into it (MPI's separate send buffer: native, ring and shm read it where it
+        is; hierarchical copies it into ``buf`` first)."""
         algorithm = algorithm or self._pick_allreduce(buf.nbytes, compression)
         self._note(algorithm)
         transport = self.transports[index]
-        if algorithm == "ring":
-            def fn(b):
-                allreduce_ring(transport, b, op, compression, self.chunk_bytes)
-        elif algorithm == "hierarchical":
+        if algorithm == "hierarchical":
             local, cross = self._level_transports(index)
+            if sendbuf is not None:
+                array_module(buf).copyto(buf, sendbuf)
 
             def fn(b):
                 allreduce_hierarchical(local, cross, b, op, compression, self.chunk_bytes)
+            self._run(index, fn, buf)
+            return
+        if algorithm == "ring":
+            def fn(b, s=None):
+                allreduce_ring(transport, b, op, compression, self.chunk_bytes, sendbuf=s)
         elif algorithm == "shm":
             shm = self._shared_memory()
 
-            def fn(b):
-                shm.allreduce(b, b, op)
+            def fn(b, s=None):
+                shm.allreduce(b if s is None else s, b, op)
         else:
-            def fn(b):
-                transport.native_allreduce(b, op)
+            def fn(b, s=None):
+                transport.native_allreduce(b, op, s)
                 finish_mean(b, op, self.size)
-        self._run(index, fn, buf)
+        if sendbuf is None:
+            self._run(index, fn, buf)
+        else:
+            self._run(index, fn, buf, sendbuf)
 
     def _broadcast_flat(self, buf, root, algorithm, index):
         transport = self.transports[index]
@@ -437,7 +454,6 @@ class Communicator:
 
     # collectives
 
-    @_recorded("allreduce")
     def allreduce(self, x, op="sum", algorithm=None, compression=None, out=None):
         """The elementwise reduction of ``x`` over all ranks, as a new array (or in ``out``).
 
@@ -447,7 +463,44 @@ class Communicator:
         ``compression="fp16"``: float16 on the wire, see ``fleetmpi.comm.compression``.
         ``out``: a C-contiguous array of ``x``'s shape and dtype to write the result into
         (``x`` itself for an in-place reduction); saves allocating the result on every call.
+
+        A call on host arrays that repeats an agreed call right after the same call as before
+        (a training loop's calls repeat every step) goes straight to the transfer, which
+        matters for small messages: the key of such a repeat holds the code of the previous
+        call (as ``_agree`` counts it), the arguments and every property of the arrays that
+        the checks look at. ``check="always"`` and device arrays take the checked path.
         """
+        key = None  # what must be equal for a call to repeat an agreed one (see below)
+        if x.__class__ is np.ndarray and self.check is not ALWAYS:
+            if out is None or out is x:
+                out_key = out is x
+            elif out.__class__ is np.ndarray:
+                flags, x_base, out_base = out.flags, x.base, out.base
+                out_key = (out.dtype, out.shape, flags.c_contiguous, flags.writeable)
+                if (x if x_base is None else x_base) is (out if out_base is None else out_base):
+                    out_key = None  # views of one array may overlap: the checked path copies
+            else:
+                out_key = None
+            if out_key is not None:
+                flags = x.flags
+                key = (self._previous, x.dtype, x.shape, flags.c_contiguous, flags.writeable,
+                       op, algorithm, compression, out_key)
+        try:
+            repeat = self._repeats.get(key)
+        except TypeError:  # an unhashable argument: the checks name it
+            key = repeat = None
+        if repeat is None or timeline.active() or self._comm_thread.blocks_caller():
+            return self._allreduce_checked(x, op, algorithm, compression, out, key)
+        code, payload, run = repeat
+        self.payload_bytes += payload
+        if self.check:
+            self._unchecked += 1
+            self._history = history_step(self._history, code)
+            self._previous = code
+        return run(x, out)
+
+    @_recorded("allreduce")
+    def _allreduce_checked(self, x, op, algorithm, compression, out, key):
         def check():
             self._check_array(x)
             self._check_allreduce([x.dtype], op, algorithm, compression)
@@ -458,19 +511,55 @@ class Communicator:
                                      f"{x.shape}, not {out.dtype} {out.shape}"
                                      f"{'' if out.flags.c_contiguous else ' (strided)'}")
         problem = _capture(check)
+        before = self.payload_bytes
         self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
                     compression=compression)
+        if key is None:
+            return self._allreduce_into(x, op, algorithm, compression, out)
+        run = self._allreduce_runner(x, op, algorithm, compression, out)
+        self._repeats[key] = (self._previous, self.payload_bytes - before, run)
+        return run(x, out)
+
+    def _allreduce_runner(self, x, op, algorithm, compression, out):
+        """A function ``(x, out) -> result`` that repeats this agreed ``allreduce`` on arrays
+        like ``x`` and ``out``, with the algorithm picked once. A native reduction of host
+        arrays goes straight to the transport, reducing ``x`` into the result without a copy
+        (what MPI_Allreduce with a separate receive buffer costs)."""
+        algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
+        transport = self.transports[0]
+        if algorithm == "native" and not transport.device and x.flags.c_contiguous:
+            shape, dtype, size = x.shape, x.dtype, self.size
+            reduce = transport.native_allreduce
+
+            def run(x, out):
+                result = np.empty(shape, dtype) if out is None else out
+                reduce(result, op, None if result is x else x)
+                if op == "mean":
+                    finish_mean(result, op, size)
+                return result
+            return run
+        if algorithm == "ring" and not transport.device and x.flags.c_contiguous:
+            ring = RingAllreduce(transport, x.size, x.dtype, op, compression, self.chunk_bytes)
+            shape, dtype = x.shape, x.dtype
+
+            def run(x, out):
+                result = np.empty(shape, dtype) if out is None else out
+                ring(result.reshape(-1), None if result is x else x.reshape(-1))
+                return result
+            return run
+        return lambda x, out: self._allreduce_into(x, op, algorithm, compression, out)
+
+    def _allreduce_into(self, x, op, algorithm, compression, out):
+        """The reduction of ``x`` into ``out`` (a new array when None, ``x`` itself in place),
+        ``x`` read where it is (a strided ``x`` is copied first, and so is an ``x`` that
+        overlaps ``out``)."""
         xp = array_module(x)
         result = xp.empty(x.shape, x.dtype) if out is None else out
-        flat = result.reshape(-1)
-        algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
-        if algorithm == "shm" and not is_device_array(x) and x.flags.c_contiguous:
-            self._note(algorithm)
-            self._shared_memory().allreduce(x.reshape(-1), flat, op)
-            return result
-        if result is not x:
+        src = None if result is x else xp.ascontiguousarray(x).reshape(-1)
+        if src is not None and xp.may_share_memory(result, x):
             xp.copyto(result, x)
-        self._allreduce_flat(flat, op, algorithm, compression, 0)
+            src = None
+        self._allreduce_flat(result.reshape(-1), op, algorithm, compression, 0, src)
         return result
 
     @_recorded("allreduce_many")

@@ -17,6 +17,8 @@ range (6.1e-5) lose absolute precision instead: each rounding adds at most ``2**
 sum beyond float16's range (65504) becomes ``inf`` on the wire, so the result is ``inf`` (or
 ``nan`` where infinities of both signs meet) identically on every rank.
 """
+import functools
+
 import numpy as np
 
 COMPRESSIONS = (None, "fp16")
@@ -32,6 +34,7 @@ def check_compression(compression, dtype):
     return compression
 
 
+@functools.lru_cache(maxsize=64)
 def accumulate_dtypes(dtype, compression):
     """(accumulator dtype, wire dtype) for reducing ``dtype`` with ``compression``."""
     dtype = np.dtype(dtype)

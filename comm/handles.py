@@ -79,6 +79,11 @@ class CommThread:
         """Whether the caller is this thread (an operation it runs calls the blocking form)."""
         return self._thread is not None and threading.current_thread() is self._thread
 
+    def blocks_caller(self):
+        """Whether a blocking collective called now must first wait for the thread: it has
+        operations pending, and the caller is not the thread itself."""
+        return bool(self._pending) and not self.on_thread()
+
     def submit(self, collective, operation):
         """Run ``operation()`` on the thread after everything submitted before; returns its
         ``Handle``."""

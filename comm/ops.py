@@ -12,14 +12,14 @@ DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64),
 
 def array_module(a):
     """``numpy`` for host arrays, ``cupy`` for device arrays."""
-    if type(a).__module__.startswith("cupy"):
+    if a.__class__ is not np.ndarray and type(a).__module__.startswith("cupy"):
         import cupy
         return cupy
     return np
 
 
 def is_device_array(a):
-    return type(a).__module__.startswith("cupy")
+    return a.__class__ is not np.ndarray and type(a).__module__.startswith("cupy")
 
 
 def check_op(op):
@@ -37,15 +37,18 @@ def check_dtype(dtype):
     return dtype
 
 
+_UFUNCS = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+
+
+def reducer(xp, op):
+    """The ufunc of ``xp`` (NumPy or CuPy) that combines two partial results of ``op``
+    elementwise; ``mean`` accumulates as ``sum``."""
+    return getattr(xp, _UFUNCS[op])
+
+
 def reduce_into(acc, other, op):
-    """``acc = op(acc, other)`` elementwise, in place. ``mean`` accumulates as ``sum``."""
-    xp = array_module(acc)
-    if op in ("sum", "mean"):
-        xp.add(acc, other, out=acc, casting="unsafe")
-    elif op == "max":
-        xp.maximum(acc, other, out=acc, casting="unsafe")
-    else:
-        xp.minimum(acc, other, out=acc, casting="unsafe")
+    """``acc = op(acc, other)`` elementwise, in place."""
+    reducer(array_module(acc), op)(acc, other, out=acc, casting="unsafe")
 
 
 def finish_mean(buf, op, size):

@@ -11,21 +11,25 @@ a small receive buffer, so the reduction reads data that is still in cache.
 see ``compression``); the allgather then circulates the wire copy, so every rank ends with the
 same bits.
 """
+import functools
+
 import numpy as np
 
 from .compression import accumulate_dtypes, to_wire
-from .ops import array_module, finish_mean, reduce_into
+from .ops import array_module, finish_mean, reducer
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 
+@functools.lru_cache(maxsize=256)
 def split_offsets(n, parts):
-    """Offsets of ``parts`` near-equal segments of ``n`` elements (the first ``n % parts`` get one more)."""
+    """Offsets of ``parts`` near-equal segments of ``n`` elements (the first ``n % parts`` get
+    one more), as a tuple."""
     q, r = divmod(n, parts)
     offsets = [0]
     for i in range(parts):
         offsets.append(offsets[-1] + q + (1 if i < r else 0))
-    return offsets
+    return tuple(offsets)
 
 
 def count_offsets(counts, row=1):
@@ -46,57 +50,100 @@ def _chunks(start, stop, chunk):
     return [(i, min(i + chunk, stop)) for i in range(start, stop, chunk)]
 
 
-def reduce_scatter_ring(transport, acc, op, offsets, wire_dtype=None,
-                        chunk_bytes=DEFAULT_CHUNK_BYTES):
-    """Reduce ``acc`` in place so that segment ``rank`` holds the reduction over all ranks.
-
-    The other segments of ``acc`` are left holding partial sums. ``op="mean"`` sums here; the
-    caller divides.
-    """
-    size, rank = transport.size, transport.rank
-    if size == 1:
-        return
-    xp = array_module(acc)
-    wire_dtype = np.dtype(wire_dtype or acc.dtype)
-    cast = wire_dtype != acc.dtype
-    chunk = max(1, chunk_bytes // wire_dtype.itemsize)
-    longest = max(offsets[i + 1] - offsets[i] for i in range(size))
-    recv_tmp = xp.empty(min(chunk, longest), wire_dtype)
-    send_tmp = xp.empty(min(chunk, longest), wire_dtype) if cast else None
-    right, left = (rank + 1) % size, (rank - 1) % size
+@functools.lru_cache(maxsize=256)
+def _reduce_scatter_steps(offsets, rank, chunk):
+    """The transfers of ``rank``'s reduce-scatter over the segments ``offsets`` cut, at most
+    ``chunk`` elements each, and the longest of them: ``(first, send, recv)`` per transfer,
+    ``send``/``recv`` the slice of the buffer sent to the right neighbour and reduced with
+    what arrives from the left (None where that side has no chunk left), ``first`` true in
+    the ring's first step. Computed once per layout: small messages repeat it every call."""
+    size = len(offsets) - 1
+    longest = min(chunk, max(offsets[i + 1] - offsets[i] for i in range(size)))
+    steps = []
     for step in range(size - 1):
         s = (rank - step - 1) % size
         r = (rank - step - 2) % size
-        send_parts = _chunks(offsets[s], offsets[s + 1], chunk)
-        recv_parts = _chunks(offsets[r], offsets[r + 1], chunk)
-        for k in range(max(len(send_parts), len(recv_parts))):
-            sendbuf = recvbuf = None
-            if k < len(send_parts):
-                a, b = send_parts[k]
-                if cast:
-                    sendbuf = send_tmp[:b - a]
-                    to_wire(sendbuf, acc[a:b])
-                else:
-                    sendbuf = acc[a:b]
-            if k < len(recv_parts):
-                a, b = recv_parts[k]
-                recvbuf = recv_tmp[:b - a]
-            transport.sendrecv(sendbuf, right if sendbuf is not None else None,
-                               recvbuf, left if recvbuf is not None else None)
-            if recvbuf is not None:
-                a, b = recv_parts[k]
-                reduce_into(acc[a:b], recvbuf, op)
+        sends = _chunks(offsets[s], offsets[s + 1], chunk)
+        recvs = _chunks(offsets[r], offsets[r + 1], chunk)
+        for k in range(max(len(sends), len(recvs))):
+            steps.append((step == 0, slice(*sends[k]) if k < len(sends) else None,
+                          slice(*recvs[k]) if k < len(recvs) else None))
+    return tuple(steps), longest
+
+
+@functools.lru_cache(maxsize=256)
+def _allgather_steps(offsets, rank):
+    """``(send, recv)`` slices of ``rank``'s allgather steps over the segments ``offsets`` cut."""
+    size = len(offsets) - 1
+    return tuple((slice(offsets[(rank - step) % size], offsets[(rank - step) % size + 1]),
+                  slice(offsets[(rank - step - 1) % size], offsets[(rank - step - 1) % size + 1]))
+                 for step in range(size - 1))
+
+
+class RingReduceScatter:
+    """One rank's part of a ring reduce-scatter over the segments ``offsets`` cut, for
+    accumulators of ``dtype`` sent as ``wire_dtype``, with its schedule and scratch buffers
+    (arrays of ``xp``) made once: a layout that repeats every step then costs only its
+    transfers and reductions, which is what a small message's time is made of."""
+
+    def __init__(self, transport, offsets, dtype, op, wire_dtype=None,
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, xp=np):
+        size, rank = transport.size, transport.rank
+        self.transport = transport
+        wire = np.dtype(dtype if wire_dtype is None else wire_dtype)
+        cast = wire != np.dtype(dtype)
+        steps, longest = ((), 0) if size == 1 else _reduce_scatter_steps(
+            tuple(offsets), rank, max(1, chunk_bytes // wire.itemsize))
+        recv_tmp = xp.empty(longest, wire)
+        send_tmp = xp.empty(longest, wire) if cast else None
+        self.steps = tuple(
+            (first, send, recv, None if recv is None else recv_tmp[:recv.stop - recv.start],
+             None if send is None or not cast else send_tmp[:send.stop - send.start])
+            for first, send, recv in steps)
+        self.combine = reducer(xp, op)
+        self.right, self.left = (rank + 1) % size, (rank - 1) % size
+
+    def __call__(self, acc, src=None):
+        """Reduce ``acc`` in place so that segment ``rank`` holds the reduction over all ranks.
+
+        The other segments of ``acc`` are left holding partial sums (all but one of them; the
+        segment sent first keeps what it held). ``src``: where this rank's own values are read
+        from, when not ``acc`` itself (as MPI's separate send buffer: no copy into ``acc``
+        first). ``op="mean"`` sums here; the caller divides."""
+        src = acc if src is None else src
+        if self.transport.size == 1:
+            if src is not acc:
+                array_module(acc).copyto(acc, src)
+            return
+        sendrecv, combine, right, left = (self.transport.sendrecv, self.combine, self.right,
+                                          self.left)
+        for first, send, recv, recvbuf, wire in self.steps:
+            sendbuf = None
+            if send is not None:
+                sendbuf = (src if first else acc)[send]
+                if wire is not None:
+                    to_wire(wire, sendbuf)
+                    sendbuf = wire
+            sendrecv(sendbuf, right if send is not None else None,
+                     recvbuf, left if recv is not None else None)
+            if recv is not None:
+                combine(src[recv], recvbuf, out=acc[recv], casting="unsafe")
+
+
+def reduce_scatter_ring(transport, acc, op, offsets, wire_dtype=None,
+                        chunk_bytes=DEFAULT_CHUNK_BYTES, src=None):
+    """Reduce ``acc`` in place so that segment ``rank`` holds the reduction over all ranks
+    (``RingReduceScatter``, made for this one call)."""
+    RingReduceScatter(transport, offsets, acc.dtype, op, wire_dtype, chunk_bytes,
+                      array_module(acc))(acc, src)
 
 
 def allgather_ring(transport, buf, offsets):
     """Given segment ``rank`` of ``buf`` on each rank, fill in every other segment."""
     size, rank = transport.size, transport.rank
     right, left = (rank + 1) % size, (rank - 1) % size
-    for step in range(size - 1):
-        s = (rank - step) % size
-        r = (rank - step - 1) % size
-        transport.sendrecv(buf[offsets[s]:offsets[s + 1]], right,
-                           buf[offsets[r]:offsets[r + 1]], left)
+    for send, recv in _allgather_steps(tuple(offsets), rank):
+        transport.sendrecv(buf[send], right, buf[recv], left)
 
 
 def finish_through_wire(transport, buf, acc, offsets, wire_dtype):
@@ -107,7 +154,7 @@ def finish_through_wire(transport, buf, acc, offsets, wire_dtype):
     """
     xp = array_module(buf)
     lo, hi = offsets[transport.rank], offsets[transport.rank + 1]
-    if np.dtype(wire_dtype) == acc.dtype:
+    if wire_dtype == acc.dtype:
         allgather_ring(transport, acc, offsets)
         if acc is not buf:
             xp.copyto(buf, acc, casting="unsafe")
@@ -118,21 +165,54 @@ def finish_through_wire(transport, buf, acc, offsets, wire_dtype):
     xp.copyto(buf, wire, casting="unsafe")
 
 
-def allreduce_ring(transport, buf, op, compression=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                   mean_size=None):
-    """Allreduce the flat contiguous array ``buf`` in place over ``transport``'s ranks.
+class RingAllreduce:
+    """The ring allreduce of flat buffers of ``n`` elements of ``dtype`` over ``transport``'s
+    ranks, made once for that layout (see ``RingReduceScatter``).
 
     ``mean_size`` is the divisor for ``op="mean"`` (defaults to the transport's size; the
-    hierarchical algorithm passes the world size).
+    hierarchical algorithm passes the world size). ``xp``: the module of the arrays it gets.
     """
-    mean_size = transport.size if mean_size is None else mean_size
-    if transport.size == 1 or buf.size == 0:
-        finish_mean(buf, op, mean_size)
-        return
-    acc_dtype, wire_dtype = accumulate_dtypes(buf.dtype, compression)
-    acc = buf if acc_dtype == buf.dtype else buf.astype(acc_dtype)
-    offsets = split_offsets(buf.size, transport.size)
-    reduce_scatter_ring(transport, acc, op, offsets, wire_dtype, chunk_bytes)
-    lo, hi = offsets[transport.rank], offsets[transport.rank + 1]
-    finish_mean(acc[lo:hi], op, mean_size)
-    finish_through_wire(transport, buf, acc, offsets, wire_dtype)
+
+    def __init__(self, transport, n, dtype, op, compression=None,
+                 chunk_bytes=DEFAULT_CHUNK_BYTES, mean_size=None, xp=np):
+        self.transport, self.op = transport, op
+        self.mean_size = transport.size if mean_size is None else mean_size
+        self.acc_dtype, self.wire_dtype = accumulate_dtypes(np.dtype(dtype), compression)
+        self.widen = self.acc_dtype != np.dtype(dtype)
+        self.offsets = split_offsets(n, transport.size)
+        rank = transport.rank
+        self.owned = slice(self.offsets[rank], self.offsets[rank + 1])
+        self.gather_steps = _allgather_steps(self.offsets, rank)
+        self.reduce_scatter = (None if transport.size == 1 or n == 0 else RingReduceScatter(
+            transport, self.offsets, self.acc_dtype, op, self.wire_dtype, chunk_bytes, xp))
+
+    def __call__(self, buf, src=None):
+        """Allreduce the flat contiguous ``buf`` in place or, given ``src`` (flat, of ``buf``'s
+        size and dtype), reduce ``src`` into ``buf`` without copying it there first."""
+        src = buf if src is None else src
+        if self.reduce_scatter is None:
+            if src is not buf:
+                array_module(buf).copyto(buf, src)
+            finish_mean(buf, self.op, self.mean_size)
+            return
+        acc = buf
+        if self.widen:
+            acc = src = src.astype(self.acc_dtype)
+        self.reduce_scatter(acc, src)
+        if self.op == "mean":
+            finish_mean(acc[self.owned], self.op, self.mean_size)
+        if self.wire_dtype != self.acc_dtype:
+            finish_through_wire(self.transport, buf, acc, self.offsets, self.wire_dtype)
+            return
+        sendrecv, right, left = (self.transport.sendrecv, self.reduce_scatter.right,
+                                 self.reduce_scatter.left)
+        for send, recv in self.gather_steps:
+            sendrecv(buf[send], right, buf[recv], left)
+
+
+def allreduce_ring(transport, buf, op, compression=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
+                   mean_size=None, sendbuf=None):
+    """Allreduce the flat contiguous array ``buf`` in place over ``transport``'s ranks (or
+    reduce ``sendbuf`` into it): ``RingAllreduce``, made for this one call."""
+    RingAllreduce(transport, buf.size, buf.dtype, op, compression, chunk_bytes, mean_size,
+                  array_module(buf))(buf, sendbuf)

@@ -14,10 +14,6 @@ def mpi_op(op):
     return _MPI_OPS[op]
 
 
-def _peer(rank):
-    return MPI.PROC_NULL if rank is None else rank
-
-
 class MPITransport:
     """Moves host arrays between the ranks of one MPI communicator.
 
@@ -46,11 +42,10 @@ class MPITransport:
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag=0):
         """Send to ``dest`` and receive from ``source`` at once; ``None`` skips either side."""
         if sendbuf is None:
-            sendbuf, dest = recvbuf[:0], None
+            sendbuf, dest = recvbuf[:0], MPI.PROC_NULL
         if recvbuf is None:
-            recvbuf, source = sendbuf[:0], None
-        self.comm.Sendrecv([sendbuf, MPI.BYTE], _peer(dest), tag,
-                           [recvbuf, MPI.BYTE], _peer(source), tag)
+            recvbuf, source = sendbuf[:0], MPI.PROC_NULL
+        self.comm.Sendrecv([sendbuf, MPI.BYTE], dest, tag, [recvbuf, MPI.BYTE], source, tag)
 
     def barrier(self):
         self.comm.Barrier()
@@ -60,8 +55,9 @@ class MPITransport:
 
     # Native collectives of the library underneath, kept as baselines.
 
-    def native_allreduce(self, buf, op):
-        self.comm.Allreduce(MPI.IN_PLACE, buf, op=mpi_op(op))
+    def native_allreduce(self, buf, op, sendbuf=None):
+        """Reduce ``sendbuf`` (``buf`` itself when None) over the ranks into ``buf``."""
+        self.comm.Allreduce(MPI.IN_PLACE if sendbuf is None else sendbuf, buf, op=mpi_op(op))
 
     def native_bcast(self, buf, root):
         self.comm.Bcast(buf, root=root)

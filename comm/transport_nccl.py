@@ -115,9 +115,11 @@ class NCCLTransport:
     def synchronize(self):
         self.stream.synchronize()
 
-    def native_allreduce(self, buf, op):
+    def native_allreduce(self, buf, op, sendbuf=None):
+        """Reduce ``sendbuf`` (``buf`` itself when None) over the ranks into ``buf``."""
         dtype = self._dtypes[check_dtype(buf.dtype)]
-        self.nccl.allReduce(buf.data.ptr, buf.data.ptr, buf.size, dtype, self._ops[op],
+        send = buf if sendbuf is None else sendbuf
+        self.nccl.allReduce(send.data.ptr, buf.data.ptr, buf.size, dtype, self._ops[op],
                             self.stream.ptr)
 
     def native_bcast(self, buf, root):

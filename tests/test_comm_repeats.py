@@ -1,0 +1,93 @@
+"""A repeated ``allreduce`` (the same arguments right after the same call as before) skips the
+argument checks and the exchange: it must still compute what the checked call computes, and
+any argument the checks would refuse must still take the checked path and be refused."""
+import numpy as np
+import pytest
+
+import fleetmpi as fleet
+from fleetmpi.comm import Communicator, stall
+
+from comm_support import all_data, close, ok, raises, single_process, tolerance
+
+ALGORITHMS = [None, "ring", "native", "hierarchical", "shm"]
+
+
+def fresh(**kwargs):
+    fleet.init()
+    return Communicator(fleet.world.topology(), **kwargs)
+
+
+def arguments(form, data):
+    """``(x, out)`` as a caller passes them: ``out`` none, ``x`` itself, a separate array,
+    another part of the array ``x`` is a view of, or a view that overlaps ``x``."""
+    if form in ("new", "in place", "separate"):
+        x = data.copy()
+        return x, {"new": None, "in place": x, "separate": np.empty_like(x)}[form]
+    buf = np.empty(2 * data.size if form == "same base" else data.size + data.size // 2)
+    buf[:data.size] = data.reshape(-1)
+    return (buf[:data.size].reshape(data.shape),
+            buf[buf.size - data.size:].reshape(data.shape))
+
+
+FORMS = ("new", "in place", "separate", "same base", "overlapping")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("check", [True, False])
+def test_repeated_calls_equal_one_process_for_every_algorithm_op_and_output(algorithm, op,
+                                                                            check):
+    comm = fresh(check=check)
+    if algorithm == "shm" and not comm._single_node():
+        pytest.skip("shm needs one node")  # the same on every rank
+    everyone = all_data(comm.size, 24, np.float64, case=3)
+    want = single_process(everyone, op)
+    rtol, atol = tolerance(np.float64, comm.size)
+    mine = everyone[comm.rank].reshape(4, 6)
+    for form in FORMS:
+        for _ in range(3):  # the first call is checked, the next two repeat it
+            x, out = arguments(form, mine)
+            got = comm.allreduce(x, op=op, algorithm=algorithm, out=out)
+            ok(out is None or got is out, f"{form}: the result is not out")
+            close(got, want.reshape(4, 6), rtol=rtol, atol=atol)
+            if form in ("separate", "same base"):
+                close(x, mine, rtol=0, atol=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_repeated_calls_make_no_exchange_and_move_the_payload():
+    comm = fresh()
+    exchanges = stall.call_state(comm._control)
+    x, out = np.ones(8), np.empty(8)
+    for _ in range(2):  # the first call, then the first one to follow itself
+        comm.allreduce(x, out=out)
+    before, payload = exchanges.calls, comm.payload_bytes
+    for _ in range(5):
+        comm.allreduce(x, out=out)
+    ok(exchanges.calls == before, f"{exchanges.calls - before} exchanges for repeated calls")
+    ok(comm.payload_bytes - payload == 5 * x.nbytes, "payload_bytes missed repeated calls")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_arguments_the_checks_refuse_are_refused_after_repeats():
+    comm = fresh()
+    x = np.ones(12)
+    for _ in range(3):
+        comm.allreduce(x, out=np.empty(12))
+    read_only = np.empty(12)
+    read_only.flags.writeable = False
+    for bad, match in ((np.empty((3, 4)), "out must be a C-contiguous float64 array of shape"),
+                       (np.empty(24)[::2], "strided"),
+                       (np.empty(12, np.float32), "out must be a C-contiguous float64"),
+                       (read_only, "out is read-only")):
+        with raises(ValueError, match=match):
+            comm.allreduce(x, out=bad)
+    with raises(ValueError, match="op='prod' is not a reduction"):
+        comm.allreduce(x, op="prod", out=np.empty(12))
+    with raises(TypeError, match="must be a NumPy or CuPy array, not list"):
+        comm.allreduce([1.0] * 12, out=np.empty(12))
+    for _ in range(2):
+        strided = np.ones(24)[::2]
+        close(comm.allreduce(strided, out=np.empty(12)), np.full(12, float(comm.size)),
+              rtol=0, atol=0)
