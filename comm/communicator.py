@@ -470,34 +470,35 @@ class Communicator:
         call (as ``_agree`` counts it), the arguments and every property of the arrays that
         the checks look at. ``check="always"`` and device arrays take the checked path.
         """
-        key = None  # what must be equal for a call to repeat an agreed one (see below)
+        key = None  # what must be equal for a call to repeat an agreed one (see above)
         if x.__class__ is np.ndarray and self.check is not ALWAYS:
+            flags = x.flags
             if out is None or out is x:
-                out_key = out is x
-            elif out.__class__ is np.ndarray:
-                flags, x_base, out_base = out.flags, x.base, out.base
-                out_key = (out.dtype, out.shape, flags.c_contiguous, flags.writeable)
-                if (x if x_base is None else x_base) is (out if out_base is None else out_base):
-                    out_key = None  # views of one array may overlap: the checked path copies
-            else:
-                out_key = None
-            if out_key is not None:
-                flags = x.flags
                 key = (self._previous, x.dtype, x.shape, flags.c_contiguous, flags.writeable,
-                       op, algorithm, compression, out_key)
+                       op, algorithm, compression, out is x)
+            elif out.__class__ is np.ndarray:
+                out_flags, x_base, out_base = out.flags, x.base, out.base
+                # Views of one array may overlap: the checked path copies them.
+                if (x if x_base is None else x_base) is not (out if out_base is None
+                                                               else out_base):
+                    key = (self._previous, x.dtype, x.shape, flags.c_contiguous, op,
+                           algorithm, compression, out.dtype, out.shape,
+                           out_flags.c_contiguous, out_flags.writeable)
         try:
             repeat = self._repeats.get(key)
         except TypeError:  # an unhashable argument: the checks name it
             key = repeat = None
-        if repeat is None or timeline.active() or self._comm_thread.blocks_caller():
+        if (repeat is None or timeline.active()
+                or self._comm_thread.pending_count and self._comm_thread.blocks_caller()):
             return self._allreduce_checked(x, op, algorithm, compression, out, key)
         code, payload, run = repeat
         self.payload_bytes += payload
-        if self.check:
+        if self.check:  # _skip_agreement, written out: this path is a small call's whole cost
             self._unchecked += 1
             self._history = history_step(self._history, code)
             self._previous = code
-        return run(x, out)
+        result = run(x, out)
+        return out if result is None else result
 
     @_recorded("allreduce")
     def _allreduce_checked(self, x, op, algorithm, compression, out, key):
@@ -518,29 +519,23 @@ class Communicator:
             return self._allreduce_into(x, op, algorithm, compression, out)
         run = self._allreduce_runner(x, op, algorithm, compression, out)
         self._repeats[key] = (self._previous, self.payload_bytes - before, run)
-        return run(x, out)
+        result = run(x, out)
+        return out if result is None else result
 
     def _allreduce_runner(self, x, op, algorithm, compression, out):
-        """A function ``(x, out) -> result`` that repeats this agreed ``allreduce`` on arrays
-        like ``x`` and ``out``, with the algorithm picked once. A native reduction of host
+        """A function ``(x, out) -> result`` (None: the result is ``out``) that repeats this
+        agreed ``allreduce`` on arrays like ``x`` and ``out``, with the algorithm picked once. A native reduction of host
         arrays goes straight to the transport, reducing ``x`` into the result without a copy
         (what MPI_Allreduce with a separate receive buffer costs)."""
         algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
         transport = self.transports[0]
         if algorithm == "native" and not transport.device and x.flags.c_contiguous:
-            shape, dtype, size = x.shape, x.dtype, self.size
-            reduce = transport.native_allreduce
-
-            def run(x, out):
-                result = np.empty(shape, dtype) if out is None else out
-                reduce(result, op, None if result is x else x)
-                if op == "mean":
-                    finish_mean(result, op, size)
-                return result
-            return run
+            return self._native_runner(x, op, out)
         if algorithm == "ring" and not transport.device and x.flags.c_contiguous:
             ring = RingAllreduce(transport, x.size, x.dtype, op, compression, self.chunk_bytes)
             shape, dtype = x.shape, x.dtype
+            if out is not None and out is not x and x.ndim == 1:
+                return lambda x, out: ring(out, x)
 
             def run(x, out):
                 result = np.empty(shape, dtype) if out is None else out
@@ -548,6 +543,30 @@ class Communicator:
                 return result
             return run
         return lambda x, out: self._allreduce_into(x, op, algorithm, compression, out)
+
+    def _native_runner(self, x, op, out):
+        """``_allreduce_runner``'s native reduction of host arrays, one form per kind of
+        ``out``: a small call's cost is mostly Python, so each form does only what it needs,
+        and a sum or extremum into a separate ``out`` is the MPI call itself."""
+        transport, shape, dtype, size = self.transports[0], x.shape, x.dtype, self.size
+        if op != "mean" and out is not None and out is not x:
+            return transport.bound_allreduce(op)
+        reduce = transport.native_allreduce
+        if op == "mean":
+            def run(x, out):
+                result = np.empty(shape, dtype) if out is None else out
+                reduce(result, op, None if result is x else x)
+                finish_mean(result, op, size)
+                return result
+        elif out is None:
+            def run(x, out):
+                result = np.empty(shape, dtype)
+                reduce(result, op, x)
+                return result
+        else:
+            def run(x, out):
+                reduce(x, op)
+        return run
 
     def _allreduce_into(self, x, op, algorithm, compression, out):
         """The reduction of ``x`` into ``out`` (a new array when None, ``x`` itself in place),
@@ -605,7 +624,7 @@ class Communicator:
 
     def pending(self):
         """How many asynchronous operations of this communicator have not finished."""
-        return self._comm_thread.pending()
+        return self._comm_thread.pending_count
 
     def submit(self, collective, call, *arrays):
         """Run ``call()`` (blocking collectives of this communicator only) on the background

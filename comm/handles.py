@@ -72,7 +72,7 @@ class CommThread:
         self.name = name
         self._queue = queue.SimpleQueue()
         self._thread = None
-        self._pending = 0
+        self.pending_count = 0  # submitted operations that have not finished
         self._idle = threading.Condition()
 
     def on_thread(self):
@@ -82,7 +82,7 @@ class CommThread:
     def blocks_caller(self):
         """Whether a blocking collective called now must first wait for the thread: it has
         operations pending, and the caller is not the thread itself."""
-        return bool(self._pending) and not self.on_thread()
+        return bool(self.pending_count) and not self.on_thread()
 
     def submit(self, collective, operation):
         """Run ``operation()`` on the thread after everything submitted before; returns its
@@ -93,18 +93,14 @@ class CommThread:
             atexit.register(self.stop)
         handle = Handle(collective)
         with self._idle:
-            self._pending += 1
+            self.pending_count += 1
         self._queue.put((handle, operation))
         return handle
-
-    def pending(self):
-        """How many submitted operations have not finished."""
-        return self._pending
 
     def drain(self):
         """Wait until every submitted operation has finished."""
         with self._idle:
-            while self._pending:
+            while self.pending_count:
                 self._idle.wait()
 
     def stop(self):
@@ -129,5 +125,5 @@ class CommThread:
                 result, error = None, exc
             handle._finish(result, error)
             with self._idle:
-                self._pending -= 1
+                self.pending_count -= 1
                 self._idle.notify_all()

@@ -179,6 +179,7 @@ class RingAllreduce:
         self.mean_size = transport.size if mean_size is None else mean_size
         self.acc_dtype, self.wire_dtype = accumulate_dtypes(np.dtype(dtype), compression)
         self.widen = self.acc_dtype != np.dtype(dtype)
+        self.through_wire = self.wire_dtype != self.acc_dtype
         self.offsets = split_offsets(n, transport.size)
         rank = transport.rank
         self.owned = slice(self.offsets[rank], self.offsets[rank + 1])
@@ -201,7 +202,7 @@ class RingAllreduce:
         self.reduce_scatter(acc, src)
         if self.op == "mean":
             finish_mean(acc[self.owned], self.op, self.mean_size)
-        if self.wire_dtype != self.acc_dtype:
+        if self.through_wire:
             finish_through_wire(self.transport, buf, acc, self.offsets, self.wire_dtype)
             return
         sendrecv, right, left = (self.transport.sendrecv, self.reduce_scatter.right,

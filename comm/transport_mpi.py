@@ -4,6 +4,7 @@ Every transfer goes through mpi4py's buffer interface (the uppercase methods), s
 as raw memory, never pickled. Buffers handed in must be C-contiguous NumPy arrays.
 """
 import contextlib
+import functools
 
 from mpi4py import MPI
 
@@ -58,6 +59,12 @@ class MPITransport:
     def native_allreduce(self, buf, op, sendbuf=None):
         """Reduce ``sendbuf`` (``buf`` itself when None) over the ranks into ``buf``."""
         self.comm.Allreduce(MPI.IN_PLACE if sendbuf is None else sendbuf, buf, op=mpi_op(op))
+
+    def bound_allreduce(self, op):
+        """``native_allreduce(buf, op, sendbuf)`` as ``f(sendbuf, buf)``, bound at the C level
+        (MPI's own call with ``op`` filled in): what a repeated small reduction calls, so it
+        pays for no Python frame of its own."""
+        return functools.partial(self.comm.Allreduce, op=mpi_op(op))
 
     def native_bcast(self, buf, root):
         self.comm.Bcast(buf, root=root)
