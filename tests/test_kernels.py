@@ -6,8 +6,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from fleetmpi import backend, nn, to_tensor
-from fleetmpi.kernels import loader
+from fleetmpi import backend, kernels, nn, to_tensor
+from fleetmpi.kernels import loader, reference
 from fleetmpi.nn.gradcheck import check_gradients
 
 
@@ -99,3 +99,26 @@ def test_kernel_sources_compile(filename, tmp_path):
     for kernel in kernels:
         for dtype in loader.KERNEL_DTYPES:
             assert f".entry {kernel}_{dtype}(" in ptx
+
+
+UPDATES = {
+    "sgd_update": (1, (0.1, 0.05)),
+    "momentum_update": (2, (0.1, 0.9, 0.05, True)),
+    "adam_update": (3, (0.01, 0.9, 0.999, 1e-8, 3, 0.05, True)),
+}
+
+
+@pytest.mark.parametrize("name", UPDATES)
+@pytest.mark.parametrize("shape", [(2 * kernels.HOST_BLOCK + 7,), (3, kernels.HOST_BLOCK + 1)])
+def test_host_updates_over_blocks_equal_the_reference_bit_for_bit(name, shape):
+    """On the host the fused updates run their reference block by block (``HOST_BLOCK``);
+    elementwise arithmetic gives the same bits as one pass over the whole arrays."""
+    states, args = UPDATES[name]
+    extra = (np,) if name == "adam_update" else ()
+    arrays = [np.abs(rand(*shape, seed=i, dtype="float32")) for i in range(states + 1)]
+    want = [a.copy() for a in arrays]
+    getattr(reference, name)(*want, *args, *extra)
+    getattr(kernels, name)(*arrays, *args)
+    for got, expected in zip(arrays, want):
+        np.testing.assert_array_equal(got, expected)
+    assert not np.array_equal(arrays[0], np.abs(rand(*shape, seed=0, dtype="float32")))

@@ -13,10 +13,28 @@ from . import reference
 from .loader import KERNEL_DTYPES, launch
 
 ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
+# The optimizer updates' references are chains of elementwise passes over whole arrays. On the
+# host they run over blocks of this many elements instead, so each pass after the first finds
+# its block in cache: the same arithmetic, element by element, at a fraction of the memory
+# traffic (docs/performance.md: Momentum over 1.86M parameters 5.3 -> 3.4 ms, Adam 24 -> 8.7).
+HOST_BLOCK = 1 << 16
 
 
 def _use_kernel(*arrays):
     return backend.on_gpu() and all(a.dtype.name in KERNEL_DTYPES for a in arrays)
+
+
+def _host_blocks(update, arrays, *args):
+    """``update(*arrays, *args)`` of an elementwise reference, over ``HOST_BLOCK`` elements at
+    a time when the arrays are contiguous host arrays (views of them, so results land in
+    place)."""
+    if (arrays[0].size <= HOST_BLOCK or not all(isinstance(a, np.ndarray)
+                                                 and a.flags.c_contiguous for a in arrays)):
+        return update(*arrays, *args)
+    flat = [a.reshape(-1) for a in arrays]
+    for start in range(0, flat[0].size, HOST_BLOCK):
+        update(*(a[start:start + HOST_BLOCK] for a in flat), *args)
+    return None
 
 
 def _layout(x):
@@ -89,7 +107,7 @@ def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
 
 def sgd_update(param, grad, lr, weight_decay):
     if not _use_kernel(param):
-        return reference.sgd_update(param, grad, lr, weight_decay)
+        return _host_blocks(reference.sgd_update, (param, grad), lr, weight_decay)
     t = param.dtype.type
     launch("optimizer.cu", "sgd_update", param.dtype, param.size,
            (param, grad, np.int64(param.size), t(lr), t(weight_decay)))
@@ -97,8 +115,8 @@ def sgd_update(param, grad, lr, weight_decay):
 
 def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov):
     if not _use_kernel(param):
-        return reference.momentum_update(param, grad, velocity, lr, momentum, weight_decay,
-                                         nesterov)
+        return _host_blocks(reference.momentum_update, (param, grad, velocity), lr, momentum,
+                            weight_decay, nesterov)
     t = param.dtype.type
     launch("optimizer.cu", "momentum_update", param.dtype, param.size,
            (param, grad, velocity, np.int64(param.size), t(lr), t(momentum), t(weight_decay),
@@ -108,9 +126,9 @@ def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov)
 def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
                 weight_decay, decoupled):
     if not _use_kernel(param):
-        return reference.adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon,
-                                     step_count, weight_decay, decoupled,
-                                     backend.array_module())
+        return _host_blocks(reference.adam_update, (param, grad, moment1, moment2), lr, beta1,
+                            beta2, epsilon, step_count, weight_decay, decoupled,
+                            backend.array_module())
     t = param.dtype.type
     correction2 = math.sqrt(1 - beta2 ** step_count)
     lr_t = lr * correction2 / (1 - beta1 ** step_count)
