@@ -622,6 +622,30 @@ class Communicator:
             arrays, op=op, algorithm=algorithm, compression=compression,
             fuse_grad_size_in_MB=fuse_grad_size_in_MB), *arrays[:1])
 
+    def broadcast_async(self, x, root=0, algorithm=None):
+        """``broadcast`` started on the background thread; ``wait()`` gives the root's array."""
+        return self.submit("broadcast", lambda: self.broadcast(x, root, algorithm), x)
+
+    def allgather_async(self, x, algorithm=None, stack=False):
+        """``allgather`` started on the background thread; ``wait()`` gives the joined array."""
+        return self.submit("allgather", lambda: self.allgather(x, algorithm, stack), x)
+
+    def reduce_scatter_async(self, x, op="sum", algorithm=None, compression=None, counts=None):
+        """``reduce_scatter`` started on the background thread; ``wait()`` gives this rank's
+        block."""
+        return self.submit("reduce_scatter", lambda: self.reduce_scatter(
+            x, op=op, algorithm=algorithm, compression=compression, counts=counts), x)
+
+    def alltoall_async(self, x, splits=None):
+        """``alltoall`` started on the background thread; ``wait()`` gives ``(received,
+        received_splits)``."""
+        return self.submit("alltoall", lambda: self.alltoall(x, splits), x)
+
+    def barrier_async(self):
+        """``barrier`` started on the background thread; ``wait()`` returns once every rank
+        has reached it (Horovod's ``join``-free way to wait without blocking the caller)."""
+        return self.submit("barrier", self.barrier)
+
     def pending(self):
         """How many asynchronous operations of this communicator have not finished."""
         return self._comm_thread.pending_count

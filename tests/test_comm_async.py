@@ -172,3 +172,41 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
     assert [e for e in log if e[0] == "work on"] == [("work on", async_stream, True)], \
         "the communicator's stream is made once and reused"
     comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_collective_has_an_asynchronous_form_with_the_blocking_result():
+    """Uneven first dimensions (an empty part on rank 1) and all five forms started before
+    any is waited on: each result equals the blocking call's, on every rank."""
+    comm = world()
+    rows = [2, 0, 3, 1][comm.rank % 4]
+    x = rank_data(comm.rank, rows * 3, np.float64, case=7).reshape(rows, 3)
+    block = rank_data(comm.rank, comm.size * 2 + 1, np.float64, case=8)
+    splits = [(comm.rank + r) % 2 for r in range(comm.size)]
+    parts = np.arange(sum(splits) * 2.0).reshape(-1, 2) + comm.rank
+    handles = {
+        "broadcast": comm.broadcast_async(block, root=comm.size - 1),
+        "allgather": comm.allgather_async(x),
+        "reduce_scatter": comm.reduce_scatter_async(block, op="max"),
+        "alltoall": comm.alltoall_async(parts, splits=splits),
+        "barrier": comm.barrier_async(),
+    }
+    blocking = {
+        "broadcast": comm.broadcast(block, root=comm.size - 1),
+        "allgather": comm.allgather(x),
+        "reduce_scatter": comm.reduce_scatter(block, op="max"),
+        "alltoall": comm.alltoall(parts, splits=splits),
+        "barrier": comm.barrier(),
+    }
+    for name, handle in handles.items():
+        got, want = handle.wait(), blocking[name]
+        if name == "alltoall":
+            equal(got[0], want[0])
+            ok(got[1] == want[1], f"alltoall splits {got[1]} != {want[1]}")
+        elif name == "barrier":
+            ok(got is None and want is None, "barrier returned a value")
+        else:
+            equal(got, want)
+    everyone = [rank_data(r, [2, 0, 3, 1][r % 4] * 3, np.float64, case=7).reshape(-1, 3)
+                for r in range(comm.size)]
+    equal(handles["allgather"].wait(), np.concatenate(everyone))
