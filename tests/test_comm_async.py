@@ -184,20 +184,17 @@ def test_every_collective_has_an_asynchronous_form_with_the_blocking_result():
     block = rank_data(comm.rank, comm.size * 2 + 1, np.float64, case=8)
     splits = [(comm.rank + r) % 2 for r in range(comm.size)]
     parts = np.arange(sum(splits) * 2.0).reshape(-1, 2) + comm.rank
-    handles = {
-        "broadcast": comm.broadcast_async(block, root=comm.size - 1),
-        "allgather": comm.allgather_async(x),
-        "reduce_scatter": comm.reduce_scatter_async(block, op="max"),
-        "alltoall": comm.alltoall_async(parts, splits=splits),
-        "barrier": comm.barrier_async(),
+    calls = {  # name: (arguments, keyword arguments)
+        "broadcast": ((block,), {"root": comm.size - 1}),
+        "allgather": ((x,), {}),
+        "reduce_scatter": ((block,), {"op": "max"}),
+        "alltoall": ((parts,), {"splits": splits}),
+        "barrier": ((), {}),
     }
-    blocking = {
-        "broadcast": comm.broadcast(block, root=comm.size - 1),
-        "allgather": comm.allgather(x),
-        "reduce_scatter": comm.reduce_scatter(block, op="max"),
-        "alltoall": comm.alltoall(parts, splits=splits),
-        "barrier": comm.barrier(),
-    }
+    handles = {name: getattr(comm, f"{name}_async")(*args, **kwargs)
+               for name, (args, kwargs) in calls.items()}
+    blocking = {name: getattr(comm, name)(*args, **kwargs)
+                for name, (args, kwargs) in calls.items()}
     for name, handle in handles.items():
         got, want = handle.wait(), blocking[name]
         if name == "alltoall":
