@@ -91,9 +91,13 @@ def row_code(row):
     return zlib.crc32(row.tobytes())
 
 
+HISTORY_PRIME = 1000003
+HISTORY_MASK = 0x7FFFFFFFFFFFFFFF
+
+
 def history_step(history, code):
     """The running hash after one more unchecked call whose row had ``code``."""
-    return (history * 1000003 + code) & 0x7FFFFFFFFFFFFFFF
+    return (history * HISTORY_PRIME + code) & HISTORY_MASK
 
 
 def agree(comm, collective, tables, problem=None, described=(), layout=None, **fields):

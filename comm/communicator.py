@@ -32,7 +32,8 @@ from mpi4py import MPI
 
 from .. import timeline
 from ..log import logger
-from .agreement import agree, call_row, describe_arrays, dtype_name, history_step, row_code
+from .agreement import (HISTORY_MASK, HISTORY_PRIME, agree, call_row, describe_arrays,
+                        dtype_name, history_step, row_code)
 from .barrier import barrier as dissemination_barrier
 from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
 from .compression import COMPRESSIONS, accumulate_dtypes, check_compression, to_wire
@@ -70,6 +71,7 @@ PROBE_BYTES = 4 << 20
 PROBE_REPEATS = 3
 HEADER_DIMS = 32
 P2P_TAG = 7
+_NDARRAY = np.ndarray  # one global lookup on allreduce's repeated path
 
 
 def check_mode(check, environ=os.environ):
@@ -165,6 +167,7 @@ class Communicator:
         self.hierarchical_allreduce_inter_nranks = inter
         self.chunk_bytes = int(chunk_bytes)
         self.check = check_mode(check)
+        self._repeatable = self.check is not ALWAYS  # allreduce's repeats skip the checks
         world = topology.world
         self._control = world.Dup()
         self.transports = self._start_transports(world)
@@ -471,17 +474,18 @@ class Communicator:
         the checks look at. ``check="always"`` and device arrays take the checked path.
         """
         key = None  # what must be equal for a call to repeat an agreed one (see above)
-        if x.__class__ is np.ndarray and self.check is not ALWAYS:
-            flags = x.flags
+        if x.__class__ is _NDARRAY and self._repeatable:
             if out is None or out is x:
+                flags = x.flags
                 key = (self._previous, x.dtype, x.shape, flags.c_contiguous, flags.writeable,
                        op, algorithm, compression, out is x)
-            elif out.__class__ is np.ndarray:
-                out_flags, x_base, out_base = out.flags, x.base, out.base
+            elif out.__class__ is _NDARRAY:
+                x_base, out_base = x.base, out.base
                 # Views of one array may overlap: the checked path copies them.
                 if (x if x_base is None else x_base) is not (out if out_base is None
                                                                else out_base):
-                    key = (self._previous, x.dtype, x.shape, flags.c_contiguous, op,
+                    out_flags = out.flags
+                    key = (self._previous, x.dtype, x.shape, x.flags.c_contiguous, op,
                            algorithm, compression, out.dtype, out.shape,
                            out_flags.c_contiguous, out_flags.writeable)
         try:
@@ -495,7 +499,7 @@ class Communicator:
         self.payload_bytes += payload
         if self.check:  # _skip_agreement, written out: this path is a small call's whole cost
             self._unchecked += 1
-            self._history = history_step(self._history, code)
+            self._history = (self._history * HISTORY_PRIME + code) & HISTORY_MASK
             self._previous = code
         result = run(x, out)
         return out if result is None else result
