@@ -96,6 +96,24 @@ def test_single_node_pick_is_measured_once_and_the_same_on_every_rank():
     comm.free()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_the_single_node_probe_times_written_memory(monkeypatch):
+    """A probe buffer that was never written reads the kernel's shared zero page and times
+    shm's copies as cheaper than they are on real gradients."""
+    fleet.init()
+    comm = Communicator(fleet.world.topology())
+    if comm.topology.local_size != comm.size:
+        pytest.skip("one node only")  # the same on every rank
+    probes = []
+    run = comm._allreduce_flat
+    monkeypatch.setattr(comm, "_allreduce_flat", lambda buf, *args, **kwargs: (
+        probes.append((buf.min(), buf.max())), run(buf, *args, **kwargs))[-1])
+    comm.allreduce_algorithm(NATIVE_BELOW_BYTES)
+    ok(len(probes) == 6, f"{len(probes)} probe runs")
+    ok(all(low > 0 for low, _ in probes), f"probe values {probes}")
+    comm.free()
+
+
 @pytest.mark.mpi
 def test_allreduce_keeps_shape_of_multidimensional_input():
     comm = world()
