@@ -495,7 +495,7 @@ class Communicator:
             repeat = self._repeats.get(key)
         except TypeError:  # an unhashable argument: the checks name it
             key = repeat = None
-        if (repeat is None or timeline.active()
+        if (repeat is None or timeline.active_recorder is not None
                 or self._comm_thread.pending_count and self._comm_thread.blocks_caller()):
             return self._allreduce_checked(x, op, algorithm, compression, out, key)
         code, payload, run = repeat
