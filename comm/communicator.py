@@ -179,6 +179,7 @@ class Communicator:
         self._algorithms = None
         self._agreed = {}
         self._repeats = {}
+        self._rings = {}  # the RingAllreduce of each layout that a repeated allreduce runs
         self._previous = -1
         self._unchecked = 0
         self._history = 0
@@ -539,8 +540,10 @@ class Communicator:
         if algorithm == "native" and not transport.device and x.flags.c_contiguous:
             return self._native_runner(x, op, out)
         if algorithm == "ring" and not transport.device and x.flags.c_contiguous:
-            ring = RingAllreduce(transport, x.size, x.dtype, op, compression, self.chunk_bytes)
-            shape, dtype = x.shape, x.dtype
+            layout = (x.size, x.dtype, op, compression)
+            if layout not in self._rings:  # shared by the repeats of one layout
+                self._rings[layout] = RingAllreduce(transport, *layout, self.chunk_bytes)
+            ring, shape, dtype = self._rings[layout], x.shape, x.dtype
             if out is not None and out is not x and x.ndim == 1:
                 return lambda x, out: ring(out, x)
 

@@ -91,3 +91,17 @@ def test_arguments_the_checks_refuse_are_refused_after_repeats():
         strided = np.ones(24)[::2]
         close(comm.allreduce(strided, out=np.empty(12)), np.full(12, float(comm.size)),
               rtol=0, atol=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_repeats_of_one_ring_layout_share_its_scratch_buffers():
+    """The same layout repeated after different calls is one ``RingAllreduce`` (its scratch
+    buffers are up to a chunk each), not one per place in the loop."""
+    comm = fresh()
+    x, y = np.ones(4096), np.ones(3)
+    for _ in range(3):
+        for before in ("sum", "max"):
+            comm.allreduce(y, op=before)
+            close(comm.allreduce(x, algorithm="ring", out=np.empty(4096)),
+                  np.full(4096, float(comm.size)), rtol=0, atol=0)
+    ok(len(comm._rings) == 1, f"{len(comm._rings)} ring layouts for one")
