@@ -532,9 +532,10 @@ class Communicator:
 
     def _allreduce_runner(self, x, op, algorithm, compression, out):
         """A function ``(x, out) -> result`` (None: the result is ``out``) that repeats this
-        agreed ``allreduce`` on arrays like ``x`` and ``out``, with the algorithm picked once. A native reduction of host
-        arrays goes straight to the transport, reducing ``x`` into the result without a copy
-        (what MPI_Allreduce with a separate receive buffer costs)."""
+        agreed ``allreduce`` on arrays like ``x`` and ``out``, with the algorithm picked once.
+        A native or ring reduction of host arrays goes straight to the transport, reducing
+        ``x`` into the result without a copy (what MPI_Allreduce with a separate receive
+        buffer costs)."""
         algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
         transport = self.transports[0]
         if algorithm == "native" and not transport.device and x.flags.c_contiguous:
