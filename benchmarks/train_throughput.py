@@ -21,8 +21,8 @@ device synchronized.
 Then, on CPU: one ResNet-20 job at the largest rank count timing what each step spends in
 matrix products, im2col/col2im, the gradient allreduce it waits for, the optimizer update,
 elementwise operations (batch norm, ReLU, pooling, loss) and the rest, and apart from those
-the reductions that ran on the communicator's thread beside backward. Last, in one process: the tape's
-cost per recorded operation (a chain of small elementwise operations recorded and
+the reductions that ran on the communicator's thread beside backward. Last, in one process:
+the tape's cost per recorded operation (a chain of small elementwise operations recorded and
 backpropagated, against the same NumPy arithmetic without a tape, forward and backward), the
 operations one training step of the digits example's MLP records, and the share of that step
 the tape costs (operations x cost per operation / step time).
