@@ -98,7 +98,9 @@ def bias_act_backward(dy, y, pre, act, xp):
 
 def bn_xhat(x, mean, invstd):
     """The normalized input ``(x - mean) * invstd``."""
-    return (x - per_channel(mean, x.ndim)) * per_channel(invstd, x.ndim)
+    xhat = x - per_channel(mean, x.ndim)
+    xhat *= per_channel(invstd, x.ndim)
+    return xhat
 
 
 def bn_normalize(x, mean, invstd, gamma, beta):
@@ -117,8 +119,11 @@ def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
     """Batch-norm input gradient from the gradient ``dz`` of its output, given the per-channel
     sums of ``dz`` and ``dz * xhat`` over the ``count`` values of each channel."""
     nd = dz.ndim
-    scale = per_channel(gamma * invstd / count, nd)
-    return scale * (count * dz - per_channel(sum_dz, nd) - xhat * per_channel(sum_dz_xhat, nd))
+    dx = count * dz  # then, in place, the same operations in the same order as one expression
+    dx -= per_channel(sum_dz, nd)
+    dx -= xhat * per_channel(sum_dz_xhat, nd)
+    dx *= per_channel(gamma * invstd / count, nd)
+    return dx
 
 
 def bn_act_backward_mask(dy, y):

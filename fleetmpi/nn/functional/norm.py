@@ -18,6 +18,13 @@ def sum_over_ranks(communicator, *vectors):
     return packed
 
 
+def channel_dot(a, b):
+    """``(a * b).sum`` over every axis but 1, without the product's full-size temporary."""
+    xp = backend.array_module()
+    shape = (a.shape[0], a.shape[1], int(np.prod(a.shape[2:], dtype=np.int64)))
+    return xp.einsum("nci,nci->c", a.reshape(shape), b.reshape(shape))
+
+
 def batch_statistics(x, axes, communicator):
     """``(mean, biased variance, count)`` of each channel over the batch, of every rank of
     ``communicator`` when there is one, in two exact passes: the counts and sums give the
@@ -97,7 +104,7 @@ class BatchNorm(Function):
             dz = kernels.bn_act_backward_mask(dz, self.y)
         xhat = self.xhat
         sum_dz = dz.sum(axis=self.axes)
-        sum_dz_xhat = (dz * xhat).sum(axis=self.axes)
+        sum_dz_xhat = channel_dot(dz, xhat)
         dx = None
         if self.needs_input_grad[0]:
             if not self.training:
