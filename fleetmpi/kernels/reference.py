@@ -103,16 +103,28 @@ def bn_xhat(x, mean, invstd):
     return xhat
 
 
+def _affine(xhat, gamma, beta, in_place):
+    """``gamma * xhat + beta`` per channel; ``in_place``: in ``xhat``'s memory, where its dtype
+    holds the result (the same bits either way)."""
+    scale, shift = per_channel(gamma, xhat.ndim), per_channel(beta, xhat.ndim)
+    if not (in_place and np.result_type(xhat.dtype, scale.dtype, shift.dtype) == xhat.dtype):
+        return scale * xhat + shift
+    xhat *= scale
+    xhat += shift
+    return xhat
+
+
 def bn_normalize(x, mean, invstd, gamma, beta):
     """Batch-norm affine transform given per-channel statistics: ``(xhat, y)``."""
     xhat = bn_xhat(x, mean, invstd)
-    return xhat, per_channel(gamma, x.ndim) * xhat + per_channel(beta, x.ndim)
+    return xhat, _affine(xhat, gamma, beta, in_place=False)
 
 
 def bn_act_forward(x, mean, invstd, gamma, beta, xp):
-    """``fuse_bn_act_ops`` forward: ``relu(gamma * (x - mean) * invstd + beta)``."""
-    _, y = bn_normalize(x, mean, invstd, gamma, beta)
-    return xp.maximum(y, 0)
+    """``fuse_bn_act_ops`` forward: ``relu(gamma * (x - mean) * invstd + beta)``, in the
+    memory of one temporary."""
+    y = _affine(bn_xhat(x, mean, invstd), gamma, beta, in_place=True)
+    return xp.maximum(y, 0, out=y)
 
 
 def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
