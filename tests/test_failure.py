@@ -140,8 +140,11 @@ SLEEPING_JOB = """
 import os, sys, time
 import fleetmpi as fleet
 fleet.init(is_collective=True)
-with open(os.path.join(sys.argv[1], f"pid.{fleet.worker_index()}"), "w") as f:
+# Written under another name and renamed, so the test never reads a pid file half written.
+partial = os.path.join(sys.argv[1], f"partial.{fleet.worker_index()}")
+with open(partial, "w") as f:
     f.write(str(os.getpid()))
+os.rename(partial, os.path.join(sys.argv[1], f"pid.{fleet.worker_index()}"))
 time.sleep(60)
 """
 
