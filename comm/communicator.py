@@ -25,6 +25,7 @@ import functools
 import numbers
 import os
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -72,6 +73,27 @@ PROBE_REPEATS = 3
 HEADER_DIMS = 32
 P2P_TAG = 7
 _NDARRAY = np.ndarray  # one global lookup on allreduce's repeated path
+
+
+def _repeat_key(x, op, algorithm, compression, out):
+    """What must be equal for an ``allreduce`` to repeat an agreed one after the same previous
+    call: the arguments and every property of host arrays ``x`` and ``out`` that the checks
+    look at; None for a call that is never repeated that way (device arrays, ``x`` and
+    ``out`` views of one array, which may overlap and are copied by the checked path)."""
+    if x.__class__ is not _NDARRAY:
+        return None
+    if out is None or out is x:
+        flags = x.flags
+        return (x.dtype, x.shape, flags.c_contiguous, flags.writeable, op, algorithm,
+                compression, out is x)
+    if out.__class__ is not _NDARRAY:
+        return None
+    x_base, out_base = x.base, out.base
+    if (x if x_base is None else x_base) is (out if out_base is None else out_base):
+        return None
+    out_flags = out.flags
+    return (x.dtype, x.shape, x.flags.c_contiguous, op, algorithm, compression, out.dtype,
+            out.shape, out_flags.c_contiguous, out_flags.writeable)
 
 
 def check_mode(check, environ=os.environ):
@@ -178,7 +200,8 @@ class Communicator:
         self.payload_bytes = 0
         self._algorithms = None
         self._agreed = {}
-        self._repeats = {}
+        self._repeats = {}  # allreduce's repeats by previous call and key (see allreduce)
+        self._same_arrays = {}  # by previous call: the arrays of its last repeat, weakly
         self._rings = {}  # the RingAllreduce of each layout that a repeated allreduce runs
         self._previous = -1
         self._unchecked = 0
@@ -473,32 +496,37 @@ class Communicator:
 
         A call on host arrays that repeats an agreed call right after the same call as before
         (a training loop's calls repeat every step) goes straight to the transfer, which
-        matters for small messages: the key of such a repeat holds the code of the previous
-        call (as ``_agree`` counts it), the arguments and every property of the arrays that
-        the checks look at. ``check="always"`` and device arrays take the checked path.
+        matters for small messages. Two lookups find such a repeat. First, the ``x`` and
+        ``out`` objects of the last repeat after that same previous call, their dtype and
+        ``out``'s writability unchanged: a loop that reuses its buffers builds no key. Their
+        size cannot have changed: NumPy refuses to resize an array that has a weak reference.
+        (A shape set in place, keeping the size, reduces the same bytes; it goes unseen there,
+        as do strides set in place, deprecated since NumPy 2.4.) Else a key that
+        holds the code of the previous call (as ``_agree`` counts it), the arguments and every
+        property of the arrays that the checks look at. ``check="always"`` and device arrays
+        take the checked path.
         """
-        key = None  # what must be equal for a call to repeat an agreed one (see above)
-        if x.__class__ is _NDARRAY and self._repeatable:
-            if out is None or out is x:
-                flags = x.flags
-                key = (self._previous, x.dtype, x.shape, flags.c_contiguous, flags.writeable,
-                       op, algorithm, compression, out is x)
-            elif out.__class__ is _NDARRAY:
-                x_base, out_base = x.base, out.base
-                # Views of one array may overlap: the checked path copies them.
-                if (x if x_base is None else x_base) is not (out if out_base is None
-                                                               else out_base):
-                    out_flags = out.flags
-                    key = (self._previous, x.dtype, x.shape, x.flags.c_contiguous, op,
-                           algorithm, compression, out.dtype, out.shape,
-                           out_flags.c_contiguous, out_flags.writeable)
-        try:
-            repeat = self._repeats.get(key)
-        except TypeError:  # an unhashable argument: the checks name it
-            key = repeat = None
-        if (repeat is None or timeline.active_recorder is not None
+        last = self._same_arrays.get(self._previous)
+        if (last is not None and out is not None and x is not None and last[0]() is x
+                and last[1]() is out and op is last[2] and algorithm is last[3]
+                and compression is last[4] and x.dtype is last[5] and out.dtype is last[5]
+                and out.flags.writeable):
+            repeat = last[6]
+        else:
+            key = _repeat_key(x, op, algorithm, compression, out) if self._repeatable else None
+            try:
+                repeat = self._repeats.get((self._previous, key))
+            except TypeError:  # an unhashable argument: the checks name it
+                key = repeat = None
+            if repeat is None:
+                return self._allreduce_checked(x, op, algorithm, compression, out, key)
+            if out is not None:
+                self._same_arrays[self._previous] = (weakref.ref(x), weakref.ref(out), op,
+                                                     algorithm, compression, x.dtype,
+                                                     repeat)
+        if (timeline.active_recorder is not None
                 or self._comm_thread.pending_count and self._comm_thread.blocks_caller()):
-            return self._allreduce_checked(x, op, algorithm, compression, out, key)
+            return self._allreduce_checked(x, op, algorithm, compression, out, None)
         code, payload, run = repeat
         self.payload_bytes += payload
         if self.check:  # _skip_agreement, written out: this path is a small call's whole cost
@@ -520,13 +548,13 @@ class Communicator:
                                      f"{x.shape}, not {out.dtype} {out.shape}"
                                      f"{'' if out.flags.c_contiguous else ' (strided)'}")
         problem = _capture(check)
-        before = self.payload_bytes
+        before, previous = self.payload_bytes, self._previous
         self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
                     compression=compression)
         if key is None:
             return self._allreduce_into(x, op, algorithm, compression, out)
         run = self._allreduce_runner(x, op, algorithm, compression, out)
-        self._repeats[key] = (self._previous, self.payload_bytes - before, run)
+        self._repeats[previous, key] = (self._previous, self.payload_bytes - before, run)
         result = run(x, out)
         return out if result is None else result
 

@@ -91,6 +91,16 @@ def main(args):
             return
         call(comm, collective, late)
         print(f"rank {comm.rank} finished", flush=True)
+    elif mode == "diverge":
+        # Repeated calls skip the agreement; then rank 1 alone changes its arrays in place.
+        x, out = np.ones(8), np.empty(8)
+        for _ in range(3):
+            comm.allreduce(x, out=out)
+        if comm.rank == 1:
+            x.dtype = out.dtype = np.float32
+            fault()
+        comm.allreduce(x, out=out)
+        print(f"rank {comm.rank} finished", flush=True)
     elif mode.startswith("kill9"):
         handle = comm.allreduce_async(np.ones(8 << 20)) if mode == "kill9-async" else None
         if comm.rank == 1:

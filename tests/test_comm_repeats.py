@@ -105,3 +105,71 @@ def test_repeats_of_one_ring_layout_share_its_scratch_buffers():
             close(comm.allreduce(x, algorithm="ring", out=np.empty(4096)),
                   np.full(4096, float(comm.size)), rtol=0, atol=0)
     ok(len(comm._rings) == 1, f"{len(comm._rings)} ring layouts for one")
+
+
+def reuse(comm, x, out, calls=3):
+    """``calls`` reductions of the same ``x`` into the same ``out``: after the first two, the
+    repeat is found by the arrays themselves."""
+    for _ in range(calls):
+        comm.allreduce(x, out=out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("in_place", [False, True], ids=["separate", "in place"])
+def test_reused_arrays_changed_in_place_are_checked_again(in_place):
+    """An array whose dtype or writability was set in place is a new call, however cheap the
+    lookup by the arrays themselves is; its size cannot be set in place (NumPy refuses to
+    resize an array with a weak reference, and the lookup holds one)."""
+    comm = fresh()
+    x = np.arange(12.0) + comm.rank
+    out = x if in_place else np.empty(12)
+    reuse(comm, x, out)
+    x[:] = np.arange(12.0) + comm.rank
+    x.dtype = np.int64  # the same bytes seen as integers, on every rank
+    if not in_place:
+        out.dtype = np.int64
+    ints = [(np.arange(12.0) + r).view(np.int64) for r in range(comm.size)]
+    got = comm.allreduce(x, out=out)
+    close(got, np.sum(ints, axis=0), rtol=0, atol=0)
+    x.dtype = np.float64
+    if not in_place:
+        out.dtype = np.float64
+    x[:] = np.arange(12.0) + comm.rank
+    reuse(comm, x, out)
+    with raises(ValueError, match="cannot resize"):  # so a reused array keeps its size
+        x.resize(16, refcheck=False)
+    out.flags.writeable = False
+    with raises(ValueError, match="is read-only"):
+        comm.allreduce(x, out=out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_arrays_in_the_place_of_freed_ones_are_not_taken_for_them():
+    """New arrays (which may reuse the freed ones' memory and ids) of another dtype after
+    repeats: checked, and reduced as what they are."""
+    comm = fresh()
+    for dtype in (np.float64, np.int32, np.float32, np.float64):
+        x = np.full(6, comm.rank + 1, dtype)
+        out = np.empty(6, dtype)
+        for _ in range(3):
+            got = comm.allreduce(x, out=out)
+            ok(got.dtype == dtype, f"{got.dtype} for {np.dtype(dtype)}")
+            close(got, np.full(6, comm.size * (comm.size + 1) // 2), rtol=0, atol=0)
+        del x, out
+    with raises(TypeError, match="must be a NumPy or CuPy array, not NoneType"):
+        comm.allreduce(None, out=np.empty(6))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_repeats_of_fresh_arrays_make_no_exchange():
+    """The lookup by key (new arrays on every call) skips the exchange as the lookup by the
+    arrays themselves does."""
+    comm = fresh()
+    exchanges = stall.call_state(comm._control)
+    for _ in range(2):
+        comm.allreduce(np.ones(8), out=np.empty(8))
+    before = exchanges.calls
+    for _ in range(5):
+        close(comm.allreduce(np.ones(8), out=np.empty(8)), np.full(8, float(comm.size)),
+              rtol=0, atol=0)
+    ok(exchanges.calls == before, f"{exchanges.calls - before} exchanges for repeated calls")

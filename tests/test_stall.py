@@ -47,6 +47,21 @@ def test_rank_1_missing_is_named_by_the_waiting_rank(how, collective):
     assert "finished" not in text, text
 
 
+def test_a_rank_that_alone_changes_a_repeated_call_is_reported():
+    """After repeats that skipped the agreement, rank 1 alone makes a new call (its reused
+    arrays' dtype set in place): it waits in the agreement while rank 0 repeats its call,
+    and the job ends with rank 1's report instead of hanging."""
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT="1")
+    result = subprocess.run(local_command(2, [sys.executable, JOB, "diverge"]), env=env,
+                            capture_output=True, text=True, timeout=JOB_SECONDS)
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text
+    found = reports(text)
+    assert set(found) == {1}, text
+    assert "rank 0 has not arrived there" in found[1], text
+    assert "finished" not in text, text
+
+
 def test_every_waiting_rank_writes_the_report():
     result, text = stalled_job(3, 2, "broadcast")
     assert result.returncode != 0, text
