@@ -23,8 +23,8 @@ def get_communicator():
     """
     global _world
     if _world is None:
-        from fleetmpi import world
-        _world = Communicator(world.topology())
+        from fleetmpi import job
+        _world = Communicator(job.topology())
     return _world
 
 

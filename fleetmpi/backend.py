@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from . import job
 from .host_memory import keep_freed_memory
 from .paddle_flags import memory_fraction
 
@@ -45,12 +46,7 @@ def requested_device():
 
 
 def _local_rank():
-    from . import world
-
-    try:
-        return world.local_rank()
-    except RuntimeError:
-        return 0
+    return job.local_rank() if job.joined() else 0
 
 
 def _import_cupy(required):
@@ -74,12 +70,8 @@ def _import_cupy(required):
 
 
 def _ranks_on_node():
-    from . import world
-
-    try:
-        return world.local_size()
-    except RuntimeError:
-        pass
+    if job.joined():
+        return job.local_size()
     for name in _LOCAL_SIZE_ENVS:
         text = os.environ.get(name, "")
         if text.isdigit() and int(text) > 0:
@@ -177,12 +169,7 @@ def shared_rng():
 
 
 def _rank():
-    from . import world
-
-    try:
-        return world.worker_index()
-    except RuntimeError:
-        return 0
+    return job.worker_index() if job.joined() else 0
 
 
 def rank_rng():

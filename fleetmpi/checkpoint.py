@@ -40,12 +40,11 @@ _RNG_DEVICE = "rng/device_state"
 
 
 def _world():
-    from . import world
+    from . import job
 
-    try:
-        topology = world.topology()
-    except RuntimeError:
+    if not job.joined():
         return None, 0, 1
+    topology = job.topology()
     return topology.world, topology.rank, topology.size
 
 

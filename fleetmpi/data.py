@@ -20,12 +20,9 @@ def _check_int(name, value, low):
 
 
 def _world():
-    from . import world
+    from . import job
 
-    try:
-        return world.worker_num(), world.worker_index()
-    except RuntimeError:
-        return 1, 0
+    return (job.worker_num(), job.worker_index()) if job.joined() else (1, 0)
 
 
 class DistributedSampler:

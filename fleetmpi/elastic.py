@@ -45,12 +45,9 @@ def restart_count(environ=os.environ):
 
 
 def _rank():
-    from . import world
+    from . import job
 
-    try:
-        return world.worker_index()
-    except RuntimeError:
-        return 0
+    return job.worker_index() if job.joined() else 0
 
 
 def read_progress(path):

@@ -39,9 +39,9 @@ def format_duration(seconds):
 
 
 def _this_rank():
-    from . import world
+    from . import job
 
-    return world.topology().rank if world._topology is not None else 0
+    return job.topology().rank if job.joined() else 0
 
 
 class ProgressBar:

@@ -121,10 +121,10 @@ def _identity():
     ``MPI.COMM_WORLD`` (node None: numbered from the host names when the file is written)."""
     from mpi4py import MPI
 
-    from . import world
+    from . import job
 
-    if world._topology is not None:
-        t = world._topology
+    if job.joined():
+        t = job.topology()
         return t.rank, t.size, t.node_index
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), None
 

@@ -1,12 +1,12 @@
-"""This process's place in the job: ``init`` and the role queries of Fleet's collective mode."""
+"""``fleet.init`` and the role queries of Fleet's API. What ``init`` learns is kept in
+``fleetmpi.job``, which every layer may read; the queries here are its, re-exported."""
 import os
 
 import numpy as np
 
-from . import failure, log
-
-_topology = None
-_role_maker = None
+from . import failure, job, log
+from .job import (is_first_worker, local_rank, local_size, node_index, node_num,  # noqa: F401
+                  role_maker, roles, topology, worker_index, worker_num)
 
 
 def init(role_maker=None, is_collective=True, strategy=None):
@@ -22,15 +22,14 @@ def init(role_maker=None, is_collective=True, strategy=None):
     In collective mode a ``strategy`` whose ``hybrid_configs`` set degrees lays the ranks out
     over them (``fleetmpi.hybrid``), on every call.
     """
-    global _topology, _role_maker
     from .role_maker import PaddleCloudRoleMaker, RoleMakerBase
 
     if role_maker is not None and not isinstance(role_maker, RoleMakerBase):
         raise TypeError(f"role_maker must be a fleetmpi.PaddleCloudRoleMaker or "
                         f"UserDefinedRoleMaker, not {type(role_maker).__name__}")
     collective = role_maker.is_collective if role_maker is not None else bool(is_collective)
-    if _topology is not None:
-        if collective != _role_maker.is_collective:
+    if job.joined():
+        if collective != job.role_maker().is_collective:
             raise RuntimeError("fleet.init was already called in the other mode (collective or "
                                "parameter-server); a process runs in one mode")
         _build_layout(strategy)
@@ -46,63 +45,23 @@ def init(role_maker=None, is_collective=True, strategy=None):
     verify(topology, collective=collective,
            emulated_nodes=os.environ.get(LOCAL_SIZE_ENV, "") != "")
     role_maker.bind(topology.rank, topology.size)
-    _topology = topology
-    _role_maker = role_maker
+    job.join(topology, role_maker)
     if not collective:
         from .strategies.ps.runtime import join
 
-        join(role_maker, _topology)
-    log.configure(_topology.rank, _topology.size, _topology.node_index)
+        join(role_maker, topology)
+    log.configure(topology.rank, topology.size, topology.node_index)
     log.logger.info("joined: %d rank(s) on %d node(s), local rank %d of %d",
-                    _topology.size, _topology.num_nodes, _topology.local_rank,
-                    _topology.local_size)
+                    topology.size, topology.num_nodes, topology.local_rank,
+                    topology.local_size)
     _build_layout(strategy)
 
 
 def _build_layout(strategy):
-    if strategy is not None and _role_maker.is_collective:
+    if strategy is not None and job.role_maker().is_collective:
         from .hybrid import build_layout
 
-        build_layout(strategy, _topology)
-
-
-def topology():
-    """The ``fleetmpi.comm.Topology`` of this job; ``init`` must have run."""
-    if _topology is None:
-        raise RuntimeError("fleetmpi is not initialized: call fleet.init() first")
-    return _topology
-
-
-def role_maker():
-    """The role maker of this job (collective or parameter-server); ``init`` must have run."""
-    topology()
-    return _role_maker
-
-
-def roles():
-    """The role maker of parameter-server mode; None in collective mode."""
-    return None if role_maker().is_collective else _role_maker
-
-
-def worker_index():
-    """This rank's index among the workers: its world rank in collective mode, its worker id
-    in parameter-server mode (a server answers with its world rank)."""
-    if roles() is not None and roles().is_worker():
-        return _role_maker.current_id
-    return topology().rank
-
-
-def worker_num():
-    """The number of workers: the world size in collective mode, the workers alone in
-    parameter-server mode."""
-    return topology().size if roles() is None else _role_maker.worker_num
-
-
-def is_first_worker():
-    """True on worker 0 only."""
-    if roles() is not None:
-        return _role_maker.is_worker() and _role_maker.current_id == 0
-    return topology().rank == 0
+        build_layout(strategy, job.topology())
 
 
 def barrier_worker():
@@ -118,26 +77,6 @@ def barrier_worker():
     else:
         comm = topology().world
     gather_rows(comm, np.zeros(1, dtype=np.int64), "barrier_worker")
-
-
-def local_rank():
-    """This rank's index among the ranks of its node."""
-    return topology().local_rank
-
-
-def local_size():
-    """The number of ranks on this rank's node."""
-    return topology().local_size
-
-
-def node_index():
-    """The index of this rank's node, nodes ordered by their lowest world rank."""
-    return topology().node_index
-
-
-def node_num():
-    """The number of nodes in the job."""
-    return topology().num_nodes
 
 
 def _joined(endpoints, to_string):

@@ -11,7 +11,7 @@ import os
 import types
 
 from .. import config_message as cm
-from .. import paddle_flags, world
+from .. import job, paddle_flags
 from ..distributed_strategy import DistributedStrategy
 from ..elastic import RESTART_COUNT_ENV
 from ..log import logger
@@ -289,7 +289,7 @@ def report(applied):
     """Log what ``applied`` runs (INFO) and warn about each field it does not apply (first
     worker only, once per field and process)."""
     try:
-        first = world.worker_index() == 0
+        first = job.worker_index() == 0
     except RuntimeError:  # local=True before fleet.init(): a process on its own
         first = True
     if first:

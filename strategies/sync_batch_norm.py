@@ -15,7 +15,7 @@ when a model from ``distributed_model`` is called (``loss.backward(); opt.step()
 recorded batch-norm call keeps the communicator it ran with, so its backward communicates
 even though the layers get their own back in the after-step stage.
 """
-from .. import world
+from .. import job
 from ..log import logger
 from ..nn.norm import BatchNorm
 from .base import Strategy
@@ -30,7 +30,7 @@ def batch_norm_layers(model):
 def _first_worker():
     """Worker 0 of the job, or a process that never joined one (a world of one)."""
     try:
-        return world.worker_index() == 0
+        return job.worker_index() == 0
     except RuntimeError:
         return True
 

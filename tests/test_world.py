@@ -8,12 +8,12 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import world
+from fleetmpi import job, world
 from fleetmpi.comm.topology import Topology
 
 
 def test_queries_before_init_say_to_call_init(monkeypatch):
-    monkeypatch.setattr(world, "_topology", None)
+    monkeypatch.setattr(job, "_topology", None)
     with pytest.raises(RuntimeError, match=r"fleet.init\(\)"):
         fleet.worker_index()
 

@@ -9,7 +9,7 @@ message can match a collective's or the script's own), and the workers' communic
 calls ``fleet.distributed_model(model)`` and ``fleet.distributed_optimizer(...)``; servers call
 ``init_server()`` and ``run_server()``, workers ``init_worker()``, train, and ``stop_worker()``.
 """
-from ... import world
+from ... import job
 from ...log import logger
 from ...role_maker import ModeError
 
@@ -31,7 +31,7 @@ def join(roles, topology):
 
 
 def _roles(call):
-    roles = world.roles()
+    roles = job.roles()
     if roles is None:
         raise ModeError(f"fleet.{call}() belongs to parameter-server mode; start with "
                            "fleet.init(is_collective=False) or a role_maker")
@@ -51,22 +51,22 @@ def role_communicator():
 
 def is_server():
     """True on a server of parameter-server mode."""
-    return world.role_maker().is_server()
+    return job.role_maker().is_server()
 
 
 def is_worker():
     """True on a worker, which every rank of a collective job is."""
-    return world.role_maker().is_worker()
+    return job.role_maker().is_worker()
 
 
 def server_num():
     """The number of servers (0 in collective mode)."""
-    return world.role_maker().server_num
+    return job.role_maker().server_num
 
 
 def server_index():
     """This server's index among the servers; -1 on a worker."""
-    return world.role_maker().current_id if is_server() else -1
+    return job.role_maker().current_id if is_server() else -1
 
 
 def register_model(model):
