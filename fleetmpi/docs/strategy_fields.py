@@ -1,13 +1,9 @@
-"""The reference table of every DistributedStrategy field, rendered from the schema.
-
-    python -m fleetmpi.strategy_reference > docs/strategy_fields.md
-
-A test checks that the committed ``docs/strategy_fields.md`` is what this renders today.
-"""
+"""``docs/strategy_fields.md``: the table of every DistributedStrategy field, its type,
+default and allowed values, rendered from the schema."""
 from google.protobuf.descriptor import FieldDescriptor
 
-from . import config_message as cm
-from .distributed_strategy import SHORTCUTS, DistributedStrategy
+from .. import config_message as cm
+from ..distributed_strategy import SHORTCUTS, DistributedStrategy
 
 _TYPE_NAMES = {
     FieldDescriptor.TYPE_DOUBLE: "float", FieldDescriptor.TYPE_FLOAT: "float",
@@ -35,7 +31,7 @@ def render():
     top = DistributedStrategy._message_class.DESCRIPTOR
     lines = ["# DistributedStrategy fields", "",
              "Generated from `proto/distributed_strategy.proto` by "
-             "`python -m fleetmpi.strategy_reference`; do not edit by hand.", "",
+             "`python -m fleetmpi.docs regenerate`; do not edit by hand.", "",
              "## DistributedStrategy", ""] + _table(top, "field")
     for field in top.fields:
         if field.message_type is None:
@@ -53,7 +49,3 @@ def render():
               "| name | is |", "| --- | --- |"]
     lines += [f"| `{name}` | `{owner}.{field}` |" for name, (owner, field) in SHORTCUTS.items()]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(render(), end="")
