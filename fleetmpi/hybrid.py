@@ -111,7 +111,7 @@ def running_strategy(strategy, degrees):
     return running
 
 
-class HybridPlan:
+class HybridRun:
     """What ``distributed_optimizer`` runs under a hybrid strategy: ``strategy`` (with the
     switches the degrees imply), ``communicator`` (the ranks of this model-parallel
     coordinate, None alone) and ``agreement`` (every rank, for decisions all must share)."""
@@ -121,8 +121,8 @@ class HybridPlan:
             strategy, communicator, agreement, group
 
 
-def plan(strategy, optimizer, world_communicator, local):
-    """The ``HybridPlan`` of ``strategy`` for ``optimizer``, or None when it is not hybrid.
+def run_of(strategy, optimizer, world_communicator, local):
+    """The ``HybridRun`` of ``strategy`` for ``optimizer``, or None when it is not hybrid.
     Refuses degrees whose product is not the world size (naming each), a layout other than
     the one ``fleet.init`` built, and a model whose pipeline stages are not ``pp_degree``."""
     world_size = 1 if local or world_communicator is None else world_communicator.size
@@ -152,7 +152,7 @@ def plan(strategy, optimizer, world_communicator, local):
                          f"{stages}")
     running = running_strategy(strategy, degrees)
     if local or world_communicator is None:
-        return HybridPlan(running, None, None, None)
+        return HybridRun(running, None, None, None)
     group = hybrid_topology.current()
     if group is None or group.communicator.size != world_size:
         group = HybridCommunicateGroup(world_communicator, degrees)
@@ -161,7 +161,7 @@ def plan(strategy, optimizer, world_communicator, local):
         raise ValueError(f"the strategy's hybrid degrees {_named(degrees)} differ from the "
                          f"layout fleet.init built ({_named(group.degrees)}); pass the same "
                          f"strategy to fleet.init and distributed_optimizer")
-    return HybridPlan(running, group.data_communicator, world_communicator, group)
+    return HybridRun(running, group.data_communicator, world_communicator, group)
 
 
 def _named(degrees):

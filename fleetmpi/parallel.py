@@ -155,7 +155,7 @@ class DistributedOptimizer:
         elif world.worker_num() > 1 or communicator is not None:
             communicator = communicator or strategy_communicator(strategy)
         # Under hybrid_configs the strategies run over this rank's model-parallel coordinate.
-        self.hybrid = hybrid.plan(strategy, optimizer, communicator, local)
+        self.hybrid = hybrid.run_of(strategy, optimizer, communicator, local)
         if self.hybrid is not None:
             strategy, communicator = self.hybrid.strategy, self.hybrid.communicator
         self.communicator = communicator

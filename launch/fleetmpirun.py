@@ -47,8 +47,8 @@ def read_hostfile(path):
 
     ``spelling`` is the launcher whose format the file uses for slot counts: ``"mpich"`` for
     ``host:4``, ``"openmpi"`` for ``host slots=4``, None when it gives no counts (plain host
-    names, which both read). Each launcher refuses the other's format, so ``launch_command``
-    rewrites a file of the other spelling as a host list."""
+    names, which both read). Each launcher refuses the other's format, so
+    ``mpiexec_launch_command`` rewrites a file of the other spelling as a host list."""
     if not os.path.isfile(path):
         raise ValueError(f"--hostfile {path!r} does not exist")
     entries, spellings = [], set()
@@ -177,7 +177,7 @@ def check_elastic_inputs(args):
                          "failed node are left out of the restart")
 
 
-def plan(args):
+def rank_layout(args):
     """``(np, hosts, ranks_per_host)`` from the parsed options; ValueError names a conflict.
 
     The rank count comes from whichever of ``--np``, ``--gpus`` (one rank per listed GPU on
@@ -356,17 +356,17 @@ def describe_unfinished(directory, np):
     return f"fleetmpirun: rank(s) that did not run their script to its end: {'; '.join(places)}"
 
 
-def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
+def mpiexec_launch_command(args, flavour, mpiexec, environ=None, as_root=None):
     """The whole ``mpiexec`` command for the parsed ``args`` and an MPI of ``flavour``
     (``mpiexec.gforker`` in its place for MPICH on this host only, see ``process_manager``)."""
-    np, hosts, ranks_per_host = plan(args)
+    np, hosts, ranks_per_host = rank_layout(args)
     launcher, kind, _ = process_manager(args, flavour, mpiexec)
     job_env = dict(transport_environment(args, flavour,
                                          os.environ if environ is None else environ),
                    **job_environment(args))
     extra = [word for text in args.mpi_args for word in shlex.split(text)]
     if kind == mpi_command.GFORKER:
-        return mpi_command.build_command(
+        return mpi_command.mpiexec_command(
             flavour, launcher, np, rank_program(args, single_host=True),
             extra_args=mpi_command.gforker_arguments(extra), environ=environ, as_root=as_root,
             job_env=job_env, process_manager=mpi_command.GFORKER)
@@ -378,7 +378,7 @@ def launch_command(args, flavour, mpiexec, environ=None, as_root=None):
             hostfile = None
             hosts = [host if slots is None or ranks_per_host else f"{host}:{slots}"
                      for host, slots in entries]
-    return mpi_command.build_command(
+    return mpi_command.mpiexec_command(
         flavour, mpiexec, np, rank_program(args), hosts=hosts, hostfile=hostfile,
         ranks_per_host=ranks_per_host, extra_args=extra, environ=environ, as_root=as_root,
         job_env=job_env)
@@ -608,9 +608,9 @@ def job_command(args, flavour, mpiexec, exclude=(), environ=None):
     """The command that starts the job: ``mpiexec`` or, with ``--slurm``, ``srun`` (leaving
     out the nodes ``exclude`` names); ``environ`` is the environment it runs in."""
     if args.slurm:
-        return slurm.launch_command(args, rank_program(args), flavour, environ=environ,
+        return slurm.srun_launch_command(args, rank_program(args), flavour, environ=environ,
                                     exclude=exclude)
-    return launch_command(args, flavour, mpiexec, environ=environ)
+    return mpiexec_launch_command(args, flavour, mpiexec, environ=environ)
 
 
 def ranks_per_host(records):
@@ -625,9 +625,9 @@ def ranks_per_host(records):
 
 def run_attempt(args, flavour, mpiexec, exclude=()):
     """Run the job once and report a failure; a ``restart.Attempt`` with what came of it."""
-    np, hosts, _ = plan(args)
+    np, hosts, _ = rank_layout(args)
     if args.slurm:
-        np = slurm.plan(args, os.environ, exclude)[0] or np
+        np = slurm.srun_layout(args, os.environ, exclude)[0] or np
     attempt = restart.Attempt(getattr(args, "restart_count", 0), np, excluded=tuple(exclude))
     args.finished_dir = finished_records_dir(args, hosts)
     local = len(hosts) <= 1 and not args.slurm
@@ -710,9 +710,9 @@ def run_elastic(args, flavour, mpiexec):
 
 def run_attempt_count(args):
     """The first attempt's rank count (``--slurm``: srun's, when fleetmpirun decides it)."""
-    np = plan(args)[0]
+    np = rank_layout(args)[0]
     if args.slurm:
-        np = slurm.plan(args, os.environ)[0] or np
+        np = slurm.srun_layout(args, os.environ)[0] or np
     return np
 
 

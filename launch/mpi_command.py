@@ -116,7 +116,7 @@ def exported_names(environ):
                   if name in EXPORTED_NAMES or name.startswith(EXPORTED_PREFIXES))
 
 
-def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
+def mpiexec_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
                   ranks_per_host=None, extra_args=(), environ=None, as_root=None, job_env=None,
                   process_manager=HYDRA):
     """The whole ``mpiexec`` argument list that starts ``np`` copies of ``program``.
@@ -182,4 +182,4 @@ def build_command(flavour, mpiexec, np, program, hosts=None, hostfile=None,
 def local_command(np, program=()):
     """``mpiexec -n np program`` on this machine with the installed MPI, whichever it is."""
     mpiexec = find_mpiexec()
-    return build_command(detect_flavour(mpiexec), mpiexec, np, program)
+    return mpiexec_command(detect_flavour(mpiexec), mpiexec, np, program)

@@ -82,7 +82,7 @@ def _count(environ, name):
     return int(value) if value.isdigit() else None
 
 
-def plan(args, environ, exclude=()):
+def srun_layout(args, environ, exclude=()):
     """``(np, ranks_per_node)`` of the srun step; either is None where srun is left to take it
     from the allocation. ``exclude`` are nodes of the allocation left out (an elastic restart).
     ValueError names a conflict."""
@@ -116,7 +116,7 @@ def names_plugin(srun_args):
     return any(word == "--mpi" or word.startswith("--mpi=") for word in srun_args)
 
 
-def build_command(srun, plugin, np, program, ranks_per_node=None, extra_args=(), exclude=()):
+def srun_command(srun, plugin, np, program, ranks_per_node=None, extra_args=(), exclude=()):
     """The ``srun`` argument list that starts ``program`` as ``np`` tasks (srun's choice when
     None) with MPI plugin ``plugin`` (none named when None), on the allocation's nodes but
     ``exclude``; ``extra_args`` go to srun as given, before the program."""
@@ -131,7 +131,7 @@ def build_command(srun, plugin, np, program, ranks_per_node=None, extra_args=(),
     return cmd + list(extra_args) + list(program)
 
 
-def launch_command(args, program, flavour, environ=None, srun=None, plugins=None,
+def srun_launch_command(args, program, flavour, environ=None, srun=None, plugins=None,
                    exclude=()):
     """The whole ``srun`` command of ``fleetmpirun --slurm`` for the parsed ``args``.
 
@@ -141,14 +141,14 @@ def launch_command(args, program, flavour, environ=None, srun=None, plugins=None
     """
     environ = os.environ if environ is None else environ
     require_allocation(environ)
-    np, ranks_per_node = plan(args, environ, exclude)
+    np, ranks_per_node = srun_layout(args, environ, exclude)
     extra = [word for text in args.mpi_args for word in shlex.split(text)]
     srun = srun or find_srun()
     if names_plugin(extra):
         plugin = None
     else:
         plugin = mpi_plugin(flavour, available_plugins(srun) if plugins is None else plugins)
-    return build_command(srun, plugin, np, program, ranks_per_node, extra, exclude)
+    return srun_command(srun, plugin, np, program, ranks_per_node, extra, exclude)
 
 
 # Node states (sinfo's short form, %t) in which a node cannot run a rank; a "*" after any state

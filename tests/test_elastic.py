@@ -253,7 +253,7 @@ def test_srun_leaves_out_the_excluded_nodes():
     args = fleetmpirun.parser().parse_args(["--slurm", "--gpus", "0,1", "train.py"])
     environ = {"SLURM_JOB_ID": "5", "SLURM_JOB_NUM_NODES": "3"}
     program = fleetmpirun.rank_program(args)
-    cmd = slurm.launch_command(args, program, "mpich", environ=environ, srun="/usr/bin/srun",
+    cmd = slurm.srun_launch_command(args, program, "mpich", environ=environ, srun="/usr/bin/srun",
                                plugins=["pmi2"], exclude=("n3",))
     assert cmd[:len(cmd) - len(program)] == [
         "/usr/bin/srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--exclude=n3", "-n", "4",

@@ -33,7 +33,7 @@ def script(tmp_path):
 # ---------------------------------------------------------------- commands, argument by argument
 
 def test_mpich_command_with_hosts_ranks_per_host_and_launcher_arguments():
-    cmd = mpi_command.build_command(
+    cmd = mpi_command.mpiexec_command(
         "mpich", "mpiexec", 4, ["python", "x.py"], hosts=["h1", "h2"], ranks_per_host=2,
         extra_args=["-bind-to", "core"], environ={"PATH": "/bin"}, as_root=True)
     assert cmd == ["mpiexec", "-n", "4", "-hosts", "h1,h2", "-ppn", "2", "-genvall",
@@ -43,7 +43,7 @@ def test_mpich_command_with_hosts_ranks_per_host_and_launcher_arguments():
 def test_open_mpi_command_with_hosts_forwards_the_chosen_variables():
     environ = {"PATH": "/bin", "HOME": "/root", "FLEETMPI_STALL_TIMEOUT": "60",
                "CUDA_HOME": "/cuda", "PADDLE_X": "1", "PYTHONPATH": "/p", "TERM": "xterm"}
-    cmd = mpi_command.build_command(
+    cmd = mpi_command.mpiexec_command(
         "openmpi", "mpirun", 4, ["python", "x.py"], hosts=["h1", "h2"], ranks_per_host=2,
         extra_args=["--bind-to", "core"], environ=environ, as_root=False)
     assert cmd == ["mpirun", "-n", "4", "--oversubscribe", "--host", "h1:2,h2:2",
@@ -53,17 +53,17 @@ def test_open_mpi_command_with_hosts_forwards_the_chosen_variables():
 
 
 def test_open_mpi_as_root_and_without_ranks_per_host():
-    cmd = mpi_command.build_command("openmpi", "mpirun", 2, ["p"], hosts=["a", "b"],
+    cmd = mpi_command.mpiexec_command("openmpi", "mpirun", 2, ["p"], hosts=["a", "b"],
                                     environ={}, as_root=True)
     assert cmd == ["mpirun", "-n", "2", "--oversubscribe", "--allow-run-as-root",
                    "--host", "a,b", "p"]
 
 
 def test_hostfile_spelling_of_each_launcher():
-    mpich = mpi_command.build_command("mpich", "mpiexec", 8, ["p"], hostfile="hosts",
+    mpich = mpi_command.mpiexec_command("mpich", "mpiexec", 8, ["p"], hostfile="hosts",
                                       ranks_per_host=4, environ={}, as_root=False)
     assert mpich == ["mpiexec", "-n", "8", "-f", "hosts", "-ppn", "4", "-genvall", "p"]
-    ompi = mpi_command.build_command("openmpi", "mpirun", 8, ["p"], hostfile="hosts",
+    ompi = mpi_command.mpiexec_command("openmpi", "mpirun", 8, ["p"], hostfile="hosts",
                                      ranks_per_host=4, environ={}, as_root=False)
     assert ompi == ["mpirun", "-n", "8", "--oversubscribe", "--hostfile", "hosts",
                     "--map-by", "ppr:4:node", "p"]
@@ -71,12 +71,12 @@ def test_hostfile_spelling_of_each_launcher():
 
 def test_job_variables_are_named_on_the_command_line_of_each_launcher():
     job_env = {"FLEETMPI_TIMELINE": "/shared/t.json"}
-    mpich = mpi_command.build_command("mpich", "mpiexec", 2, ["p"], environ={},
+    mpich = mpi_command.mpiexec_command("mpich", "mpiexec", 2, ["p"], environ={},
                                       as_root=False, job_env=job_env)
     assert mpich == ["mpiexec", "-n", "2", "-genvall", "-genv", "FLEETMPI_TIMELINE",
                      "/shared/t.json", "p"]
     # an older value in the launcher's own environment is not forwarded beside the job's
-    ompi = mpi_command.build_command("openmpi", "mpirun", 2, ["p"], as_root=False,
+    ompi = mpi_command.mpiexec_command("openmpi", "mpirun", 2, ["p"], as_root=False,
                                      environ={"FLEETMPI_TIMELINE": "/old.json", "PATH": "/b"},
                                      job_env=job_env)
     assert ompi == ["mpirun", "-n", "2", "--oversubscribe", "-x", "PATH",
@@ -88,11 +88,11 @@ def test_job_variables_are_named_on_the_command_line_of_each_launcher():
     ({"hosts": ["a"], "hostfile": "f"}, "not both"),
     ({"np": 0}, "at least 1, got 0"),
 ])
-def test_build_command_refuses_bad_requests(kwargs, message):
+def test_mpiexec_command_refuses_bad_requests(kwargs, message):
     call = {"flavour": "mpich", "mpiexec": "mpiexec", "np": 2, "program": ["p"]}
     call.update(kwargs)
     with pytest.raises(ValueError, match=message):
-        mpi_command.build_command(**call)
+        mpi_command.mpiexec_command(**call)
 
 
 @pytest.mark.parametrize("flavour, expected", [
@@ -102,7 +102,7 @@ def test_build_command_refuses_bad_requests(kwargs, message):
 ])
 def test_ips_and_gpus_give_one_rank_per_gpu_on_each_host(script, flavour, expected):
     args = parse("--ips", "h1, h2", "--gpus", "0,1", script, "--lr", "0.1")
-    cmd = fleetmpirun.launch_command(args, flavour, "mpiexec", environ={"PATH": "/b"},
+    cmd = fleetmpirun.mpiexec_launch_command(args, flavour, "mpiexec", environ={"PATH": "/b"},
                                      as_root=False)
     assert cmd == expected + WRAPPER + ["--gpus", "0,1", "--", script, "--lr", "0.1"]
 
@@ -116,7 +116,7 @@ def test_hostfile_and_gpus_count_the_hosts_of_the_file(tmp_path, script, flavour
     hostfile = tmp_path / "hosts"
     hostfile.write_text("# three machines\nh1:8\n\nh2:8   # the second\nh3\n")
     args = parse("--hostfile", str(hostfile), "--gpus", "0,1", "--log_dir", "logs", script)
-    cmd = fleetmpirun.launch_command(args, flavour, "mpiexec", environ={}, as_root=False)
+    cmd = fleetmpirun.mpiexec_launch_command(args, flavour, "mpiexec", environ={}, as_root=False)
     expected = [str(hostfile) if word == "HOSTFILE" else word for word in expected]
     assert cmd == (["mpiexec", "-n", "6"] + expected + WRAPPER
                    + ["--gpus", "0,1", "--log_dir", os.path.abspath("logs"), "--", script])
@@ -130,7 +130,7 @@ def test_hostfile_and_gpus_count_the_hosts_of_the_file(tmp_path, script, flavour
 def test_hostfile_without_gpus_gives_one_rank_per_slot(tmp_path, script, flavour, expected):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=4 max_slots=8\nb\nc slots=2\n")
-    cmd = fleetmpirun.launch_command(parse("--hostfile", str(hostfile), script), flavour,
+    cmd = fleetmpirun.mpiexec_launch_command(parse("--hostfile", str(hostfile), script), flavour,
                                      "mpiexec", environ={}, as_root=False)
     expected = [str(hostfile) if word == "HOSTFILE" else word for word in expected]
     assert cmd == ["mpiexec", "-n", "7"] + expected + WRAPPER + ["--", script]
@@ -159,7 +159,7 @@ def test_bad_hostfile_is_refused_naming_the_line(tmp_path, script, text, message
     hostfile = tmp_path / "hosts"
     hostfile.write_text(text)
     with pytest.raises(ValueError, match=message):
-        fleetmpirun.plan(parse("--hostfile", str(hostfile), script))
+        fleetmpirun.rank_layout(parse("--hostfile", str(hostfile), script))
 
 
 def test_rank_program_passes_roles_logs_and_script_arguments(script):
@@ -173,7 +173,7 @@ def test_rank_program_passes_roles_logs_and_script_arguments(script):
 def test_mpi_args_are_split_like_a_shell_and_may_be_repeated(script):
     args = parse("--np", "2", "--mpi_args", "-bind-to core", "--mpi_args=-verbose",
                  "--mpi_args", "-genv X 'a b'", script)
-    cmd = fleetmpirun.launch_command(args, "mpich", "mpiexec", environ={}, as_root=False)
+    cmd = fleetmpirun.mpiexec_launch_command(args, "mpich", "mpiexec", environ={}, as_root=False)
     # -bind-to is hydra's: on one host too, hydra starts the job (with the transport on
     # shared memory); gforker takes none of it
     assert cmd[:14] == ["mpiexec", "-n", "2", "-genvall", "-genv", "FI_PROVIDER", "shm",
@@ -188,7 +188,7 @@ def test_timeline_is_an_absolute_path_in_the_job_environment(tmp_path, script, m
     args = parse("--np", "2", "--timeline", "trace.json", script)
     assert fleetmpirun.job_environment(args) == {
         "FLEETMPI_TIMELINE": str(tmp_path / "trace.json")}
-    cmd = fleetmpirun.launch_command(args, "openmpi", "mpirun", environ={}, as_root=False)
+    cmd = fleetmpirun.mpiexec_launch_command(args, "openmpi", "mpirun", environ={}, as_root=False)
     assert f"FLEETMPI_TIMELINE={tmp_path / 'trace.json'}" in cmd
     assert fleetmpirun.job_environment(parse(script)) == {}
 
@@ -204,7 +204,7 @@ def test_timeline_is_an_absolute_path_in_the_job_environment(tmp_path, script, m
     (["--server_num", "1", "--worker_num", "3", "--gpus", "0,1,2,3"], 4, None),
 ])
 def test_rank_count_and_placement(script, argv, np, ranks_per_host):
-    planned_np, _, planned_per_host = fleetmpirun.plan(parse(*argv, script))
+    planned_np, _, planned_per_host = fleetmpirun.rank_layout(parse(*argv, script))
     assert (planned_np, planned_per_host) == (np, ranks_per_host)
 
 
@@ -225,12 +225,12 @@ def test_rank_count_and_placement(script, argv, np, ranks_per_host):
 ])
 def test_plan_refuses_counts_that_cannot_work(script, argv, message):
     with pytest.raises(ValueError, match=message):
-        fleetmpirun.plan(parse(*argv, script))
+        fleetmpirun.rank_layout(parse(*argv, script))
 
 
 def test_hostfile_that_is_missing_is_refused(script):
     with pytest.raises(ValueError, match="--hostfile '/no/such/hosts' does not exist"):
-        fleetmpirun.plan(parse("--hostfile", "/no/such/hosts", script))
+        fleetmpirun.rank_layout(parse("--hostfile", "/no/such/hosts", script))
 
 
 def test_check_inputs_names_the_bad_value(tmp_path, script):
@@ -283,7 +283,8 @@ def test_dry_run_prints_the_command_of_the_detected_launcher(tmp_path, script, c
     argv = ["--mpiexec", mpiexec, "--dry-run", "--ips", "h1,h2", "--gpus", "0,1", script]
     assert fleetmpirun.main(argv) == 0
     printed = capsys.readouterr().out.strip()
-    assert shlex.split(printed) == fleetmpirun.launch_command(parse(*argv), flavour, mpiexec)
+    assert shlex.split(printed) == fleetmpirun.mpiexec_launch_command(parse(*argv), flavour,
+                                                                      mpiexec)
     placement = ["-hosts", "h1,h2", "-ppn", "2"] if flavour == "mpich" else ["--host", "h1:2,h2:2"]
     assert printed.startswith(shlex.join([mpiexec, "-n", "4"]))
     assert shlex.join(placement) in printed
@@ -680,11 +681,11 @@ def test_gforker_on_one_host_and_hydra_for_several(tmp_path, script, capsys, arg
 
 def test_a_transport_the_user_chose_is_left_as_it_is(tmp_path, script):
     args = parse("--np", "2", script)
-    cmd = fleetmpirun.launch_command(args, "mpich", str(_fake_mpiexec(tmp_path, "HYDRA")),
+    cmd = fleetmpirun.mpiexec_launch_command(args, "mpich", str(_fake_mpiexec(tmp_path, "HYDRA")),
                                      environ={"UCX_TLS": "tcp"}, as_root=False)
     assert "UCX_TLS" not in cmd and cmd[cmd.index("FI_PROVIDER") + 1] == "shm"
     # Open MPI's command is not changed
-    ompi = fleetmpirun.launch_command(args, "openmpi", "mpirun", environ={}, as_root=False)
+    ompi = fleetmpirun.mpiexec_launch_command(args, "openmpi", "mpirun", environ={}, as_root=False)
     assert ompi == ["mpirun", "-n", "2", "--oversubscribe"] + WRAPPER + ["--", script]
 
 
@@ -696,7 +697,7 @@ def test_gforker_takes_only_its_own_options():
                     ["-hosts", "a"], ["stray"]):
         assert mpi_command.gforker_arguments(refused) is None, refused
     with pytest.raises(ValueError, match="this host only"):
-        mpi_command.build_command("mpich", "mpiexec.gforker", 2, ["p"], hosts=["a", "b"],
+        mpi_command.mpiexec_command("mpich", "mpiexec.gforker", 2, ["p"], hosts=["a", "b"],
                                   process_manager=mpi_command.GFORKER)
 
 

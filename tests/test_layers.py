@@ -171,12 +171,14 @@ def test_no_import_cycle():
 
 def test_the_checks_see_an_upward_import_and_a_cycle():
     """The two checks on a small graph with one of each fault."""
-    graph = {"fleetmpi.backend": [(3, "fleetmpi.comm")], "fleetmpi.comm": [(5, "fleetmpi.backend")],
+    graph = {"fleetmpi.backend": [(3, "fleetmpi.comm")],
+             "fleetmpi.comm": [(5, "fleetmpi.backend")],
              "fleetmpi.nn": [(7, "fleetmpi.plan")], "fleetmpi.plan": [(1, "fleetmpi.nn")]}
     assert upward_imports(graph) == [
         "fleetmpi.backend:3 imports fleetmpi.comm (backend -> comm)",
         "fleetmpi.nn:7 imports fleetmpi.plan, which stands on the side"]
-    assert cycles(graph) == [["fleetmpi.backend", "fleetmpi.comm"], ["fleetmpi.nn", "fleetmpi.plan"]]
+    assert cycles(graph) == [["fleetmpi.backend", "fleetmpi.comm"],
+                             ["fleetmpi.nn", "fleetmpi.plan"]]
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -30,7 +30,7 @@ def command(argv, environ, flavour="mpich", plugins=("none", "pmi2", "pmix")):
     program and that program (``fleetmpirun.rank_program``, checked in full)."""
     args = fleetmpirun.parser().parse_args(["--slurm"] + argv)
     program = fleetmpirun.rank_program(args)
-    cmd = slurm.launch_command(args, program, flavour, environ=environ, srun=SRUN,
+    cmd = slurm.srun_launch_command(args, program, flavour, environ=environ, srun=SRUN,
                                plugins=list(plugins))
     assert cmd[len(cmd) - len(program):] == program
     return cmd[:len(cmd) - len(program)], program
