@@ -35,7 +35,7 @@ from . import autograd, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
-from .config_message import ConfigError
+from .schema_view import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .fleet_util import UtilBase

@@ -9,7 +9,7 @@ import types
 
 from google.protobuf import text_format
 
-from . import config_message as cm
+from . import schema_view
 from . import prototxt
 from .proto import distributed_strategy_pb2 as schema
 
@@ -39,10 +39,11 @@ class _MessageObject:
 
     def _field(self, name):
         try:
-            return cm.lookup_field(self._message, name, type(self).__name__, self._extra_names())
-        except cm.UnknownKeyError as exc:
-            raise cm.UnknownAttributeError(str(exc).replace("has no key", "has no attribute")) \
-                from None
+            return schema_view.lookup_field(self._message, name, type(self).__name__,
+                                            self._extra_names())
+        except schema_view.UnknownKeyError as exc:
+            raise schema_view.UnknownAttributeError(
+                str(exc).replace("has no key", "has no attribute")) from None
 
     def __getattr__(self, name):
         if name.startswith("_"):
@@ -50,7 +51,7 @@ class _MessageObject:
         field = self._field(name)
         if field.message_type is not None:
             return self._present(field)
-        return cm.get_value(self._message, field)
+        return schema_view.get_value(self._message, field)
 
     def __setattr__(self, name, value):
         field = self._field(name)
@@ -58,13 +59,13 @@ class _MessageObject:
             self._assign_message(field, value)
         else:
             where = f"{type(self).__name__}.{name}"
-            cm.set_value(self._message, field, cm.coerce(field, value, where))
+            schema_view.set_value(self._message, field, schema_view.coerce(field, value, where))
 
     def _present(self, field):
         sub = getattr(self._message, field.name)
         if field.name in self._sub_objects:
             return self._sub_objects[field.name]._view(sub)
-        return cm.ConfigView(sub, field.name)
+        return schema_view.ConfigView(sub, field.name)
 
     def _assign_message(self, field, value):
         sub_class = self._sub_objects.get(field.name)
@@ -74,15 +75,16 @@ class _MessageObject:
         if sub_class is not None and isinstance(value, _MessageObject):
             raise TypeError(f"{field.name} must be assigned a {sub_class.__name__} or a dict "
                             f"of its fields, not a {type(value).__name__}")
-        mapping = cm.require_mapping(value, field.name)
-        cm.ConfigView(getattr(self._message, field.name), field.name).update(mapping)
+        mapping = schema_view.require_mapping(value, field.name)
+        schema_view.ConfigView(getattr(self._message, field.name), field.name).update(mapping)
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._message.DESCRIPTOR.fields_by_name))
 
     def __eq__(self, other):
         """Equal values: a field set to its default equals one left unset."""
-        return type(other) is type(self) and not cm.differences(self._message, other._message)
+        return type(other) is type(self) and not schema_view.differences(self._message,
+                                                                          other._message)
 
     def __ne__(self, other):
         return not self == other
@@ -97,7 +99,7 @@ class _MessageObject:
         return copy
 
     def __str__(self):
-        changed = cm.differences(self._message, self._message_class())
+        changed = schema_view.differences(self._message, self._message_class())
         name = type(self).__name__
         if not changed:
             return f"{name}: all defaults"
@@ -197,13 +199,13 @@ class DistributedStrategy(_MessageObject):
             line, column = exc.GetLine(), exc.GetColumn()
             where = f"{pb_file}:{line}:{column}" if line else str(pb_file)
             reason = str(exc).split(" : ", 1)[-1]
-            raise cm.ConfigError(f"{where}: {reason}") from None
+            raise schema_view.ConfigError(f"{where}: {reason}") from None
         except prototxt.UnknownFieldInFile as exc:
-            raise cm.ConfigError(f"{pb_file}:{exc.line}:{exc.column}: {exc}") from None
+            raise schema_view.ConfigError(f"{pb_file}:{exc.line}:{exc.column}: {exc}") from None
         try:
-            cm.validate(message)
-        except (cm.ConfigError, TypeError) as exc:
-            raise cm.ConfigError(f"{os.fspath(pb_file)}: {exc}") from None
+            schema_view.validate(message)
+        except (schema_view.ConfigError, TypeError) as exc:
+            raise schema_view.ConfigError(f"{os.fspath(pb_file)}: {exc}") from None
         self._message.CopyFrom(message)
         object.__setattr__(self, "_paddle_only", types.MappingProxyType(paddle_only))
         return self

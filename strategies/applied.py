@@ -10,7 +10,7 @@ the active strategies at INFO, every field that is not applied as a warning on t
 import os
 import types
 
-from .. import config_message as cm
+from .. import schema_view
 from .. import job, paddle_flags
 from ..distributed_strategy import DistributedStrategy
 from ..elastic import RESTART_COUNT_ENV
@@ -187,7 +187,7 @@ def parameter_server_not_applied(strategy, on_gpu):
     from .ps.mode import EFFECTIVE_KEYS, NO_EFFECT_KEYS
 
     reasons = {}
-    for path, _ in cm.differences(strategy._message, DistributedStrategy()._message):
+    for path, _ in schema_view.differences(strategy._message, DistributedStrategy()._message):
         configs, _, key = path.partition(".")
         if path == "a_sync_configs.k_steps" and not strategy.a_sync:
             reasons[path] = ("a_sync is off: synchronous training pushes every step, whatever "
@@ -257,7 +257,7 @@ class AppliedStrategy(DistributedStrategy):
     def __eq__(self, other):
         if not isinstance(other, DistributedStrategy):
             return False
-        return not cm.differences(self._message, other._message) and \
+        return not schema_view.differences(self._message, other._message) and \
             dict(self._paddle_only) == dict(other._paddle_only)
 
     def __ne__(self, other):

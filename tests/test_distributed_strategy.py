@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import config_message as cm
+from fleetmpi import schema_view
 
 # The seeds' field tables and references (004, 000, 001), written out independently of the schema.
 TOP_LEVEL_DEFAULTS = {
@@ -432,4 +432,4 @@ def test_describe_allowed_covers_every_field():
                           fleet.ExecutionStrategy):
         for field in message_class()._message.DESCRIPTOR.fields:
             if field.message_type is None:
-                assert cm.describe_allowed(field)
+                assert schema_view.describe_allowed(field)

@@ -33,7 +33,7 @@ LAYERS = (
                  "fleetmpi.data", "fleetmpi.checkpoint", "fleetmpi.hybrid_checkpoint",
                  "fleetmpi.progress", "fleetmpi.elastic")),
     ("strategies", ("fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.distributed_strategy",
-                    "fleetmpi.config_message", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
+                    "fleetmpi.schema_view", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
                     "fleetmpi.role_maker")),
     ("launch", ("fleetmpi.launch",)),
     ("fleet API", ("fleetmpi",)),

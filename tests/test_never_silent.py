@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import config_message as cm
+from fleetmpi import schema_view
 from fleetmpi import nn, optimizer
 from fleetmpi.paddle_fields import PADDLE_ONLY
 from fleetmpi.proto import distributed_strategy_pb2 as schema
@@ -301,7 +301,7 @@ def _reported(path, reasons):
 
 
 def check_mode(mode, ranks, reasons, strategy):
-    set_paths = [path for path, _ in cm.differences(strategy._message,
+    set_paths = [path for path, _ in schema_view.differences(strategy._message,
                                                    fleet.DistributedStrategy()._message)]
     at_default = sum(1 for path, row in FIELDS.items() if path not in SWITCHES
                      and _value(row, ranks) == _default(path))

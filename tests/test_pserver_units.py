@@ -7,7 +7,7 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi import nn, no_grad
-from fleetmpi.config_message import ConfigError
+from fleetmpi.schema_view import ConfigError
 from fleetmpi.strategies.ps import blocks, mode, shards, wire
 
 

@@ -2,7 +2,7 @@
 default and allowed values, rendered from the schema."""
 from google.protobuf.descriptor import FieldDescriptor
 
-from .. import config_message as cm
+from .. import schema_view
 from ..distributed_strategy import SHORTCUTS, DistributedStrategy
 
 _TYPE_NAMES = {
@@ -21,8 +21,8 @@ def _table(message_descriptor, heading):
         kind = _TYPE_NAMES[field.type]
         if field.is_repeated:
             kind = f"list[{kind}]"
-        rows.append(f"| `{field.name}` | {kind} | `{cm.default_of(field)!r}` | "
-                    f"{cm.describe_allowed(field)} |")
+        rows.append(f"| `{field.name}` | {kind} | `{schema_view.default_of(field)!r}` | "
+                    f"{schema_view.describe_allowed(field)} |")
     return rows
 
 

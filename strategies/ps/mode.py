@@ -6,7 +6,7 @@
 nothing here are listed by ``applied_strategy().not_applied`` with these reasons
 (``fleetmpi.strategies.applied.parameter_server_not_applied``) and warned once.
 """
-from ...config_message import ConfigError
+from ...schema_view import ConfigError
 
 SYNC, ASYNC, GEO = "sync", "async", "geo"
 

@@ -1,4 +1,4 @@
-"""Typed, range-checked access to the messages of ``distributed_strategy.proto``.
+"""Typed, range-checked views of the messages of ``distributed_strategy.proto``.
 
 The schema says everything about a field: its type and default (protobuf) and what it may hold
 (the custom options ``range``, ``choices`` and ``default_list``). This module turns that into
