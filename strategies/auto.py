@@ -246,13 +246,13 @@ class Calibration:
         return False
 
     def _plan(self, megabytes, layers):
-        return plan_gradient_buckets(self.optimizer._runs, megabytes * 2 ** 20, layers)
+        return plan_gradient_buckets(self.optimizer.runs, megabytes * 2 ** 20, layers)
 
     def _fusion_candidates(self):
         """Fusion settings that cut the gradients into other numbers of buckets: by bytes
         (``fuse_grad_size_in_MB``) and by layers (``fuse_grad_size_in_TFLOPS``, the most layers
         per bucket), up to ``MAX_FUSION_CANDIDATES`` spread over the bucket counts found."""
-        runs = self.optimizer._runs
+        runs = self.optimizer.runs
         total = sum((run.stop - run.start) * run.buffer.dtype.itemsize for run in runs)
         layers = len({layer_of(p) for run in runs for p in run.parameters})
         base_mb = self.strategy.fuse_grad_size_in_MB

@@ -21,9 +21,10 @@ class Tensor:
     # NumPy defers to the Tensor's reflected operators (ndarray + Tensor gives a Tensor).
     __array_ufunc__ = None
     # What provides a leaf's values while an operation uses them, when they are not kept
-    # (sharding stage 3 sets one per parameter): ``fetch(tensor)`` gives the array, and
-    # ``after_forward(node)`` may replace what the call saved of them by a record
-    # (``node._packed``) that ``unpack(node)`` turns back before its backward.
+    # (``Parameter.bind_keeper``; sharding stage 3 binds one per parameter): the keeper's
+    # ``fetch(tensor)`` gives the array, and its ``after_forward(node)`` may replace arrays the
+    # recorded call ``node`` saved in its attributes and return a record whose
+    # ``unpack(node)`` puts them back before the call's backward (None: nothing replaced).
     _keeper = None
 
     def __init__(self, data, stop_gradient=True):
