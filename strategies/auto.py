@@ -31,6 +31,7 @@ import statistics
 
 from .. import backend, nn
 from ..distributed_strategy import DistributedStrategy
+from ..proto import distributed_strategy_pb2 as schema
 from .applied import changed
 from .auto_calibration import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
                                time_allreduce)
@@ -147,7 +148,7 @@ def resolved(strategy, overlay):
 def _user_fields(strategy):
     """The top-level fields the user set away from their defaults (``auto`` aside)."""
     default = DistributedStrategy()
-    return {name for name in strategy._message.DESCRIPTOR.fields_by_name
+    return {name for name in schema.DistributedStrategy.DESCRIPTOR.fields_by_name
             if name != "auto" and changed(strategy, default, name)}
 
 

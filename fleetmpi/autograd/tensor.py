@@ -7,6 +7,10 @@ result of an operation requires one when any of its inputs does and recording is
 inside ``no_grad``). ``grad`` is an array of the backend (for a parameter, a view into the
 model's flat gradient buffer). Python operators and methods (``+``, ``@``, ``sum``,
 ``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
+
+The interface strategies use here is the keeper protocol: a strategy that holds a parameter's
+values elsewhere (sharding stage 3) binds itself with ``Parameter.bind_keeper`` and provides
+``fetch(tensor)`` and ``after_forward(node)``, as the comment on ``Tensor._keeper`` says.
 """
 import numpy as np
 

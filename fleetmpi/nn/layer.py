@@ -12,6 +12,16 @@ layer's). It is set from outside: on a built layer and everything in it by
 ``Layer.set_pipeline_stage``, or on each layer as it is constructed by a hook of
 ``register_construction_hook`` (``fleetmpi.device_guard`` puts every layer built inside its
 block on its stage so).
+
+The interface strategies use, besides a model's public methods (``parameters``,
+``named_children``, ``named_sublayers``, ``named_buffers``, ``flat_buffers``,
+``configure_fusion``, the forward hooks):
+
+* ``pipeline_stage``: read; set only through ``set_pipeline_stage``.
+* ``forward``: a strategy may give a layer a ``forward`` instance attribute for the time of a
+  step (recompute) and must delete it, or put back the one it had, afterwards.
+* ``nn.Sequential.plan()`` and a layer's ``forward_act(x, act)``: the steps a Sequential runs
+  with kernel fusion, for a strategy that runs or cuts them itself (pipeline, recompute).
 """
 from collections import OrderedDict
 

@@ -1,4 +1,17 @@
-"""``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers."""
+"""``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers.
+
+The interface strategies use, besides a tensor's ``data``, ``grad``, ``name``, ``shape``,
+``size`` and ``dtype``:
+
+* ``buffer``, ``offset``: the flat buffer (``nn.flat.FlatBuffer``) the parameter lives in and
+  where; read only.
+* ``pipeline_stage``: the pipeline stage it belongs to (``nn.layer``'s docstring); read.
+* ``settle_gradient()``: before reading the gradient through the flat buffer.
+* ``bind_gradient``, ``unbind_gradient``: gradient storage of a strategy's own (sharding
+  stages 2 and 3 keep gradients in buckets).
+* ``bind_data``, ``release_data``, ``bind_keeper``: values that exist only while used
+  (sharding stage 3).
+"""
 import numpy as np
 
 from .. import backend
