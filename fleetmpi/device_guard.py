@@ -11,8 +11,9 @@ import contextlib
 import numbers
 import re
 
+from .nn.layer import register_construction_hook
+
 _STAGE = re.compile(r"(stage|gpu):(\d+)")
-_current = []
 
 
 def parse_stage(device):
@@ -26,25 +27,18 @@ def parse_stage(device):
 
 @contextlib.contextmanager
 def device_guard(device):
-    """Layers constructed inside belong to the pipeline stage ``device`` names."""
-    _current.append(parse_stage(device))
+    """Layers constructed inside belong to the pipeline stage ``device`` names (an inner
+    ``device_guard`` overrides an outer one)."""
+    stage = parse_stage(device)
+
+    def put_on_stage(layer):
+        layer.pipeline_stage = stage
+
+    hook = register_construction_hook(put_on_stage)
     try:
         yield
     finally:
-        _current.pop()
-
-
-def current_stage():
-    """The stage of the innermost open ``device_guard``; None outside any."""
-    return _current[-1] if _current else None
-
-
-def assign_stage(layer, stage):
-    """Put ``layer``, every layer inside it and their parameters on ``stage``."""
-    for member in [layer] + [child for _, child in layer.named_sublayers()]:
-        member.pipeline_stage = stage
-        for parameter in member.own_parameters():
-            parameter.pipeline_stage = stage
+        hook.remove()
 
 
 def split_stages(model, split_points=None):
@@ -83,5 +77,5 @@ def split_stages(model, split_points=None):
     bounds = [0] + starts + [len(names)]
     for stage in range(stages):
         for _, layer in named[bounds[stage]:bounds[stage + 1]]:
-            assign_stage(layer, stage)
+            layer.set_pipeline_stage(stage)
     return stages

@@ -31,6 +31,7 @@ import statistics
 
 from .. import backend, nn
 from ..distributed_strategy import DistributedStrategy
+from ..proto import distributed_strategy_pb2 as schema
 from .applied import changed
 from .auto_calibration import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
                                time_allreduce)
@@ -147,7 +148,7 @@ def resolved(strategy, overlay):
 def _user_fields(strategy):
     """The top-level fields the user set away from their defaults (``auto`` aside)."""
     default = DistributedStrategy()
-    return {name for name in strategy._message.DESCRIPTOR.fields_by_name
+    return {name for name in schema.DistributedStrategy.DESCRIPTOR.fields_by_name
             if name != "auto" and changed(strategy, default, name)}
 
 
@@ -246,13 +247,13 @@ class Calibration:
         return False
 
     def _plan(self, megabytes, layers):
-        return plan_gradient_buckets(self.optimizer._runs, megabytes * 2 ** 20, layers)
+        return plan_gradient_buckets(self.optimizer.runs, megabytes * 2 ** 20, layers)
 
     def _fusion_candidates(self):
         """Fusion settings that cut the gradients into other numbers of buckets: by bytes
         (``fuse_grad_size_in_MB``) and by layers (``fuse_grad_size_in_TFLOPS``, the most layers
         per bucket), up to ``MAX_FUSION_CANDIDATES`` spread over the bucket counts found."""
-        runs = self.optimizer._runs
+        runs = self.optimizer.runs
         total = sum((run.stop - run.start) * run.buffer.dtype.itemsize for run in runs)
         layers = len({layer_of(p) for run in runs for p in run.parameters})
         base_mb = self.strategy.fuse_grad_size_in_MB

@@ -101,7 +101,7 @@ class DGC(Strategy):
         self.rampup_step = int(self.configs["rampup_step"])
         self.sparsity = [float(s) for s in self.configs["sparsity"]]
         xp = backend.array_module()
-        self._runs = optimizer._runs
+        self._runs = optimizer.runs
         self._u = [xp.zeros(run.stop - run.start, dtype=run.buffer.dtype) for run in self._runs]
         self._v = [xp.zeros_like(u) for u in self._u]
         self.updates = 0
@@ -156,7 +156,7 @@ class DGC(Strategy):
     def _start_from_velocity(self):
         opt = self.optimizer
         scale = opt.momentum if opt.use_nesterov else 1.0
-        for u, v, state in zip(self._u, self._v, opt._state):
+        for u, v, state in zip(self._u, self._v, opt.run_states):
             u[...] = scale * state["velocity"]
             v[...] = 0
 

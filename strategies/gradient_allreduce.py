@@ -165,7 +165,7 @@ class GradientAllreduce(Strategy):
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.buckets = plan_gradient_buckets(optimizer._runs, *fusion_limits(strategy))
+        self.buckets = plan_gradient_buckets(optimizer.runs, *fusion_limits(strategy))
         self.overlap = overlap_allreduce()
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
 

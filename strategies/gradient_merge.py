@@ -27,11 +27,11 @@ class GradientMerge(Strategy):
         self.in_shard = bool(strategy.sharding) and strategy.sharding_configs["stage"] >= 2
         xp = backend.array_module()
         self._accumulators = [] if self.in_shard else [
-            xp.zeros(run.stop - run.start, dtype=run.buffer.dtype) for run in optimizer._runs]
+            xp.zeros(run.stop - run.start, dtype=run.buffer.dtype) for run in optimizer.runs]
         self._views = {id(p): run.view(flat, p)
-                       for run, flat in zip(optimizer._runs, self._accumulators)
+                       for run, flat in zip(optimizer.runs, self._accumulators)
                        for p in run.parameters}
-        self._parameters = [p for run in optimizer._runs for p in run.parameters]
+        self._parameters = [p for run in optimizer.runs for p in run.parameters]
         self._merged = set()
 
     @property

@@ -81,8 +81,8 @@ class _LayerwiseUpdate(Strategy):
         optimizer.step_count += 1
         lr = optimizer.get_lr()
         xp = backend.array_module()
-        for run, grad, state in zip(optimizer._runs, optimizer.clipped_grads(),
-                                    optimizer._state):
+        for run, grad, state in zip(optimizer.runs, optimizer.clipped_grads(),
+                                    optimizer.run_states):
             for p in run.parameters:
                 views = {name: run.view(flat, p) for name, flat in state.items()}
                 self._update_parameter(p.data, run.view(grad, p), views, lr, self.decay_of(p),

@@ -58,7 +58,7 @@ class LocalSGD(Strategy):
         step = ctx.step + 1
         self._observe(ctx, step)
         if self._local(ctx) and step - self.last_averaged_step >= self.k_steps:
-            self.allreduce_mean([run.data for run in self.optimizer._runs])
+            self.allreduce_mean([run.data for run in self.optimizer.runs])
             self.last_averaged_step = step
             self.averagings += 1
             self._adapt(ctx)

@@ -44,7 +44,6 @@ from .. import backend
 from ..comm.hybrid_topology import split_communicator
 from ..autograd import Tensor, as_array, run_backward
 from ..nn import Sequential
-from ..optimizer import Optimizer
 from ..optimizer.clip import ClipGradByGlobalNorm
 from .base import Strategy
 from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order, \
@@ -82,15 +81,6 @@ class StageLayout:
     @property
     def last(self):
         return self.stage == self.stages - 1
-
-
-def narrow_optimizer(optimizer, parameters):
-    """Make ``optimizer`` hold only ``parameters`` (its stage's): runs and state rebuilt
-    before any step, hyperparameters, learning rate and step count kept."""
-    step_count = optimizer.step_count
-    Optimizer.__init__(optimizer, optimizer._learning_rate, parameters, optimizer.weight_decay,
-                       optimizer.grad_clip)
-    optimizer.step_count = step_count
 
 
 # -- point to point between neighbouring stages ---------------------------------------------------
@@ -150,8 +140,8 @@ class Pipeline(Strategy):
                 raise ValueError("pipeline: ClipGradByGlobalNorm needs the norm over the "
                                  "gradients of every stage, but each rank holds one stage's; "
                                  "use ClipGradByNorm (per tensor) or no clipping")
-            narrow_optimizer(optimizer, [p for p in optimizer.parameters()
-                                         if p.pipeline_stage == layout.stage])
+            optimizer.narrow([p for p in optimizer.parameters()
+                              if p.pipeline_stage == layout.stage])
             self.pipeline_communicator = split_communicator(communicator, layout.replica,
                                                           layout.stage)
             self.replica_communicator = (split_communicator(communicator, layout.stage,

@@ -147,7 +147,7 @@ class Sharding(Strategy):
             raise ValueError(f"sharding stage {stage} cannot be combined with pipeline: "
                              f"{WITH_PIPELINE}")
         if stage == 3:
-            for run in optimizer._runs:
+            for run in optimizer.runs:
                 if run.stop - run.start != run.buffer.size:
                     raise ValueError("sharding stage 3 frees the model's flat values, but the "
                                      "optimizer updates only part of them; give the optimizer "
@@ -163,12 +163,12 @@ class Sharding(Strategy):
         first write of backward until the bucket is reduce-scattered. A parameter of the
         buffers that the optimizer does not update (another pipeline stage's, or one left
         out of the optimizer) gets gradient storage of its own if backward reaches it."""
-        runs = self.optimizer._runs
+        runs = self.optimizer.runs
         self.buckets = plan_gradient_buckets(runs, *fusion_limits(strategy))
         self.schedule = BucketSchedule(self.buckets, self._reduce_scatter_bucket)
         # Each bucket's place in the parameter space, and its elements in each rank's shard.
         self._placement = {}
-        for run, (low, _) in zip(runs, self.optimizer._run_spans):
+        for run, (low, _) in zip(runs, self.optimizer.run_spans):
             for bucket in self.buckets:
                 if bucket.buffer is run.buffer and run.start <= bucket.start < run.stop:
                     first = low + bucket.start - run.start
@@ -245,18 +245,18 @@ class Sharding(Strategy):
         if self.group is None:
             # A group of one rank: its shard is the whole space, the gradients stay in place.
             if self.replicas is not None:
-                for run in self.optimizer._runs:
+                for run in self.optimizer.runs:
                     self.replicas.allreduce(run.grad, op="mean", compression=self.compression,
                                             out=run.grad)
             return
         xp = backend.array_module()
-        grads = [run.grad for run in self.optimizer._runs]
+        grads = [run.grad for run in self.optimizer.runs]
         flat = grads[0] if len(grads) == 1 else xp.concatenate(grads)
         start, stop = self.shard
         block = self._reduce_over_group(flat, None)
         if self.replicas is not None and block.size:
             self.replicas.allreduce(block, op="mean", compression=self.compression, out=block)
-        for run, (low, high) in zip(self.optimizer._runs, self.optimizer._run_spans):
+        for run, (low, high) in zip(self.optimizer.runs, self.optimizer.run_spans):
             run.grad[...] = 0
             lo, hi = max(start, low), min(stop, high)
             if lo < hi:
@@ -283,7 +283,7 @@ class Sharding(Strategy):
         ``fuse_broadcast_MB``; ``broadcast_many`` joins adjacent ones up to that size."""
         limit = int(self.fuse_broadcast_MB * 2 ** 20)
         views = []
-        for run, (low, high) in zip(self.optimizer._runs, self.optimizer._run_spans):
+        for run, (low, high) in zip(self.optimizer.runs, self.optimizer.run_spans):
             lo, hi = max(start, low), min(stop, high)
             step = max(1, limit // run.buffer.dtype.itemsize)
             views += [run.data[i - low:min(i + step, hi) - low] for i in range(lo, hi, step)]

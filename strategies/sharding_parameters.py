@@ -4,9 +4,10 @@ The optimizer updates ``shard_parameters`` (this rank's range of the parameter s
 model's flat values are freed. The parameters are grouped into units: those of one layer
 (``gradient_allreduce.layer_of``, from the dotted name), cut where they are not contiguous in
 the parameter space. When an operation is called with a parameter (``Function.apply`` asks the
-parameter's keeper, ``Tensor._keeper``), its unit is all-gathered from the shards (one
-``allgatherv`` over the group) unless it is the unit gathered last, which it then replaces:
-at most one unit is whole at a time besides what recorded operations keep for their backward.
+parameter's keeper, this gatherer, bound by ``Parameter.bind_keeper``), its unit is all-gathered
+from the shards (one ``allgatherv`` over the group) unless it is the unit gathered last, which
+it then replaces: at most one unit is whole at a time besides what recorded operations keep for
+their backward.
 
 A recorded operation usually saves the arrays of its parameters, or views of them, for its
 backward. Those are packed right after its forward: each saved array that is a view of the
@@ -96,7 +97,7 @@ class ParameterGatherer:
         self._current = None
         self.gathers = 0
         placed = []
-        for run, (low, _) in zip(optimizer._runs, optimizer._run_spans):
+        for run, (low, _) in zip(optimizer.runs, optimizer.run_spans):
             placed += [(low + p.offset - run.start, p) for p in run.parameters]
         placed.sort(key=lambda item: item[0])
         by_layer = {}
@@ -114,10 +115,10 @@ class ParameterGatherer:
         self.units.sort(key=lambda unit: unit.start)
         for index, unit in enumerate(self.units):
             unit.index = index
-        for buffer in {id(run.buffer): run.buffer for run in optimizer._runs}.values():
+        for buffer in {id(run.buffer): run.buffer for run in optimizer.runs}.values():
             buffer.release_data()
         for _, p in placed:
-            p._keeper = self
+            p.bind_keeper(self)
 
     def _add_unit(self, members):
         start = members[0][0]
@@ -128,17 +129,18 @@ class ParameterGatherer:
             self._unit_of[id(p)] = unit
             self._position[id(p)] = position
 
-    # -- the keeper's protocol (Tensor._keeper) ---------------------------------------------
+    # -- the keeper's protocol (Parameter.bind_keeper) ---------------------------------------
     def fetch(self, parameter):
         """``parameter``'s whole values, its unit gathered if it is not the current one."""
         self.gathered(self._unit_of[id(parameter)])
         return parameter.data
 
     def after_forward(self, node):
-        """Replace what ``node`` saved of the current unit by where it lies in the unit."""
+        """Replace what ``node`` saved of the current unit by where it lies in the unit;
+        returns the ``_Packed`` record of it, or None when ``node`` saved none of it."""
         unit = self._current
         if unit is None:
-            return
+            return None
         entries = []
         for attribute, value in list(vars(node).items()):
             if isinstance(value, (tuple, list)):
@@ -157,8 +159,7 @@ class ParameterGatherer:
                 if entry is not None:
                     entries.append(entry)
                     setattr(node, attribute, None)
-        if entries:
-            node._packed = _Packed(self, entries)
+        return _Packed(self, entries) if entries else None
 
     def _pack(self, attribute, position, value, unit):
         if not hasattr(value, "strides") or not _owned_by(value, unit.values):

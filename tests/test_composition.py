@@ -178,7 +178,7 @@ def test_fuse_grad_size_in_tflops_caps_the_layers_per_bucket():
     model = model_with_batch_norm()
     opt = optimizer.SGD(parameters=model.parameters())
     layers = [[p.name.split(".")[0] for p in b.parameters]
-              for b in plan_gradient_buckets(opt._runs, 1 << 30, max_layers=2)]
+              for b in plan_gradient_buckets(opt.runs, 1 << 30, max_layers=2)]
     assert layers == [["fc2", "fc2", "fc1", "fc1"], ["bn0", "bn0", "fc0", "fc0"]]
-    single = plan_gradient_buckets(opt._runs, 1 << 30, max_layers=1)
+    single = plan_gradient_buckets(opt.runs, 1 << 30, max_layers=1)
     assert [len({p.name.split(".")[0] for p in b.parameters}) for b in single] == [1, 1, 1, 1]

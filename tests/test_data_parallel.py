@@ -132,15 +132,15 @@ def test_gradient_buckets_are_contiguous_slices():
     backend.manual_seed(0)
     model = make_model()
     opt = optimizer.SGD(parameters=model.parameters())
-    per_param = plan_gradient_buckets(opt._runs, None)
+    per_param = plan_gradient_buckets(opt.runs, None)
     assert len(per_param) == len(model.parameters())
-    small = plan_gradient_buckets(opt._runs, 16 * 12 * 8 + 12 * 8)
+    small = plan_gradient_buckets(opt.runs, 16 * 12 * 8 + 12 * 8)
     total = model.flat_buffers()[0].size
     assert small[0].start == 0 and small[-1].stop == total
     assert all(a.stop == b.start for a, b in zip(small, small[1:]))
     assert all((b.stop - b.start) * 8 <= 16 * 12 * 8 + 12 * 8 or b.size == 1 for b in small)
     assert 1 < len(small) < len(per_param)
-    (whole,) = plan_gradient_buckets(opt._runs, 1 << 20)
+    (whole,) = plan_gradient_buckets(opt.runs, 1 << 20)
     assert (whole.start, whole.stop) == (0, total)
 
 

@@ -106,7 +106,7 @@ def test_shard_state_dict_round_trips_and_loads_from_a_covering_range():
     part.set_state_dict(full_state)
     state = part.state_dict()
     assert state["shard"] == [10, 90, whole.space_size]
-    joined = np.concatenate([full_state[f"moment1.{i}"] for i in range(len(whole._runs))])
+    joined = np.concatenate([full_state[f"moment1.{i}"] for i in range(len(whole.runs))])
     np.testing.assert_array_equal(state["moment1.shard"], joined[10:90])
     assert part.state_nbytes() == 2 * 80 * 8
     wider = dict(state, shard=[0, 100, whole.space_size])

@@ -51,7 +51,8 @@ class Function:
     """Base of every differentiable operation (module docstring)."""
 
     op_type = None
-    # What a tensor's keeper packed of this call's saved arrays (``Tensor._keeper``).
+    # What a tensor's keeper packed of this call's saved arrays (``Tensor._keeper``): the
+    # record its ``after_forward`` returned, unpacked by the engine before ``backward``.
     _packed = None
 
     def __init_subclass__(cls, **kwargs):
@@ -132,7 +133,9 @@ class Function:
         result = cls.forward(node, *arrays, **kwargs)
         if kept is not None and inputs:
             for keeper in {id(t._keeper): t._keeper for t in kept}.values():
-                keeper.after_forward(node)
+                packed = keeper.after_forward(node)
+                if packed is not None:
+                    node._packed = packed
         if not inputs:
             if isinstance(result, tuple):
                 return tuple(Tensor(r) for r in result)

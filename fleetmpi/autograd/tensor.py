@@ -7,6 +7,10 @@ result of an operation requires one when any of its inputs does and recording is
 inside ``no_grad``). ``grad`` is an array of the backend (for a parameter, a view into the
 model's flat gradient buffer). Python operators and methods (``+``, ``@``, ``sum``,
 ``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
+
+The interface strategies use here is the keeper protocol: a strategy that holds a parameter's
+values elsewhere (sharding stage 3) binds itself with ``Parameter.bind_keeper`` and provides
+``fetch(tensor)`` and ``after_forward(node)``, as the comment on ``Tensor._keeper`` says.
 """
 import numpy as np
 
@@ -21,9 +25,10 @@ class Tensor:
     # NumPy defers to the Tensor's reflected operators (ndarray + Tensor gives a Tensor).
     __array_ufunc__ = None
     # What provides a leaf's values while an operation uses them, when they are not kept
-    # (sharding stage 3 sets one per parameter): ``fetch(tensor)`` gives the array, and
-    # ``after_forward(node)`` may replace what the call saved of them by a record
-    # (``node._packed``) that ``unpack(node)`` turns back before its backward.
+    # (``Parameter.bind_keeper``; sharding stage 3 binds one per parameter): the keeper's
+    # ``fetch(tensor)`` gives the array, and its ``after_forward(node)`` may replace arrays the
+    # recorded call ``node`` saved in its attributes and return a record whose
+    # ``unpack(node)`` puts them back before the call's backward (None: nothing replaced).
     _keeper = None
 
     def __init__(self, data, stop_gradient=True):

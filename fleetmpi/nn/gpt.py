@@ -207,14 +207,13 @@ class GPTHead(Layer):
 def gpt_pipeline(vocab_size, block_size, n_layer, n_head, n_embd, stages=1, dropout=0.0,
                  dtype=None, mp_group=None):
     """``GPT``'s layers as an ``nn.Sequential`` that ``pipeline`` can cut: ``embed``
-    (``GPTEmbeddings``), ``block0`` ... ``block{n_layer-1}`` and ``head`` (``GPTHead``), built
-    under ``device_guard`` on ``stages`` stages (block ``i`` on stage ``i * stages //
-    n_layer``, the embeddings on the first, the head on the last; ``stages=1``: no stage).
+    (``GPTEmbeddings``), ``block0`` ... ``block{n_layer-1}`` and ``head`` (``GPTHead``), put
+    on ``stages`` stages (block ``i`` on stage ``i * stages // n_layer``, the embeddings on
+    the first, the head on the last; ``stages=1``: no stage).
 
     A stage boundary separates the token embedding from the output projection, so the head has
     a weight of its own instead of GPT's tied one. Tensor-parallel over ``mp_group`` as
     ``GPT`` (by default the layout's model-parallel group), GPT-2's initialisation."""
-    from ..device_guard import device_guard
     from .containers import Sequential
 
     check_positive_int("stages", stages)
@@ -228,10 +227,10 @@ def gpt_pipeline(vocab_size, block_size, n_layer, n_head, n_embd, stages=1, drop
                          f"activations; use dropout=0.0")
 
     def on_stage(stage, build):
-        if stages == 1:
-            return build()
-        with device_guard(f"stage:{stage}"):
-            return build()
+        layer = build()
+        if stages > 1:
+            layer.set_pipeline_stage(stage)
+        return layer
     layers = [("embed", on_stage(0, lambda: GPTEmbeddings(vocab_size, block_size, n_embd,
                                                           dropout, dtype, mp_group)))]
     for i in range(n_layer):

@@ -5,6 +5,23 @@ A model subclasses ``Layer``, assigns its sublayers and parameters as attributes
 ``forward`` and the operations it performs are recorded for ``loss.backward()``. Attributes
 are registered in assignment order, and their dotted paths (``"block1.fc.weight"``) name the
 parameters: what recompute checkpoints, lars/lamb exclusion lists and checkpoints refer to.
+
+``pipeline_stage`` annotates a layer and its parameters with the pipeline stage they belong to;
+``nn`` only carries it (a parameter assigned to a layer without a stage of its own takes the
+layer's). It is set from outside: on a built layer and everything in it by
+``Layer.set_pipeline_stage``, or on each layer as it is constructed by a hook of
+``register_construction_hook`` (``fleetmpi.device_guard`` puts every layer built inside its
+block on its stage so).
+
+The interface strategies use, besides a model's public methods (``parameters``,
+``named_children``, ``named_sublayers``, ``named_buffers``, ``flat_buffers``,
+``configure_fusion``, the forward hooks):
+
+* ``pipeline_stage``: read; set only through ``set_pipeline_stage``.
+* ``forward``: a strategy may give a layer a ``forward`` instance attribute for the time of a
+  step (recompute) and must delete it, or put back the one it had, afterwards.
+* ``nn.Sequential.plan()`` and a layer's ``forward_act(x, act)``: the steps a Sequential runs
+  with kernel fusion, for a strategy that runs or cuts them itself (pipeline, recompute).
 """
 from collections import OrderedDict
 
@@ -12,13 +29,14 @@ import numpy as np
 
 from .. import backend
 from ..autograd import as_array
-from ..device_guard import current_stage
 from . import initializer
 from .flat import flatten
 from .parameter import Parameter
 
 _default_dtype = np.dtype("float32")
 FLOAT_DTYPES = ("float16", "float32", "float64")
+# Called with every Layer as Layer.__init__ ends, in registration order (module docstring).
+_construction_hooks = []
 
 
 def set_default_dtype(dtype):
@@ -41,6 +59,14 @@ def _check_float_dtype(dtype):
     return resolved
 
 
+def register_construction_hook(hook):
+    """Call ``hook(layer)`` for every Layer constructed from now on, as ``Layer.__init__``
+    ends (before the subclass's ``__init__`` assigns sublayers and parameters); returns a
+    handle whose ``remove()`` stops it."""
+    _construction_hooks.append(hook)
+    return HookRemoveHelper(_construction_hooks, hook)
+
+
 class HookRemoveHelper:
     """What ``register_forward_*_hook`` returns: ``remove()`` takes the hook off."""
 
@@ -54,8 +80,8 @@ class HookRemoveHelper:
 
 class Layer:
     """Parameters, buffers (non-trained state such as running means) and sublayers, registered
-    as they are assigned. ``pipeline_stage``: the stage of the ``device_guard`` the layer was
-    built in (None outside any), given to its parameters too."""
+    as they are assigned. ``pipeline_stage``: the pipeline stage the layer belongs to (None:
+    none given; module docstring), given to its parameters too."""
 
     def __init__(self, dtype=None):
         object.__setattr__(self, "_parameters", OrderedDict())
@@ -65,7 +91,9 @@ class Layer:
         object.__setattr__(self, "_forward_post_hooks", [])
         self.training = True
         self.dtype = _check_float_dtype(dtype) if dtype is not None else _default_dtype
-        self.pipeline_stage = current_stage()
+        self.pipeline_stage = None
+        for hook in _construction_hooks:
+            hook(self)
 
     # -- registration -----------------------------------------------------------------------
     def _registries(self, name):
@@ -162,6 +190,14 @@ class Layer:
         """Every descendant as ``(dotted name, layer)``, parents before children, each layer
         once (a shared sublayer under its first name)."""
         return _depth_first(self, prefix, include_self)
+
+    def set_pipeline_stage(self, stage):
+        """Put this layer, every layer inside it and their parameters on pipeline stage
+        ``stage``."""
+        for member in [self] + [child for _, child in self.named_sublayers()]:
+            member.pipeline_stage = stage
+            for parameter in member.own_parameters():
+                parameter.pipeline_stage = stage
 
     def apply(self, function):
         """Call ``function(layer)`` on every sublayer, then on this one."""

@@ -1,4 +1,17 @@
-"""``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers."""
+"""``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers.
+
+The interface strategies use, besides a tensor's ``data``, ``grad``, ``name``, ``shape``,
+``size`` and ``dtype``:
+
+* ``buffer``, ``offset``: the flat buffer (``nn.flat.FlatBuffer``) the parameter lives in and
+  where; read only.
+* ``pipeline_stage``: the pipeline stage it belongs to (``nn.layer``'s docstring); read.
+* ``settle_gradient()``: before reading the gradient through the flat buffer.
+* ``bind_gradient``, ``unbind_gradient``: gradient storage of a strategy's own (sharding
+  stages 2 and 3 keep gradients in buckets).
+* ``bind_data``, ``release_data``, ``bind_keeper``: values that exist only while used
+  (sharding stage 3).
+"""
 import numpy as np
 
 from .. import backend
@@ -21,8 +34,9 @@ class Parameter(Tensor):
     gradient storage only from the moment backward first needs it (``home(parameter)``, given
     to ``unbind_gradient``, binds it through ``bind_gradient``) until its bucket is reduced,
     and ``grad`` is None outside that time. Under stage 3 the values too exist only while a
-    layer uses them (``release_data``/``bind_data``); in between ``data`` is a placeholder of
-    the right shape that holds NaN and takes no memory."""
+    layer uses them (``release_data``/``bind_data``, with the keeper of ``bind_keeper``
+    gathering them); in between ``data`` is a placeholder of the right shape that holds NaN
+    and takes no memory."""
 
     def __init__(self, value, trainable=True):
         super().__init__(backend.asarray(value), stop_gradient=not trainable)
@@ -89,6 +103,12 @@ class Parameter(Tensor):
     def bind_data(self, array):
         """Make ``array`` (the parameter's shape) the parameter's values."""
         self.data = array
+
+    def bind_keeper(self, keeper):
+        """Let ``keeper`` provide the values whenever an operation uses the parameter, and
+        ``values``/``assign`` go through it (sharding stage 3's gatherer; the protocol is
+        ``Tensor``'s keeper's)."""
+        self._keeper = keeper
 
     def values(self):
         """The parameter's values: ``data``, or under sharding stage 3 a gathered copy (a

@@ -10,7 +10,28 @@ The runs laid back to back form the optimizer's parameter space. ``shard(start, 
 the update, and the state, to one contiguous range of that space (the sharding strategy gives
 each rank of a group its own range); the runs of the update are then the pieces of the range,
 which may cut a parameter, and the update math, being elementwise, is the same on a piece.
+
+The interface strategies use (besides the public methods of any optimizer: ``parameters``,
+``owns``, ``get_lr``, ``step``, ``clear_grad``, ``settle_grads``, ``clipped_grads``,
+``flat_runs``, ``state_dict``):
+
+* ``runs``: the ``BufferRun`` of every contiguous range of the parameters, in parameter-space
+  order. A strategy reads them, plans gradient buckets over them and reads or writes the
+  arrays their ``data`` and ``grad`` give in place; it does not replace the list.
+* ``run_spans``: ``(start, stop)`` of each of ``runs`` in the parameter space.
+* ``run_states``: the optimizer state of each run the update covers, ``{state name: flat
+  array}`` (the same runs as ``runs`` while the optimizer is not sharded). A strategy that
+  replaces the update (lars, lamb, dgc) reads and writes the arrays in place.
+* ``reference_update(param, grad, state, lr)``: the update rule of one array and its state, in
+  place; the parameter server applies it to rows of its sparse tables.
+* ``narrow(parameters)``, ``copy_for(parameters)``: the optimizer over other parameters (a
+  pipeline stage's; a parameter server's blocks).
+* ``shard(...)``, ``space_size``, ``shard_range``, ``shard_gradient``, ``shard_parameters``:
+  the sharded update (the sharding strategy).
+* ``step_count``, ``grad_clip``, ``weight_decay``, ``fuse_all_optimizer_ops``: plain
+  attributes; a strategy whose update replaces ``step`` counts the step in ``step_count``.
 """
+import copy
 import numbers
 
 import numpy as np
@@ -22,7 +43,7 @@ from .lr import LRScheduler
 from .step import StepContext, minimize_loss, run_step
 
 
-class _Run:
+class BufferRun:
     """A contiguous range ``[start, stop)`` of one flat buffer and the parameters in it (for a
     piece of a shard, the parameters it holds part of too). Its values and gradient are that
     range of the buffer's, or arrays of its own (``data``, ``grad``: a shard that holds its
@@ -57,7 +78,7 @@ class _Run:
 _GRADIENT = "gradient"
 
 
-def _runs(parameters):
+def _group_into_runs(parameters):
     by_buffer = {}
     for p in parameters:
         if p.buffer is None:
@@ -75,7 +96,7 @@ def _runs(parameters):
                 runs.append(current)
                 current = [p]
         runs.append(current)
-    return [_Run(r[0].buffer, r[0].offset, r[-1].offset + r[-1].size, r) for r in runs]
+    return [BufferRun(r[0].buffer, r[0].offset, r[-1].offset + r[-1].size, r) for r in runs]
 
 
 def _spans(runs):
@@ -116,6 +137,19 @@ class Optimizer:
     state_names = ()
 
     def __init__(self, learning_rate, parameters, weight_decay, grad_clip=None):
+        self._hold(parameters)
+        if isinstance(learning_rate, LRScheduler):
+            self._learning_rate = learning_rate
+        else:
+            self._learning_rate = _check_rate("learning_rate", learning_rate, 0, np.inf)
+        self.weight_decay = 0.0 if weight_decay is None else _check_rate(
+            "weight_decay", weight_decay, 0, np.inf)
+        self.grad_clip = check_grad_clip(grad_clip)
+        self.step_count = 0
+        self.fuse_all_optimizer_ops = False
+
+    def _hold(self, parameters):
+        """Update ``parameters`` over the whole space they make, from zero state."""
         if parameters is None:
             raise ValueError(f"{type(self).__name__} needs parameters=model.parameters()")
         parameters = list(parameters)
@@ -124,30 +158,47 @@ class Optimizer:
                              "has no parameters. A Layer registers the sublayers and "
                              "parameters assigned to its attributes after super().__init__(); "
                              "check that the model's __init__ assigns them there")
-        if isinstance(learning_rate, LRScheduler):
-            self._learning_rate = learning_rate
-        else:
-            self._learning_rate = _check_rate("learning_rate", learning_rate, 0, np.inf)
-        self.weight_decay = 0.0 if weight_decay is None else _check_rate(
-            "weight_decay", weight_decay, 0, np.inf)
-        self.grad_clip = check_grad_clip(grad_clip)
         self._parameters = parameters
         self._parameter_ids = frozenset(map(id, parameters))
-        self._runs = _runs(parameters)
+        self.runs = _group_into_runs(parameters)
         # What step() updates: the whole space, or the pieces of one shard of it, each with
         # its [start, stop) in the space.
-        self._update_runs = self._runs
-        self._run_spans = _spans(self._runs)
-        self._spans = self._run_spans
+        self._update_runs = self.runs
+        self.run_spans = _spans(self.runs)
+        self._spans = self.run_spans
         self._shard = None
         self._sum_over_shards = None
         self.shard_gradient = None
         self.shard_parameters = None
         xp = backend.array_module()
-        self._state = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
-                        for name in self.state_names} for run in self._runs]
-        self.step_count = 0
-        self.fuse_all_optimizer_ops = False
+        self.run_states = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
+                            for name in self.state_names} for run in self.runs]
+
+    def narrow(self, parameters):
+        """Update only ``parameters``, some of this optimizer's, from now on: runs and state
+        built anew for them; hyperparameters, learning rate, clipping and step count kept.
+        Before any step and before ``shard`` (pipeline keeps its stage's parameters)."""
+        if self._shard is not None:
+            raise RuntimeError(f"this {type(self).__name__} is sharded to {self._shard}; "
+                               "narrow it before sharding")
+        parameters = list(parameters)
+        foreign = [p.name for p in parameters if not self.owns(p)]
+        if foreign:
+            raise ValueError(f"narrow: parameters {foreign} are not ones this "
+                             f"{type(self).__name__} updates")
+        self._hold(parameters)
+
+    def copy_for(self, parameters):
+        """A new optimizer of this one's class and hyperparameters over ``parameters``: zero
+        state, step count 0, the current learning rate as a fixed number (``set_lr`` changes
+        it) and no ``grad_clip``, since ``parameters`` need not be whole tensors (the parameter
+        server updates its blocks of the model with a copy of the script's optimizer)."""
+        clone = copy.copy(self)
+        clone._learning_rate = float(self.get_lr())
+        clone.grad_clip = None
+        clone._hold(parameters)
+        clone.step_count = 0
+        return clone
 
     # -- learning rate ----------------------------------------------------------------------
     def get_lr(self):
@@ -167,7 +218,7 @@ class Optimizer:
     def flat_runs(self):
         """``(flat data, flat grad)`` of every contiguous run of the parameters, or of the
         shard's pieces when the shard holds its own gradient (the gradient the update uses)."""
-        runs = self._runs if self.shard_gradient is None else self._update_runs
+        runs = self.runs if self.shard_gradient is None else self._update_runs
         return [(run.data, run.grad) for run in runs]
 
     def owns(self, parameter):
@@ -215,7 +266,7 @@ class Optimizer:
         """``{id(parameter): clip factor}`` from the squared norms of whole gradient tensors,
         summed over the shards."""
         xp = backend.array_module()
-        parameters = [p for run in self._runs for p in run.parameters]
+        parameters = [p for run in self.runs for p in run.parameters]
         index = {id(p): i for i, p in enumerate(parameters)}
         partial = xp.zeros(len(parameters), dtype=np.float64)
         for run in self._update_runs:
@@ -232,13 +283,13 @@ class Optimizer:
         self.settle_grads()
         self.step_count += 1
         lr = self.get_lr()
-        for run, grad, state in zip(self._update_runs, self.clipped_grads(), self._state):
+        for run, grad, state in zip(self._update_runs, self.clipped_grads(), self.run_states):
             if self.fuse_all_optimizer_ops:
                 self._fused_update(run.data, grad, state, lr)
             else:
                 for p in run.parameters:
                     views = {name: run.view(flat, p) for name, flat in state.items()}
-                    self._reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
+                    self.reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
 
     def minimize(self, *args):
         """``minimize(loss)``: ``loss.backward()`` then ``step()`` (Paddle dygraph); or
@@ -255,14 +306,17 @@ class Optimizer:
     def _fused_update(self, param, grad, state, lr):
         raise NotImplementedError(f"{type(self).__name__} does not define its update")
 
-    def _reference_update(self, param, grad, state, lr):
+    def reference_update(self, param, grad, state, lr):
+        """Update ``param`` and ``state`` (``{state name: array shaped like param}``) in place
+        from ``grad`` with learning rate ``lr``: the update rule of one array, the math of
+        ``fleetmpi.kernels.reference``."""
         raise NotImplementedError(f"{type(self).__name__} does not define its update")
 
     # -- sharding ---------------------------------------------------------------------------
     @property
     def space_size(self):
         """The number of elements of the parameter space (every run, back to back)."""
-        return self._run_spans[-1][1]
+        return self.run_spans[-1][1]
 
     @property
     def shard_range(self):
@@ -276,14 +330,14 @@ class Optimizer:
         if self._shard is not None:
             raise ValueError("parameter_state: this optimizer holds one shard of the parameter "
                              "space, not whole parameters' state")
-        for run, run_state in zip(self._runs, self._state):
+        for run, run_state in zip(self.runs, self.run_states):
             if any(p is parameter for p in run.parameters):
                 return {name: run.view(flat, parameter) for name, flat in run_state.items()}
         raise KeyError(f"parameter {parameter.name!r} is not one this optimizer updates")
 
     def state_nbytes(self):
         """Bytes of optimizer state this process holds (velocity, moments)."""
-        return sum(int(flat.nbytes) for run_state in self._state for flat in run_state.values())
+        return sum(int(flat.nbytes) for run_state in self.run_states for flat in run_state.values())
 
     def shard(self, start, stop, sum_over_shards=None, own_gradient=False,
               own_parameters=False):
@@ -306,13 +360,13 @@ class Optimizer:
             raise ValueError(f"shard ({start!r}, {stop!r}) must be integers with 0 <= start <= "
                              f"stop <= {total}, the size of the parameter space")
         xp = backend.array_module()
-        dtype = self._runs[0].buffer.dtype
+        dtype = self.runs[0].buffer.dtype
         if own_gradient:
             self.shard_gradient = xp.zeros(stop - start, dtype=dtype)
         if own_parameters:
             self.shard_parameters = xp.empty(stop - start, dtype=dtype)
         pieces, spans, state = [], [], []
-        for run, (low, high), run_state in zip(self._runs, self._run_spans, self._state):
+        for run, (low, high), run_state in zip(self.runs, self.run_spans, self.run_states):
             lo, hi = max(start, low), min(stop, high)
             if lo >= hi:
                 continue
@@ -324,11 +378,11 @@ class Optimizer:
                 data[...] = run.buffer.data[first:last]
             if own_gradient:
                 grad = self.shard_gradient[lo - start:hi - start]
-            pieces.append(_Run(run.buffer, first, last, held, data, grad))
+            pieces.append(BufferRun(run.buffer, first, last, held, data, grad))
             spans.append((lo, hi))
             state.append({name: flat[lo - low:hi - low].copy()
                           for name, flat in run_state.items()})
-        self._update_runs, self._spans, self._state = pieces, spans, state
+        self._update_runs, self._spans, self.run_states = pieces, spans, state
         self._shard = (int(start), int(stop))
         self._sum_over_shards = sum_over_shards
 
@@ -341,14 +395,14 @@ class Optimizer:
                  "lr_scheduler": (self._learning_rate.state_dict()
                                   if isinstance(self._learning_rate, LRScheduler) else None)}
         if self._shard is None:
-            for index, run_state in enumerate(self._state):
+            for index, run_state in enumerate(self.run_states):
                 for name, flat in run_state.items():
                     state[f"{name}.{index}"] = backend.to_numpy(flat).copy()
             return state
         state["shard"] = [*self._shard, self.space_size]
         for name in self.state_names:
-            pieces = [backend.to_numpy(run_state[name]) for run_state in self._state]
-            dtype = self._runs[0].buffer.dtype
+            pieces = [backend.to_numpy(run_state[name]) for run_state in self.run_states]
+            dtype = self.runs[0].buffer.dtype
             state[f"{name}.shard"] = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
         if self.shard_gradient is not None:
             # What gradient_merge has gathered of its window so far lives here.
@@ -373,7 +427,7 @@ class Optimizer:
             start, stop = 0, self.space_size
             sources = {name: np.concatenate([
                 _stored(state, f"{name}.{index}", (run.stop - run.start,))
-                for index, run in enumerate(self._runs)]) for name in self.state_names}
+                for index, run in enumerate(self.runs)]) for name in self.state_names}
         own = self.shard_range
         if not start <= own[0] <= own[1] <= stop:
             raise ValueError(f"optimizer state covers elements [{start}, {stop}) of the "
@@ -381,7 +435,7 @@ class Optimizer:
         gradient = None
         if self.shard_gradient is not None and f"{_GRADIENT}.shard" in state:
             gradient = _stored(state, f"{_GRADIENT}.shard", (stop - start,))
-        for (lo, hi), run_state in zip(self._spans, self._state):
+        for (lo, hi), run_state in zip(self._spans, self.run_states):
             for name, flat in run_state.items():
                 flat[...] = backend.asarray(sources[name][lo - start:hi - start])
         if gradient is not None:
@@ -397,7 +451,7 @@ class SGD(Optimizer):
     def _fused_update(self, param, grad, state, lr):
         kernels.sgd_update(param, grad, lr, self.weight_decay)
 
-    def _reference_update(self, param, grad, state, lr):
+    def reference_update(self, param, grad, state, lr):
         reference.sgd_update(param, grad, lr, self.weight_decay)
 
 
@@ -417,7 +471,7 @@ class Momentum(Optimizer):
         kernels.momentum_update(param, grad, state["velocity"], lr, self.momentum,
                                 self.weight_decay, self.use_nesterov)
 
-    def _reference_update(self, param, grad, state, lr):
+    def reference_update(self, param, grad, state, lr):
         reference.momentum_update(param, grad, state["velocity"], lr, self.momentum,
                                   self.weight_decay, self.use_nesterov)
 
@@ -446,7 +500,7 @@ class Adam(Optimizer):
         kernels.adam_update(param, grad, state["moment1"], state["moment2"],
                             *self._arguments(lr))
 
-    def _reference_update(self, param, grad, state, lr):
+    def reference_update(self, param, grad, state, lr):
         reference.adam_update(param, grad, state["moment1"], state["moment2"],
                               *self._arguments(lr), backend.array_module())
 

@@ -35,9 +35,9 @@ def gradient_buckets(model, strategy=None):
     bucket_bytes = (int(strategy.fuse_grad_size_in_MB * 2 ** 20)
                     if strategy.fuse_all_reduce_ops else None)
     max_layers = strategy.fuse_grad_size_in_TFLOPS if strategy.fuse_all_reduce_ops else None
-    planned = plan_gradient_buckets(opt._runs, bucket_bytes, max_layers)
+    planned = plan_gradient_buckets(opt.runs, bucket_bytes, max_layers)
     return Buckets(tuple(int(b.grad.nbytes) for b in planned),
-                   tuple(int(p.size) for run in opt._runs for p in run.parameters))
+                   tuple(int(p.size) for run in opt.runs for p in run.parameters))
 
 
 MODELS = {

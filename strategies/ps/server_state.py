@@ -6,26 +6,14 @@ built over the server's blocks; each update takes the learning rate the workers 
 rows are updated lazily: only the rows a push names change, with the same update rule applied
 to those rows and to their slice of the optimizer state.
 """
-import copy
-
 import numpy as np
 
 from ... import backend
 from ...nn import Parameter
 from ...nn.flat import flatten
-from ...optimizer import Optimizer
 from .blocks import local_rows, plan_blocks, server_blocks, shard_rows
 
 SPARSE_INIT_STREAM = 7
-
-
-def server_optimizer(inner, parameters):
-    """An optimizer like ``inner`` over ``parameters`` (the server's blocks)."""
-    clone = copy.copy(inner)
-    Optimizer.__init__(clone, float(inner.get_lr()), parameters,
-                       inner.weight_decay or None, None)
-    clone.fuse_all_optimizer_ops = inner.fuse_all_optimizer_ops
-    return clone
 
 
 def model_signature(parameters, tables):
@@ -62,7 +50,7 @@ class SparseShard:
         where = local_rows(ids, self.server_num)
         rows = self.rows[where]
         state = {name: flat[where] for name, flat in self.state.items()}
-        optimizer._reference_update(rows, np.asarray(grads, dtype=rows.dtype), state, lr)
+        optimizer.reference_update(rows, np.asarray(grads, dtype=rows.dtype), state, lr)
         self.rows[where] = rows
         for name, flat in self.state.items():
             flat[where] = state[name]
@@ -84,7 +72,7 @@ class ServerState:
         self.optimizer = None
         if self.block_params:
             flatten(self.block_params)
-            self.optimizer = server_optimizer(inner, self.block_params)
+            self.optimizer = inner.copy_for(self.block_params)
         self.rule = inner
         self.shards = [SparseShard(t, i, server, server_num, inner.state_names)
                        for i, t in enumerate(tables)]

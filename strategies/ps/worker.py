@@ -244,7 +244,7 @@ class RowCache:
             self.state.setdefault(name, np.zeros_like(self.rows))
         rows = self.rows[where]
         state = {name: flat[where] for name, flat in self.state.items()}
-        optimizer._reference_update(rows, grads, state, lr)
+        optimizer.reference_update(rows, grads, state, lr)
         self.rows[where] = rows
         for name, flat in self.state.items():
             flat[where] = state[name]
