@@ -31,7 +31,7 @@ import numbers
 
 import numpy as np
 
-from ..comm.communicator import NATIVE_BELOW_BYTES
+from ..comm.algorithm_choice import NATIVE_BELOW_BYTES
 from ..strategies.dgc import INDEX_DTYPE, keep_count
 from . import costs
 from .buckets import Buckets
