@@ -344,7 +344,8 @@ class Communicator:
 
         ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (integer means round down).
         ``algorithm``: ``"ring"``, ``"hierarchical"``, ``"native"`` (the MPI/NCCL library's
-        own), ``"shm"`` (shared memory, one node only) or None to pick by size and topology.
+        own), ``"shm"`` (shared memory, one node only) or None to choose by size, transport
+        and topology (``algorithm_choice``).
         ``compression="fp16"``: float16 on the wire, see ``fleetmpi.comm.compression``.
         ``out``: a C-contiguous array of ``x``'s shape and dtype to write the result into
         (``x`` itself for an in-place reduction); saves allocating the result on every call.
@@ -358,8 +359,8 @@ class Communicator:
         (A shape set in place, keeping the size, reduces the same bytes; it goes unseen there,
         as do strides set in place, deprecated since NumPy 2.4.) Else a key that holds the
         code of the previous call (as ``call_checks.agree`` counts it), the arguments and
-        every property of the arrays that the checks look at. ``check="always"`` and device arrays
-        take the checked path.
+        every property of the arrays that the checks look at. ``check="always"`` and device
+        arrays take the checked path.
         """
         last = self._same_arrays.get(self._previous)
         if (last is not None and out is not None and x is not None and last[0]() is x
@@ -577,7 +578,7 @@ class Communicator:
         """``root``'s ``x``, as a new array on every rank (``x`` gives shape and dtype elsewhere).
 
         ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined), ``"native"``, or None
-        (tree up to 64 KiB, chain above).
+        (by size, ``algorithm_choice``: the tree for small buffers, the chain for large).
         """
         def check():
             check_array(self, x)
@@ -665,7 +666,7 @@ class Communicator:
                                  f"{self.size} ranks, which does not divide it; pass splits")
             return [rows // self.size] * self.size
         check_counts(self, list(splits) if isinstance(splits, (list, tuple)) else splits,
-                           rows, "the first dimension of x")
+                     rows, "the first dimension of x")
         return [int(v) for v in splits]
 
     @_recorded("alltoall")
@@ -794,7 +795,7 @@ class Communicator:
                 check_counts(self, counts, x.shape[0], "the length of x")
             check_algorithm(algorithm, GATHER_ALGORITHMS, "reduce_scatter")
             check_allreduce(self, [x.dtype], op, "native" if algorithm == "native" else None,
-                                  compression)
+                            compression)
         problem = capture(check)
         self._agree("reduce_scatter", [x], problem, op=op, algorithm=algorithm,
                     compression=compression,
