@@ -3,13 +3,14 @@
 Each row of ``CHOICES`` names a collective, the request it applies to (the communicator's
 ``use_hierarchical_allreduce``, a ``compression``, or neither), the transport, the topology,
 a range of flat-buffer sizes, the algorithm and why. ``choose`` returns the first row that
-matches a call. The row ``TIMED`` is not an algorithm but an input: the communicator times ring
-against shm once, on the first call that needs it, and runs the faster
-(``Communicator.allreduce_algorithm``). ``python -m fleetmpi.comm`` prints the table, and under
+matches a call. ``TIMED`` in a row's algorithm is not an algorithm but an input: the
+communicator times ring against shm once (``time_ring_against_shm``), on the first call that
+needs it, and runs the faster (``Communicator.allreduce_algorithm``). ``python -m fleetmpi.comm`` prints the table, and under
 ``mpiexec`` what this world chooses.
 
 Collectives not in the table run one algorithm unless asked otherwise: allgather,
-allgatherv and reduce_scatter the ring, alltoall pairwise, gather and scatter linear.
+allgatherv and reduce_scatter the ring, alltoall pairwise, gather and scatter linear, barrier
+the dissemination barrier.
 """
 import time
 from collections import namedtuple
@@ -84,7 +85,7 @@ def choose(collective, nbytes, transport, topology, compression=None, hierarchic
 
 def time_ring_against_shm(allreduce_flat, control):
     """``"ring"`` or ``"shm"``, whichever allreduced a ``PROBE_BYTES`` buffer faster (the best
-    of ``PROBE_REPEATS``, the slowest rank's): what the row ``TIMED`` runs.
+    of ``PROBE_REPEATS``, the slowest rank's): what a row whose algorithm is ``TIMED`` runs.
     ``allreduce_flat(buf, op, algorithm, compression, index)`` reduces in place; ``control``:
     an MPI communicator of the same ranks, which combines the times.
 

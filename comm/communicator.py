@@ -275,7 +275,7 @@ class Communicator:
     def allreduce_algorithm(self, nbytes, compression=None):
         """The algorithm ``allreduce``/``allreduce_many`` run with ``algorithm=None`` on a flat
         buffer of ``nbytes`` bytes: this communicator's row of ``algorithm_choice.CHOICES``.
-        Collective the first time it comes to the row ``TIMED`` (ring and shm are timed then):
+        Collective the first time it comes to a ``TIMED`` row (ring and shm are timed then):
         call it on every rank."""
         algorithm = choose("allreduce", nbytes, self.transport_name, self._world_topology,
                            compression, self.use_hierarchical_allreduce).algorithm

@@ -31,7 +31,7 @@ import numbers
 
 import numpy as np
 
-from ..comm.algorithm_choice import NODES, ONE_NODE, ONE_RANK, TIMED, choose
+from ..comm.algorithm_choice import TIMED, choose, topology_of
 from ..strategies.dgc import INDEX_DTYPE, keep_count
 from . import costs
 from .buckets import Buckets
@@ -165,10 +165,9 @@ def _check_count(name, value):
 def pick_allreduce(nbytes, algorithm, cluster, ranks, nodes):
     """The allreduce the communicator runs for a bucket of ``nbytes``: its row of
     ``fleetmpi.comm.algorithm_choice.CHOICES`` with the strategy's flags. ``"shm"`` stands for
-    the row ``TIMED``, the communicator's measured choice between shm and ring on one node,
+    a ``TIMED`` row, the communicator's measured choice between shm and ring on one node,
     which ``bucket_seconds`` makes by cost (the ring where the cluster has no shm model)."""
-    topology = ONE_RANK if ranks == 1 else ONE_NODE if nodes == 1 else NODES
-    picked = choose("allreduce", nbytes, cluster.transport, topology,
+    picked = choose("allreduce", nbytes, cluster.transport, topology_of(ranks, ranks // nodes),
                     compression="fp16" if algorithm == "fp16" else None,
                     hierarchical=algorithm == "hierarchical").algorithm
     if picked == TIMED:
