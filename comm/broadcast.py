@@ -1,4 +1,5 @@
-"""Broadcast over any transport: a binomial tree for small buffers, a pipelined chain for large.
+"""Broadcast over any transport: a binomial tree for small buffers, a pipelined chain for large
+(which one runs when: ``algorithm_choice``).
 
 The tree finishes in ``ceil(log2(size))`` rounds, which wins while latency dominates. The chain
 passes the buffer down ranks ``root, root+1, ...`` in chunks; every inner rank receives chunk
@@ -6,8 +7,6 @@ passes the buffer down ranks ``root, root+1, ...`` in chunks; every inner rank r
 whole buffer once and the time approaches one buffer transfer regardless of the rank count.
 """
 from .ring import DEFAULT_CHUNK_BYTES, _chunks
-
-TREE_MAX_BYTES = 64 << 10
 
 
 def broadcast_tree(transport, buf, root):
@@ -44,12 +43,3 @@ def broadcast_chain(transport, buf, root, chunk_bytes=DEFAULT_CHUNK_BYTES):
     if nxt is not None:
         transport.send(parts[-1], nxt)
 
-
-def broadcast(transport, buf, root, chunk_bytes=DEFAULT_CHUNK_BYTES):
-    """Broadcast the flat contiguous ``buf`` from ``root`` in place."""
-    if transport.size == 1 or buf.size == 0:
-        return
-    if buf.nbytes <= TREE_MAX_BYTES:
-        broadcast_tree(transport, buf, root)
-    else:
-        broadcast_chain(transport, buf, root, chunk_bytes)

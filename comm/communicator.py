@@ -3,9 +3,10 @@
 Single-array collectives (``allreduce``, ``broadcast``, ``allgather``, ``reduce_scatter``)
 return a new array and leave their input alone; ``allreduce_many`` and ``broadcast_many`` work
 in place on many arrays, fused into buckets. A collective first checks that all ranks
-called it with the same arguments (``agreement``), so a mismatch raises on every rank instead
-of hanging; by default only a call whose arguments have not been agreed before makes that
-exchange (``_agree``).
+called it with the same arguments (``call_checks``, ``agreement``), so a mismatch raises on
+every rank instead of hanging; by default only a call whose arguments have not been agreed
+before makes that exchange (``call_checks.agree``). With ``algorithm=None`` the algorithm
+comes from the table in ``algorithm_choice``; this module runs it over the transports.
 
 Each collective is one event of the timeline (``fleetmpi.timeline``, lane ``comm``) with the
 algorithm it ran and its bytes (this rank's payload as it travels, as ``payload_bytes`` counts
@@ -17,32 +18,33 @@ live on a GPU of its own, MPI otherwise, see ``transport_choice``; ``"mpi"`` or 
 when ``"auto"`` chose NCCL and it cannot start, MPI with a warning naming each rank's reason,
 where an explicit ``"nccl"`` is an error), ``check`` /
 ``FLEETMPI_CHECK_COLLECTIVES`` (``0`` skips the agreement step, ``1``: once per distinct call,
-``always``: on every call; see ``_agree``), ``nccl_comm_num``,
+``always``: on every call; see ``call_checks.agree``), ``nccl_comm_num``,
 ``fuse_grad_size_in_MB``, ``fuse_broadcast_MB``, ``use_hierarchical_allreduce``,
 ``hierarchical_allreduce_inter_nranks``, ``chunk_bytes``.
 """
 import functools
 import numbers
 import os
-import time
 import weakref
-import zlib
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import timeline
 from ..log import logger
-from .agreement import (HISTORY_MASK, HISTORY_PRIME, agree, call_row, describe_arrays,
-                        dtype_name, history_step, row_code)
+from . import call_checks
+from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
+from .algorithm_choice import (BROADCAST_ALGORITHMS, GATHER_ALGORITHMS, TIMED, choose,
+                               time_ring_against_shm, topology_of)
 from .barrier import barrier as dissemination_barrier
-from .broadcast import TREE_MAX_BYTES, broadcast_chain, broadcast_tree
-from .compression import COMPRESSIONS, accumulate_dtypes, check_compression, to_wire
+from .broadcast import broadcast_chain, broadcast_tree
+from .call_checks import (capture, check_algorithm, check_allreduce, check_array, check_arrays,
+                          check_counts, check_peer, check_positive, check_root)
+from .compression import accumulate_dtypes, to_wire
 from .exchange import alltoall_pairwise, gather_linear, scatter_linear
 from .fusion import buckets_for
 from .handles import CommThread
 from .hierarchical import allreduce_hierarchical
-from .ops import OPS, array_module, check_dtype, check_op, finish_mean, is_device_array
+from .ops import array_module, finish_mean, is_device_array
 from .ring import (DEFAULT_CHUNK_BYTES, RingAllreduce, allgather_ring, allreduce_ring,
                    count_offsets, reduce_scatter_ring, split_offsets)
 from .stall import gather_rows
@@ -53,23 +55,6 @@ TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
 CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
 ALWAYS = "always"
 TRANSPORTS = (AUTO, "mpi", "nccl")
-ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
-BROADCAST_ALGORITHMS = ("tree", "chain", "native")
-GATHER_ALGORITHMS = ("ring", "native")
-COLLECTIVES = ("allreduce", "allreduce_many", "broadcast", "broadcast_many", "allgather",
-               "reduce_scatter", "barrier", "allgatherv", "alltoall", "gather", "scatter")
-_TABLES = {
-    "collective": COLLECTIVES,
-    "op": (None,) + OPS,
-    "algorithm": (None,) + ALLREDUCE_ALGORITHMS + BROADCAST_ALGORITHMS[:2],
-    "compression": COMPRESSIONS,
-}
-# With algorithm=None: the library's own allreduce below this size, where a call's fixed cost
-# (argument agreement, Python) outweighs the transfer; ours above (measured, benchmarks/).
-NATIVE_BELOW_BYTES = 1 << 20
-# The buffer on which a single-node communicator times ring against shm, once.
-PROBE_BYTES = 4 << 20
-PROBE_REPEATS = 3
 HEADER_DIMS = 32
 P2P_TAG = 7
 _NDARRAY = np.ndarray  # one global lookup on allreduce's repeated path
@@ -112,13 +97,6 @@ def check_mode(check, environ=os.environ):
     return check
 
 
-def _positive(name, value, kind=numbers.Real):
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive "
-                         f"{'integer' if kind is numbers.Integral else 'number'}")
-    return value
-
-
 def _recorded(collective, nbytes=False):
     """Wrap a collective so that, while the timeline records, it is one ``comm`` event named
     ``collective`` with the algorithm(s) its flat operations noted and its bytes: the payload
@@ -146,15 +124,6 @@ def _recorded(collective, nbytes=False):
     return wrap
 
 
-def _capture(check):
-    """Run ``check``; return the exception it raised, or None."""
-    try:
-        check()
-    except (TypeError, ValueError) as exc:
-        return exc
-    return None
-
-
 class Communicator:
     """Collectives over the world of a ``Topology``; see the module docstring for the knobs."""
 
@@ -166,13 +135,13 @@ class Communicator:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not known; allowed: "
                              f"{', '.join(TRANSPORTS)}")
-        _positive("nccl_comm_num", nccl_comm_num, numbers.Integral)
-        _positive("fuse_grad_size_in_MB", fuse_grad_size_in_MB)
-        _positive("fuse_broadcast_MB", fuse_broadcast_MB)
-        _positive("chunk_bytes", chunk_bytes, numbers.Integral)
+        check_positive("nccl_comm_num", nccl_comm_num, numbers.Integral)
+        check_positive("fuse_grad_size_in_MB", fuse_grad_size_in_MB)
+        check_positive("fuse_broadcast_MB", fuse_broadcast_MB)
+        check_positive("chunk_bytes", chunk_bytes, numbers.Integral)
         inter = hierarchical_allreduce_inter_nranks
         if inter is not None:
-            _positive("hierarchical_allreduce_inter_nranks", inter, numbers.Integral)
+            check_positive("hierarchical_allreduce_inter_nranks", inter, numbers.Integral)
             if topology.size % inter:
                 raise ValueError(f"hierarchical_allreduce_inter_nranks={inter} must divide the "
                                  f"world size {topology.size}")
@@ -195,10 +164,12 @@ class Communicator:
         self.transports = self._start_transports(world)
         self._levels = {}
         self._shm = None
-        self._single_node_pick = None
+        self._world_topology = topology_of(self.size, topology.local_size)
+        self._timed_choice = None  # ring or shm, once timed (see allreduce_algorithm)
         self._token = None
         self.payload_bytes = 0
         self._algorithms = None
+        # The agreement's bookkeeping (see call_checks): here, for allreduce's repeated path.
         self._agreed = {}
         self._repeats = {}  # allreduce's repeats by previous call and key (see allreduce)
         self._same_arrays = {}  # by previous call: the arrays of its last repeat, weakly
@@ -266,101 +237,12 @@ class Communicator:
             self._shm = SharedMemoryAllreduce(self.topology.world.Dup())
         return self._shm
 
-    # argument checks (run before the agreement step, which spreads their verdict)
-
-    def _check_array(self, x, name="x", writable=False):
-        if not (isinstance(x, np.ndarray) or is_device_array(x)):
-            raise TypeError(f"{name} must be a NumPy or CuPy array, not {type(x).__name__}")
-        if x.dtype.kind not in "biufc":
-            raise TypeError(f"{name} has dtype {x.dtype}; collectives move numeric arrays only")
-        if self.transport_name == "nccl" and not is_device_array(x):
-            raise TypeError(f"{name} is a NumPy array, but transport 'nccl' moves CuPy arrays; "
-                            f"use transport='mpi' for host arrays")
-        if writable and isinstance(x, np.ndarray) and not x.flags.writeable:
-            raise ValueError(f"{name} is read-only; this collective writes into it")
-
-    def _check_arrays(self, arrays, name="arrays"):
-        if not isinstance(arrays, (list, tuple)):
-            raise TypeError(f"{name} must be a list or tuple of arrays, not {type(arrays).__name__}")
-        for i, a in enumerate(arrays):
-            self._check_array(a, f"{name}[{i}]", writable=True)
-        if len({is_device_array(a) for a in arrays}) > 1:
-            raise TypeError(f"{name} mixes NumPy and CuPy arrays; pass one kind per call")
-
-    def _check_root(self, root):
-        if isinstance(root, bool) or not isinstance(root, numbers.Integral) \
-                or not 0 <= root < self.size:
-            raise ValueError(f"root={root!r} must be a rank in 0..{self.size - 1}")
-
-    def _check_peer(self, peer, name):
-        if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) \
-                or not 0 <= peer < self.size or peer == self.rank:
-            raise ValueError(f"{name}={peer!r} must be another rank: one of 0..{self.size - 1} "
-                             f"other than this rank {self.rank}")
-
-    def _check_allreduce(self, dtypes, op, algorithm, compression):
-        check_op(op)
-        if algorithm is not None and algorithm not in ALLREDUCE_ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r} is not an allreduce algorithm; allowed: "
-                             f"None, {', '.join(map(repr, ALLREDUCE_ALGORITHMS))}")
-        for dtype in dtypes:
-            check_dtype(dtype)
-            check_compression(compression, dtype)
-        if compression is not None and algorithm in ("native", "shm"):
-            raise ValueError(f"compression={compression!r} needs algorithm 'ring' or "
-                             f"'hierarchical'; {algorithm!r} reduces in the array's own dtype")
-        if algorithm == "shm" and not self._single_node():
-            raise ValueError("algorithm='shm' needs the MPI transport and all ranks on one node "
-                             f"(this job: transport {self.transport_name!r}, "
-                             f"{self.topology.num_nodes} node(s))")
-
     def _agree(self, collective, arrays, problem, layout=None, **fields):
-        """Check that every rank called ``collective`` alike; ``layout`` (a tuple of integers
-        every rank must agree on, such as per-rank counts) joins the shapes' checksum.
-
-        With ``check=True`` a call whose arguments this rank has seen agreed before, right
-        after the same call as now (a step's sequence of calls repeats), makes no exchange: it
-        adds its row's code to the running hash that the next exchange compares
-        (``fleetmpi.comm.agreement``). So a mismatch at a call no rank has made before in that
-        place raises on every rank at that call; ranks that go different ways among calls made
-        before are told at the next new call; and a rank that goes on to a new call (or
-        rejects its arguments) while the others repeat an old one waits in the exchange until
-        the stall inspector reports it. ``check="always"`` exchanges at every call."""
+        """Count the call's payload (unless its arguments were rejected) and check that every
+        rank called ``collective`` alike (``call_checks.agree``)."""
         if problem is None:
             self._count_payload(arrays, fields.get("compression"))
-        if not self.check:
-            if problem is not None:
-                raise problem
-            return
-        key = None
-        if problem is None and self.check is True:
-            key = (self._previous, collective, layout, tuple(fields.items()),
-                   tuple((a.dtype.num, a.shape) for a in arrays))
-            code = self._agreed.get(key)
-            if code is not None:
-                self._skip_agreement(code)
-                return
-        if problem is None:
-            dtype, count, n, shapes = describe_arrays(arrays)
-            if layout is not None:
-                shapes = zlib.crc32(repr(tuple(layout)).encode(), shapes)
-            fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
-        unchecked, history = self._unchecked, self._history
-        self._unchecked = self._history = 0
-        self._previous = -1  # what every rank holds after a call that raised
-        agree(self._control, collective, _TABLES, problem, arrays, layout,
-              unchecked=unchecked, history=history, **fields)
-        if key is not None:
-            self._previous = self._agreed[key] = row_code(call_row(collective, _TABLES,
-                                                                   **fields))
-
-    def _skip_agreement(self, code):
-        """Account for a call that repeats an agreed one (its row's ``code``) without an
-        exchange: the next exchange compares the count and the running hash."""
-        if self.check:
-            self._unchecked += 1
-            self._history = history_step(self._history, code)
-            self._previous = code
+        call_checks.agree(self, collective, arrays, problem, layout, fields)
 
     def _note(self, algorithm):
         """Remember the algorithm a flat operation ran, for the timeline event of its call."""
@@ -391,53 +273,25 @@ class Communicator:
             fn(*bufs)
 
     def allreduce_algorithm(self, nbytes, compression=None):
-        """The algorithm ``allreduce``/``allreduce_many`` pick (``algorithm=None``) for a flat
-        buffer of ``nbytes`` bytes. Collective the first time it decides a single-node pick
-        above ``NATIVE_BELOW_BYTES`` (it times ring against shm then, see
-        ``_measured_single_node_pick``): call it on every rank."""
-        return self._pick_allreduce(nbytes, compression)
-
-    def _pick_allreduce(self, nbytes, compression):
-        if compression is not None or self.use_hierarchical_allreduce:
-            return "hierarchical" if self.use_hierarchical_allreduce else "ring"
-        if nbytes < NATIVE_BELOW_BYTES:
-            return "native"
-        if self._single_node() and self.size > 1:
-            return self._measured_single_node_pick()
-        return "ring"
-
-    def _measured_single_node_pick(self):
-        """``"ring"`` or ``"shm"``, whichever allreduced a ``PROBE_BYTES`` buffer faster (the
-        best of ``PROBE_REPEATS``, the slowest rank's), timed on the first call that needs it.
-
-        Which one wins depends on the machine's memory system: shm copies every byte into a
-        shared window and out again, the ring sends half of it through MPI, and on the same
-        2-core machine shm measured 1.4x faster than the ring in one month and 2.5x slower in
-        the next. Every rank calls this at the same collective (the pick happens after the
-        agreement), and the times are combined by an MPI allreduce, so every rank picks alike.
-        """
-        if self._single_node_pick is None:
-            # Written values: a zero-filled array that was never written reads the kernel's
-            # one shared zero page, which made shm's copies look cheap (4 MiB: shm 1.35 ms
-            # against the ring's 1.6 in place, but 2.1 against 1.8 on written pages).
-            probe = np.ones(PROBE_BYTES // 4, np.float32)
-            best = np.full(2, np.inf)
-            noted, self._algorithms = self._algorithms, None  # the probe is not the call's
-            for _ in range(PROBE_REPEATS):
-                for i, algorithm in enumerate(("ring", "shm")):
-                    start = time.perf_counter()
-                    self._allreduce_flat(probe, "sum", algorithm, None, 0)
-                    best[i] = min(best[i], time.perf_counter() - start)
-            self._algorithms = noted
-            self._control.Allreduce(MPI.IN_PLACE, best, op=MPI.MAX)
-            self._single_node_pick = "shm" if best[1] < best[0] else "ring"
-        return self._single_node_pick
+        """The algorithm ``allreduce``/``allreduce_many`` run with ``algorithm=None`` on a flat
+        buffer of ``nbytes`` bytes: this communicator's row of ``algorithm_choice.CHOICES``.
+        Collective the first time it comes to a ``TIMED`` row (ring and shm are timed then):
+        call it on every rank."""
+        algorithm = choose("allreduce", nbytes, self.transport_name, self._world_topology,
+                           compression, self.use_hierarchical_allreduce).algorithm
+        if algorithm == TIMED:
+            if self._timed_choice is None:
+                noted, self._algorithms = self._algorithms, None  # the probe is not the call's
+                self._timed_choice = time_ring_against_shm(self._allreduce_flat, self._control)
+                self._algorithms = noted
+            algorithm = self._timed_choice
+        return algorithm
 
     def _allreduce_flat(self, buf, op, algorithm, compression, index, sendbuf=None):
         """Allreduce the flat ``buf`` in place on transport ``index``, or reduce the flat
         ``sendbuf`` into it (MPI's separate send buffer: native, ring and shm read it where it
         is; hierarchical copies it into ``buf`` first)."""
-        algorithm = algorithm or self._pick_allreduce(buf.nbytes, compression)
+        algorithm = algorithm or self.allreduce_algorithm(buf.nbytes, compression)
         self._note(algorithm)
         transport = self.transports[index]
         if algorithm == "hierarchical":
@@ -473,7 +327,8 @@ class Communicator:
                 transport.native_bcast(b, root)
         else:
             if algorithm is None:
-                algorithm = "tree" if buf.nbytes <= TREE_MAX_BYTES else "chain"
+                algorithm = choose("broadcast", buf.nbytes, self.transport_name,
+                                   self._world_topology).algorithm
             algo = broadcast_tree if algorithm == "tree" else broadcast_chain
 
             def fn(b):
@@ -489,7 +344,8 @@ class Communicator:
 
         ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` (integer means round down).
         ``algorithm``: ``"ring"``, ``"hierarchical"``, ``"native"`` (the MPI/NCCL library's
-        own), ``"shm"`` (shared memory, one node only) or None to pick by size and topology.
+        own), ``"shm"`` (shared memory, one node only) or None to choose by size, transport
+        and topology (``algorithm_choice``).
         ``compression="fp16"``: float16 on the wire, see ``fleetmpi.comm.compression``.
         ``out``: a C-contiguous array of ``x``'s shape and dtype to write the result into
         (``x`` itself for an in-place reduction); saves allocating the result on every call.
@@ -501,10 +357,10 @@ class Communicator:
         ``out``'s writability unchanged: a loop that reuses its buffers builds no key. Their
         size cannot have changed: NumPy refuses to resize an array that has a weak reference.
         (A shape set in place, keeping the size, reduces the same bytes; it goes unseen there,
-        as do strides set in place, deprecated since NumPy 2.4.) Else a key that
-        holds the code of the previous call (as ``_agree`` counts it), the arguments and every
-        property of the arrays that the checks look at. ``check="always"`` and device arrays
-        take the checked path.
+        as do strides set in place, deprecated since NumPy 2.4.) Else a key that holds the
+        code of the previous call (as ``call_checks.agree`` counts it), the arguments and
+        every property of the arrays that the checks look at. ``check="always"`` and device
+        arrays take the checked path.
         """
         last = self._same_arrays.get(self._previous)
         if (last is not None and out is not None and x is not None and last[0]() is x
@@ -529,7 +385,8 @@ class Communicator:
             return self._allreduce_checked(x, op, algorithm, compression, out, None)
         code, payload, run = repeat
         self.payload_bytes += payload
-        if self.check:  # _skip_agreement, written out: this path is a small call's whole cost
+        # call_checks.skip_agreement, written out: this path is a small call's whole cost
+        if self.check:
             self._unchecked += 1
             self._history = (self._history * HISTORY_PRIME + code) & HISTORY_MASK
             self._previous = code
@@ -539,15 +396,15 @@ class Communicator:
     @_recorded("allreduce")
     def _allreduce_checked(self, x, op, algorithm, compression, out, key):
         def check():
-            self._check_array(x)
-            self._check_allreduce([x.dtype], op, algorithm, compression)
+            check_array(self, x)
+            check_allreduce(self, [x.dtype], op, algorithm, compression)
             if out is not None:
-                self._check_array(out, "out", writable=True)
+                check_array(self, out, "out", writable=True)
                 if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
                     raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape "
                                      f"{x.shape}, not {out.dtype} {out.shape}"
                                      f"{'' if out.flags.c_contiguous else ' (strided)'}")
-        problem = _capture(check)
+        problem = capture(check)
         before, previous = self.payload_bytes, self._previous
         self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
                     compression=compression)
@@ -564,7 +421,7 @@ class Communicator:
         A native or ring reduction of host arrays goes straight to the transport, reducing
         ``x`` into the result without a copy (what MPI_Allreduce with a separate receive
         buffer costs)."""
-        algorithm = algorithm or self._pick_allreduce(x.nbytes, compression)
+        algorithm = algorithm or self.allreduce_algorithm(x.nbytes, compression)
         transport = self.transports[0]
         if algorithm == "native" and not transport.device and x.flags.c_contiguous:
             return self._native_runner(x, op, out)
@@ -633,10 +490,10 @@ class Communicator:
         mb = self.fuse_grad_size_in_MB if fuse_grad_size_in_MB is None else fuse_grad_size_in_MB
 
         def check():
-            self._check_arrays(arrays)
-            _positive("fuse_grad_size_in_MB", mb)
-            self._check_allreduce({a.dtype for a in arrays}, op, algorithm, compression)
-        problem = _capture(check)
+            check_arrays(self, arrays)
+            check_positive("fuse_grad_size_in_MB", mb)
+            check_allreduce(self, {a.dtype for a in arrays}, op, algorithm, compression)
+        problem = capture(check)
         self._agree("allreduce_many", arrays, problem, op=op, algorithm=algorithm,
                     compression=compression)
         for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
@@ -721,15 +578,13 @@ class Communicator:
         """``root``'s ``x``, as a new array on every rank (``x`` gives shape and dtype elsewhere).
 
         ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined), ``"native"``, or None
-        (tree up to 64 KiB, chain above).
+        (by size, ``algorithm_choice``: the tree for small buffers, the chain for large).
         """
         def check():
-            self._check_array(x)
-            self._check_root(root)
-            if algorithm is not None and algorithm not in BROADCAST_ALGORITHMS:
-                raise ValueError(f"algorithm={algorithm!r} is not a broadcast algorithm; "
-                                 f"allowed: None, {', '.join(map(repr, BROADCAST_ALGORITHMS))}")
-        problem = _capture(check)
+            check_array(self, x)
+            check_root(self, root)
+            check_algorithm(algorithm, BROADCAST_ALGORITHMS, "broadcast")
+        problem = capture(check)
         self._agree("broadcast", [x], problem, root=root, algorithm=algorithm)
         xp = array_module(x)
         buf = xp.array(x, order="C", copy=True).reshape(-1)
@@ -743,13 +598,11 @@ class Communicator:
         mb = self.fuse_broadcast_MB if fuse_broadcast_MB is None else fuse_broadcast_MB
 
         def check():
-            self._check_arrays(arrays)
-            self._check_root(root)
-            _positive("fuse_broadcast_MB", mb)
-            if algorithm is not None and algorithm not in BROADCAST_ALGORITHMS:
-                raise ValueError(f"algorithm={algorithm!r} is not a broadcast algorithm; "
-                                 f"allowed: None, {', '.join(map(repr, BROADCAST_ALGORITHMS))}")
-        problem = _capture(check)
+            check_arrays(self, arrays)
+            check_root(self, root)
+            check_positive("fuse_broadcast_MB", mb)
+            check_algorithm(algorithm, BROADCAST_ALGORITHMS, "broadcast")
+        problem = capture(check)
         self._agree("broadcast_many", arrays, problem, root=root, algorithm=algorithm)
         for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
             flat = bucket.load()
@@ -766,14 +619,12 @@ class Communicator:
         ``algorithm``: ``"ring"`` (default) or ``"native"`` (MPI's, for equal shapes).
         """
         def check():
-            self._check_array(x)
+            check_array(self, x)
             if not stack and x.ndim == 0:
                 raise ValueError("allgather joins along the first axis and needs an array with "
                                  "at least one dimension (or stack=True)")
-            if algorithm is not None and algorithm not in GATHER_ALGORITHMS:
-                raise ValueError(f"algorithm={algorithm!r} is not an allgather algorithm; "
-                                 f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
-        problem = _capture(check)
+            check_algorithm(algorithm, GATHER_ALGORITHMS, "allgather")
+        problem = capture(check)
         if stack:
             self._agree("allgather", [x], problem, algorithm=algorithm)
             offsets = count_offsets([x.size] * self.size)
@@ -814,8 +665,8 @@ class Communicator:
                 raise ValueError(f"{what} splits the first dimension {rows} equally over "
                                  f"{self.size} ranks, which does not divide it; pass splits")
             return [rows // self.size] * self.size
-        self._check_counts(list(splits) if isinstance(splits, (list, tuple)) else splits,
-                           rows, "the first dimension of x")
+        check_counts(self, list(splits) if isinstance(splits, (list, tuple)) else splits,
+                     rows, "the first dimension of x")
         return [int(v) for v in splits]
 
     @_recorded("alltoall")
@@ -825,11 +676,11 @@ class Communicator:
         ``(received, received_splits)``: the parts joined in rank order along the first axis,
         and how many rows came from each rank (Horovod's alltoall)."""
         def check():
-            self._check_array(x)
+            check_array(self, x)
             if x.ndim == 0:
                 raise ValueError("alltoall needs an array with at least one dimension")
             self._splits(splits, x.shape[0], "alltoall")
-        problem = _capture(check)
+        problem = capture(check)
         self._agree("alltoall", [] if problem else [x[:0]], problem)
         mine = self._splits(splits, x.shape[0], "alltoall")
         received = [int(v) for v in self._exchange_rows(mine, "alltoall")[:, self.rank]]
@@ -850,12 +701,12 @@ class Communicator:
         """Every rank's ``x`` joined along the first axis in rank order on ``root`` (the first
         dimension may differ between ranks); None on the other ranks."""
         def check():
-            self._check_array(x)
-            self._check_root(root)
+            check_array(self, x)
+            check_root(self, root)
             if x.ndim == 0:
                 raise ValueError("gather joins along the first axis and needs an array with at "
                                  "least one dimension")
-        problem = _capture(check)
+        problem = capture(check)
         self._agree("gather", [] if problem else [x[:0]], problem, root=root)
         rows = [int(v) for v in self._exchange_rows([x.shape[0]], "gather")[:, 0]]
         xp = array_module(x)
@@ -875,8 +726,8 @@ class Communicator:
         parts when None). The other ranks pass an array of the same dtype, whose shape and
         values are not used (the root's shape and splits reach them first)."""
         def check():
-            self._check_array(x)
-            self._check_root(root)
+            check_array(self, x)
+            check_root(self, root)
             if x.ndim == 0:
                 raise ValueError("scatter cuts the first axis and needs an array with at least "
                                  "one dimension")
@@ -885,7 +736,7 @@ class Communicator:
             if x.ndim > HEADER_DIMS:
                 raise ValueError(f"scatter supports arrays of up to {HEADER_DIMS} dimensions, "
                                  f"not {x.ndim}")
-        problem = _capture(check)
+        problem = capture(check)
         # Only the dtype must agree: the root's shape and splits travel in the header.
         self._agree("scatter", [] if problem else [x.reshape(-1)[:0]], problem, root=root)
         header = np.zeros(self.size + 1 + HEADER_DIMS, dtype=np.int64)
@@ -906,31 +757,19 @@ class Communicator:
         self._run(0, lambda b, p: scatter_linear(transport, b, offsets, p, root), send, part)
         return part.reshape((parts[self.rank],) + tail)
 
-    def _check_counts(self, counts, total=None, what=None):
-        """``counts`` as a list of ``size`` non-negative integers (adding up to ``total``, the
-        size of ``what``, when given)."""
-        if (not isinstance(counts, (list, tuple)) or len(counts) != self.size
-                or not all(isinstance(c, numbers.Integral) and not isinstance(c, bool)
-                           and c >= 0 for c in counts)):
-            raise ValueError(f"counts={counts!r} must be a list of {self.size} non-negative "
-                             f"integers, one per rank")
-        if total is not None and sum(counts) != total:
-            raise ValueError(f"counts={list(counts)!r} add up to {sum(counts)}, but {what} "
-                             f"is {total}")
-
     @_recorded("allgatherv")
     def allgatherv(self, x, counts):
         """Every rank's 1-d ``x`` (``counts[r]`` elements on rank ``r``, zero allowed)
         joined in rank order, as MPI's ``Allgatherv``; every rank passes the same ``counts``."""
         def check():
-            self._check_array(x)
+            check_array(self, x)
             if x.ndim != 1:
                 raise ValueError(f"allgatherv takes a 1-d array, not shape {tuple(x.shape)}")
-            self._check_counts(counts)
+            check_counts(self, counts)
             if x.size != counts[self.rank]:
                 raise ValueError(f"allgatherv got {x.size} elements on rank {self.rank}, "
                                  f"but counts[{self.rank}]={counts[self.rank]}")
-        problem = _capture(check)
+        problem = capture(check)
         # The element count differs per rank by design; the counts themselves must agree.
         self._agree("allgatherv", [] if problem else [x[:0]], problem,
                     layout=None if problem else tuple(int(c) for c in counts))
@@ -949,17 +788,15 @@ class Communicator:
         instead of in a copy (for a caller that drops ``x`` afterwards).
         """
         def check():
-            self._check_array(x)
+            check_array(self, x)
             if x.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension")
             if counts is not None:
-                self._check_counts(counts, x.shape[0], "the length of x")
-            if algorithm is not None and algorithm not in GATHER_ALGORITHMS:
-                raise ValueError(f"algorithm={algorithm!r} is not a reduce_scatter algorithm; "
-                                 f"allowed: None, {', '.join(map(repr, GATHER_ALGORITHMS))}")
-            self._check_allreduce([x.dtype], op, "native" if algorithm == "native" else None,
-                                  compression)
-        problem = _capture(check)
+                check_counts(self, counts, x.shape[0], "the length of x")
+            check_algorithm(algorithm, GATHER_ALGORITHMS, "reduce_scatter")
+            check_allreduce(self, [x.dtype], op, "native" if algorithm == "native" else None,
+                            compression)
+        problem = capture(check)
         self._agree("reduce_scatter", [x], problem, op=op, algorithm=algorithm,
                     compression=compression,
                     layout=None if counts is None or problem else tuple(map(int, counts)))
@@ -998,8 +835,8 @@ class Communicator:
     @_recorded("send", nbytes=True)
     def send(self, x, dest):
         """Send ``x`` to rank ``dest``; the matching ``recv`` checks dtype and shape."""
-        self._check_array(x)
-        self._check_peer(dest, "dest")
+        check_array(self, x)
+        check_peer(self, dest, "dest")
         if x.ndim > HEADER_DIMS:
             raise ValueError(f"send supports arrays of up to {HEADER_DIMS} dimensions, "
                              f"not {x.ndim}")
@@ -1019,8 +856,8 @@ class Communicator:
         If the sender's dtype or shape differ from ``x``'s, the message is drained and a
         ``ValueError`` names both.
         """
-        self._check_array(x, writable=True)
-        self._check_peer(source, "source")
+        check_array(self, x, writable=True)
+        check_peer(self, source, "source")
         header = np.empty(4 + HEADER_DIMS, dtype=np.int64)
         self._control.Recv(header, source=source, tag=P2P_TAG)
         num, _, nbytes, ndim = (int(v) for v in header[:4])

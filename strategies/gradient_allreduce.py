@@ -9,8 +9,10 @@ fields: ``fuse_all_reduce_ops`` (off: one bucket per parameter), ``fuse_grad_siz
 most bytes in a bucket) and ``fuse_grad_size_in_TFLOPS`` (despite its name, the guide defines it
 as the most layers whose gradients one fused allreduce carries).
 
-Each bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``,
-named ``bucket <index>``) with its index, algorithm, bytes and number of parameters.
+The allreduce algorithm of each bucket is chosen once per bucket plan, at its first reduction
+(``Communicator.allreduce_algorithm``), and passed to every reduction of the bucket. Each
+bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``, named
+``bucket <index>``) with its index, that algorithm, bytes and number of parameters.
 """
 import os
 
@@ -35,7 +37,7 @@ def overlap_allreduce(environ=os.environ):
     return text == "1"
 
 
-class Bucket:
+class GradientBucket:
     """A contiguous slice ``[start, stop)`` of one gradient buffer, its position ``index`` in
     the plan, and how many of its parameters have not reported their gradient yet this step
     (-1: already reduced)."""
@@ -84,13 +86,13 @@ def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
                     or (max_layers is not None and layer not in layers
                         and len(layers) >= max_layers))
             if current and full:
-                buckets.append(Bucket(run.buffer, current, len(buckets)))
+                buckets.append(GradientBucket(run.buffer, current, len(buckets)))
                 current, current_bytes, layers = [], 0, set()
             current.append(p)
             current_bytes += nbytes
             layers.add(layer)
         if current:
-            buckets.append(Bucket(run.buffer, current, len(buckets)))
+            buckets.append(GradientBucket(run.buffer, current, len(buckets)))
     return buckets
 
 
@@ -166,18 +168,29 @@ class GradientAllreduce(Strategy):
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
         self.buckets = plan_gradient_buckets(optimizer.runs, *fusion_limits(strategy))
+        self.bucket_algorithms = None  # by bucket index, once chosen (see _algorithm)
         self.overlap = overlap_allreduce()
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
 
+    def _algorithm(self, bucket):
+        """The allreduce algorithm of ``bucket``, chosen for every bucket of the plan at the
+        first reduction: every rank reduces the buckets in one order, and choosing may be
+        collective (``Communicator.allreduce_algorithm`` times ring against shm once)."""
+        if self.bucket_algorithms is None:
+            choose = self.communicator.allreduce_algorithm
+            self.bucket_algorithms = [choose(b.grad.nbytes, self.compression)
+                                      for b in self.buckets]
+        return self.bucket_algorithms[bucket.index]
+
     def _reduce(self, bucket):
         grad = bucket.grad
+        algorithm = self._algorithm(bucket)
         with timeline.span(f"bucket {bucket.index}", "comm") as event:
             if event:
-                event.args.update(
-                    bucket=bucket.index, bytes=int(grad.nbytes), parameters=bucket.size,
-                    algorithm=self.communicator.allreduce_algorithm(grad.nbytes,
-                                                                    self.compression))
-            self.communicator.allreduce_many([grad], op="mean", compression=self.compression)
+                event.args.update(bucket=bucket.index, bytes=int(grad.nbytes),
+                                  parameters=bucket.size, algorithm=algorithm)
+            self.communicator.allreduce_many([grad], op="mean", algorithm=algorithm,
+                                             compression=self.compression)
 
     def _start(self, bucket):
         return self.communicator.submit(f"bucket {bucket.index}",

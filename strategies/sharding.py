@@ -37,7 +37,7 @@ data-parallel replicas. Steps that do not update (gradient_merge between its upd
 overflow) broadcast nothing.
 """
 from .. import backend, timeline
-from ..comm.communicator import NATIVE_BELOW_BYTES
+from ..comm.algorithm_choice import NATIVE_BELOW_BYTES
 from ..comm.ring import overlap_counts, split_offsets
 from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets

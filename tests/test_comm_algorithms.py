@@ -4,7 +4,7 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi.comm import Communicator
-from fleetmpi.comm.communicator import NATIVE_BELOW_BYTES
+from fleetmpi.comm.algorithm_choice import NATIVE_BELOW_BYTES
 
 from comm_support import (all_data, close, equal, ok, raises, rank_data,
                           single_process, small_chunks, tolerance, world)

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -9,7 +10,8 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.launch.mpi_command import local_command
-from fleetmpi.strategies.gradient_allreduce import OVERLAP_ENV, plan_gradient_buckets
+from fleetmpi.strategies.gradient_allreduce import (OVERLAP_ENV, GradientAllreduce,
+                                                   plan_gradient_buckets)
 
 GLOBAL_BATCH = 24
 STEPS = 4
@@ -142,6 +144,38 @@ def test_gradient_buckets_are_contiguous_slices():
     assert 1 < len(small) < len(per_param)
     (whole,) = plan_gradient_buckets(opt.runs, 1 << 20)
     assert (whole.start, whole.stop) == (0, total)
+
+
+class ChoiceRecorder:
+    """A communicator that records the algorithm choices asked of it and the reductions."""
+
+    def __init__(self):
+        self.asked, self.reduced = [], []
+
+    def allreduce_algorithm(self, nbytes, compression=None):
+        self.asked.append(nbytes)
+        return "native" if nbytes < 500 else "ring"
+
+    def allreduce_many(self, arrays, op, algorithm, compression):
+        self.reduced.append((int(arrays[0].nbytes), algorithm))
+
+
+def test_each_bucket_algorithm_is_chosen_once_per_plan_and_passed_to_its_reductions(
+        monkeypatch):
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    model = make_model()
+    opt = optimizer.SGD(parameters=model.parameters())
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_grad_size_in_TFLOPS = 1  # a bucket per layer: 896, 1632 and 416 bytes
+    comm = ChoiceRecorder()
+    reduction = GradientAllreduce(strategy, opt, comm)
+    for _ in range(3):
+        reduction.reduce(SimpleNamespace(sync_gradients=True), lambda ctx: None)
+    sizes = [int(b.grad.nbytes) for b in reduction.buckets]
+    assert sorted(comm.asked) == sorted(sizes) == [416, 896, 1632]
+    chosen = [(n, "native" if n < 500 else "ring") for n in sizes]
+    assert reduction.bucket_algorithms == [a for _, a in chosen]
+    assert comm.reduced == chosen * 3
 
 
 def test_digits_example_reaches_97_percent_at_two_ranks():

@@ -5,9 +5,9 @@ A ``Workload`` is a model's gradient buckets and its compute time per step on on
 ``predict`` walks one step as the trainer runs it:
 
 * ``"ring"`` (no strategy flags): each bucket is one ``allreduce_many`` call (argument
-  agreement, then the allreduce the communicator picks: the library's own below
-  ``NATIVE_BELOW_BYTES``, the shared-memory one on a single node with the MPI transport, our
-  ring otherwise);
+  agreement, then the allreduce the communicator chooses by ``fleetmpi.comm.algorithm_choice``:
+  the library's own below ``NATIVE_BELOW_BYTES``, the shared-memory one on a single node with
+  the MPI transport when it times faster, our ring otherwise);
 * ``"hierarchical"`` (``use_hierarchical_allreduce``): the two-level allreduce for every bucket;
 * ``"fp16"`` (``fp16_allreduce``): our ring with float16 on the wire for every bucket;
 * ``"dgc"`` (after its ramp-up, at ``sparsity``): no bucket reductions; after backward, top-k
@@ -31,7 +31,7 @@ import numbers
 
 import numpy as np
 
-from ..comm.communicator import NATIVE_BELOW_BYTES
+from ..comm.algorithm_choice import TIMED, choose, topology_of
 from ..strategies.dgc import INDEX_DTYPE, keep_count
 from . import costs
 from .buckets import Buckets
@@ -163,17 +163,16 @@ def _check_count(name, value):
 
 
 def pick_allreduce(nbytes, algorithm, cluster, ranks, nodes):
-    """The allreduce the communicator runs for a bucket of ``nbytes`` (``Communicator.
-    _pick_allreduce`` with the strategy's flags); ``"shm"`` stands for the communicator's
-    measured choice between shm and ring on one node, which ``bucket_seconds`` makes by cost."""
-    if algorithm == "hierarchical":
-        return "hierarchical"
-    if algorithm == "fp16":
-        return "ring"
-    if nbytes < NATIVE_BELOW_BYTES:
-        return "native"
-    single_node_mpi = cluster.transport == "mpi" and nodes == 1 and cluster.shm is not None
-    return "shm" if single_node_mpi and ranks > 1 else "ring"
+    """The allreduce the communicator runs for a bucket of ``nbytes``: its row of
+    ``fleetmpi.comm.algorithm_choice.CHOICES`` with the strategy's flags. ``"shm"`` stands for
+    a ``TIMED`` row, the communicator's measured choice between shm and ring on one node,
+    which ``bucket_seconds`` makes by cost (the ring where the cluster has no shm model)."""
+    picked = choose("allreduce", nbytes, cluster.transport, topology_of(ranks, ranks // nodes),
+                    compression="fp16" if algorithm == "fp16" else None,
+                    hierarchical=algorithm == "hierarchical").algorithm
+    if picked == TIMED:
+        return "shm" if cluster.shm is not None else "ring"
+    return picked
 
 
 def bucket_seconds(nbytes, algorithm, cluster, ranks):
