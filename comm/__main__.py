@@ -15,12 +15,10 @@ SIZES = (4 << 10, 64 << 10, 1 << 20, 64 << 20)
 
 def world_choices():
     """Lines saying what the world communicator chooses at ``SIZES`` (collective)."""
-    import fleetmpi as fleet
+    from .communicator import Communicator
+    from .topology import Topology
 
-    from . import get_communicator
-
-    fleet.init()
-    comm = get_communicator()
+    comm = Communicator(Topology(MPI.COMM_WORLD))
     lines = [f"this world: {comm.size} ranks on {comm.topology.num_nodes} node(s), transport "
              f"{comm.transport_name!r}, use_hierarchical_allreduce "
              f"{comm.use_hierarchical_allreduce}"]
