@@ -6,7 +6,7 @@ from .conv import AdaptiveAvgPool2D, AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
 from .flat import FlatBuffer, flatten
 from .gpt import gpt_pipeline
 from .layer import Layer, get_default_dtype, set_default_dtype
-from .layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
+from .basic_layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
                      Softmax, Tanh)
 from .loss import CrossEntropyLoss, MSELoss
 from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101

@@ -4,7 +4,7 @@ from collections import OrderedDict
 
 from .conv import Conv2D
 from .layer import Layer
-from .layers import Activation, Linear, ReLU
+from .basic_layers import Activation, Linear, ReLU
 from .norm import BatchNorm
 
 

@@ -6,7 +6,7 @@ from . import functional as F
 from . import initializer
 from .functional.conv import pair
 from .layer import Layer
-from .layers import check_input, check_positive_int
+from .basic_layers import check_input, check_positive_int
 
 
 class Conv2D(Layer):

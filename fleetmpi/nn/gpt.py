@@ -27,7 +27,7 @@ from . import functional as F
 from . import initializer
 from .containers import LayerList
 from .layer import Layer
-from .layers import Dropout, Embedding, Linear, check_positive_int
+from .basic_layers import Dropout, Embedding, Linear, check_positive_int
 from .norm import LayerNorm
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               initialize_weight, model_parallel_group)

@@ -3,7 +3,7 @@ GPT-style decoder ``GPT`` (in ``fleetmpi.nn.gpt``)."""
 from .containers import ResidualBlock, Sequential
 from .conv import Conv2D, MaxPool2D
 from .gpt import GPT
-from .layers import GELU, Dropout, Linear, ReLU, Tanh
+from .basic_layers import GELU, Dropout, Linear, ReLU, Tanh
 from .norm import BatchNorm2D
 
 __all__ = ["GPT", "MLP", "basic_block", "bottleneck_block", "conv_bn", "resnet20", "resnet50",

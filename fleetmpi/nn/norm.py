@@ -7,7 +7,7 @@ import numpy as np
 from . import functional as F
 from . import initializer
 from .layer import Layer
-from .layers import check_input, check_positive_int
+from .basic_layers import check_input, check_positive_int
 
 
 class BatchNorm(Layer):

@@ -23,7 +23,7 @@ from . import functional as F
 from . import initializer
 from .functional.loss import _check_reduction
 from .layer import Layer
-from .layers import check_input, check_positive_int
+from .basic_layers import check_input, check_positive_int
 
 
 def model_parallel_group(mp_group=None):
