@@ -5,7 +5,6 @@ in this package) and the fields of ``EFFECTIVE``. A field of ``NO_EFFECT`` that 
 from its default is reported once per process, on the first worker, so it is never silently
 ignored.
 """
-from .. import world
 from ..log import logger
 
 _NO_CUDNN = "convolutions run as im2col and matrix multiply, without cuDNN"
@@ -69,13 +68,6 @@ def inert_fields_set(strategy):
 
     default = DistributedStrategy()
     return [path for path in NO_EFFECT if _value(strategy, path) != _value(default, path)]
-
-
-def report_inert_fields(strategy):
-    """Log a warning (first worker only, once per field and process) for every field that was
-    set but has no effect here."""
-    for path in inert_fields_set(strategy):
-        report_once(path, NO_EFFECT[path], world.worker_index() == 0)
 
 
 def report_once(path, why, first_worker):
