@@ -7,6 +7,7 @@ nothing here are listed by ``applied_strategy().not_applied`` with these reasons
 (``fleetmpi.strategies.applied.parameter_server_not_applied``) and warned once.
 """
 from ...config_message import ConfigError
+from ..compose import ORDER
 
 SYNC, ASYNC, GEO = "sync", "async", "geo"
 
@@ -30,16 +31,11 @@ NO_EFFECT_KEYS = {
     "use_ps_gpu": "servers keep their shards in host memory",
 }
 
-# Collective strategies: their gradient reduction does not exist in parameter-server mode.
-_COLLECTIVE_SWITCHES = ("amp", "recompute", "pipeline", "gradient_merge", "lars", "lamb",
-                        "localsgd", "adaptive_localsgd", "dgc", "fp16_allreduce",
-                        "sync_batch_norm", "sharding")
-
-
 def training_mode(strategy):
     """``SYNC``, ``ASYNC`` or ``GEO`` for ``strategy``; refuses what cannot run here."""
-    on = [name for name in _COLLECTIVE_SWITCHES
-          if hasattr(strategy, name) and getattr(strategy, name)]
+    # every collective strategy works on the gradient reduction of collective training, which
+    # does not exist in parameter-server mode
+    on = [name for name in ORDER if getattr(strategy, name)]
     if on:
         raise ConfigError(f"parameter-server mode cannot run the collective strategies "
                           f"{on}; switch them off or use fleet.init(is_collective=True)")
