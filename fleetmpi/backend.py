@@ -17,14 +17,13 @@ import os
 import numpy as np
 
 from .host_memory import keep_freed_memory
+from .launcher_env import RANKS_ON_NODE
 from .paddle_flags import memory_fraction
 
 DEVICE_ENV = "FLEETMPI_DEVICE"
 DEVICES = ("cpu", "gpu")
 THREADS_ENV = "FLEETMPI_NUM_THREADS"
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# Launchers' names for the number of ranks on this node, for use before fleet.init().
-_LOCAL_SIZE_ENVS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 _xp = None
 _thread_limit = None
@@ -80,7 +79,7 @@ def _ranks_on_node():
         return world.local_size()
     except RuntimeError:
         pass
-    for name in _LOCAL_SIZE_ENVS:
+    for name in RANKS_ON_NODE:  # the launcher's, before fleet.init()
         text = os.environ.get(name, "")
         if text.isdigit() and int(text) > 0:
             return int(text)

@@ -5,15 +5,10 @@ Launchers also describe each process in environment variables, and scripts read 
 loader sharding by ``PADDLE_TRAINER_ID``); when the two disagree, something is wrong in the
 launch, most often an mpi4py built against another MPI than the launcher's, so that every
 process sees a world of one and trains alone. ``fleet.init`` therefore checks each family of
-variables below and raises ``EnvironmentMismatchError`` naming every variable that disagrees.
-
-* Open MPI: ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
-  ``OMPI_COMM_WORLD_LOCAL_SIZE``;
-* MPICH/Hydra: ``PMI_SIZE``, ``PMI_RANK``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``;
-* Slurm (``srun``): ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``), ``SLURM_PROCID``,
-  ``SLURM_LOCALID``, ``SLURM_STEP_NUM_NODES``, and ``SLURM_NODEID``, which must group the ranks
-  into the same nodes as MPI does;
-* Paddle: ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ID``.
+variables of ``fleetmpi.launcher_env.FAMILIES`` (Open MPI, MPICH/Hydra, Slurm, Paddle: the
+size, rank, local rank, local size and number of nodes each sets; Slurm's node id, which must
+group the ranks into the same nodes as MPI does) and raises ``EnvironmentMismatchError``
+naming every variable that disagrees.
 
 Variables leak: a job started from inside another job (a test runner under ``mpiexec`` that
 starts ``mpiexec`` again, ``python train.py`` in an ``sbatch`` script, ranks of ``mpiexec``
@@ -38,6 +33,8 @@ the whole check.
 import os
 from dataclasses import dataclass
 
+from ..launcher_env import FAMILIES, PADDLE, SLURM
+
 CHECK_ENV = "FLEETMPI_CHECK_ENVIRONMENT"
 # Process names (as /proc/<pid>/comm shows them, at most 15 characters) of the programs that
 # start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy,
@@ -50,27 +47,6 @@ LAUNCHER_PROCESSES = frozenset({
 
 class EnvironmentMismatchError(RuntimeError):
     """The launcher's variables disagree with what MPI says about this process."""
-
-
-@dataclass(frozen=True)
-class Family:
-    """One launcher's variables; ``size`` lists alternatives, the first one set is used."""
-    name: str
-    size: tuple
-    rank: str
-    local_rank: str = None
-    local_size: str = None
-    num_nodes: str = None
-
-
-OPEN_MPI = Family("Open MPI", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_RANK",
-                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-HYDRA = Family("MPICH/Hydra", ("PMI_SIZE",), "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-SLURM = Family("Slurm", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), "SLURM_PROCID",
-               "SLURM_LOCALID", num_nodes="SLURM_STEP_NUM_NODES")
-PADDLE = Family("Paddle", ("PADDLE_TRAINERS_NUM",), "PADDLE_TRAINER_ID")
-FAMILIES = (OPEN_MPI, HYDRA, SLURM, PADDLE)
-SLURM_NODE = "SLURM_NODEID"
 
 
 @dataclass(frozen=True)
@@ -116,15 +92,11 @@ def _integer(environ, name, problems):
         return None
 
 
-def _size_variable(environ, family):
-    return next((name for name in family.size if environ.get(name, "") != ""), None)
-
-
 def applicable(environ, family, size, collective=True):
     """True when ``family`` describes this job: its size variable equals MPI's world ``size``."""
     if family is PADDLE and not _paddle_applies(environ, collective):
         return False
-    name = _size_variable(environ, family)
+    name = family.size_variable(environ)
     return name is not None and environ[name].strip() == str(size)
 
 
@@ -136,7 +108,7 @@ def disagreements(environ, place, parent=None, collective=True):
     for family in FAMILIES:
         if family is PADDLE and not _paddle_applies(environ, collective):
             continue
-        size_name = _size_variable(environ, family)
+        size_name = family.size_variable(environ)
         if size_name is None:
             continue
         size = _integer(environ, size_name, problems)
@@ -166,7 +138,7 @@ def reported_node(environ, size, collective=True):
     """``SLURM_NODEID`` as an integer where the Slurm family describes this job, else -1."""
     if not applicable(environ, SLURM, size, collective):
         return -1
-    text = environ.get(SLURM_NODE, "")
+    text = environ.get(SLURM.node, "")
     return int(text) if text.strip().isdigit() else -1
 
 
@@ -183,7 +155,7 @@ def node_disagreements(reported, mpi_nodes):
             same_reported = reported[first] == reported[other]
             if same_reported != (mpi_nodes[first] == mpi_nodes[other]):
                 problems.append(
-                    f"{SLURM_NODE} is {reported[first]} on rank {first} and {reported[other]} "
+                    f"{SLURM.node} is {reported[first]} on rank {first} and {reported[other]} "
                     f"on rank {other} but MPI says they are on "
                     f"{'different nodes' if same_reported else 'the same node'}")
                 if len(problems) == 3:
