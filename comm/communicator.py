@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import timeline
+from ..knobs import ALWAYS, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
 from ..log import logger
 from .agreement import (HISTORY_MASK, HISTORY_PRIME, agree, call_row, describe_arrays,
                         dtype_name, history_step, row_code)
@@ -49,10 +50,6 @@ from .stall import gather_rows
 from .transport_choice import AUTO, device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
 
-TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
-CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
-ALWAYS = "always"
-TRANSPORTS = (AUTO, "mpi", "nccl")
 ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
 BROADCAST_ALGORITHMS = ("tree", "chain", "native")
 GATHER_ALGORITHMS = ("ring", "native")
@@ -102,11 +99,7 @@ def check_mode(check, environ=os.environ):
     ``check`` when given, else from ``FLEETMPI_CHECK_COLLECTIVES`` (``0``, ``1``, ``always``;
     unset: ``1``)."""
     if check is None:
-        text = environ.get(CHECK_ENV, "")
-        if text not in ("", "0", "1", ALWAYS):
-            raise ValueError(f"{CHECK_ENV}={text!r} must be 0 (no check), 1 (once per distinct "
-                             f"call, the default) or always (every call)")
-        return ALWAYS if text == ALWAYS else text != "0"
+        return CHECK_COLLECTIVES.value(environ)
     if check not in (False, True, ALWAYS):
         raise ValueError(f"check={check!r} must be False, True or {ALWAYS!r}")
     return check
@@ -162,7 +155,7 @@ class Communicator:
                  fuse_broadcast_MB=32, use_hierarchical_allreduce=False,
                  hierarchical_allreduce_inter_nranks=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
                  check=None):
-        transport = transport or os.environ.get(TRANSPORT_ENV) or AUTO
+        transport = transport or TRANSPORT.value()
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not known; allowed: "
                              f"{', '.join(TRANSPORTS)}")

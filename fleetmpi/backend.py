@@ -17,12 +17,10 @@ import os
 import numpy as np
 
 from .host_memory import keep_freed_memory
+from .knobs import DEVICE, NUM_THREADS
 from .launcher_env import RANKS_ON_NODE
 from .paddle_flags import memory_fraction
 
-DEVICE_ENV = "FLEETMPI_DEVICE"
-DEVICES = ("cpu", "gpu")
-THREADS_ENV = "FLEETMPI_NUM_THREADS"
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 _xp = None
@@ -34,13 +32,7 @@ _rank_rng = None
 
 def requested_device():
     """The device asked for by ``FLEETMPI_DEVICE``: ``"cpu"``, ``"gpu"`` or None (automatic)."""
-    text = os.environ.get(DEVICE_ENV, "").strip().lower()
-    if text == "":
-        return None
-    if text not in DEVICES:
-        raise ValueError(f"{DEVICE_ENV}={text!r} is not a device; use one of {DEVICES} "
-                         "or leave it unset to pick a GPU when one is usable")
-    return text
+    return DEVICE.value()
 
 
 def _local_rank():
@@ -58,12 +50,12 @@ def _import_cupy(required):
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CuPy missing, or no driver/device: both mean "no GPU here"
         if required:
-            raise RuntimeError(f"{DEVICE_ENV}=gpu but no CUDA device is usable through CuPy "
+            raise RuntimeError(f"{DEVICE.name}=gpu but no CUDA device is usable through CuPy "
                                f"({type(exc).__name__}: {exc})") from None
         return None
     if count == 0:
         if required:
-            raise RuntimeError(f"{DEVICE_ENV}=gpu but CuPy sees no CUDA device")
+            raise RuntimeError(f"{DEVICE.name}=gpu but CuPy sees no CUDA device")
         return None
     cupy.cuda.Device(_local_rank() % count).use()
     fraction = memory_fraction()
@@ -88,11 +80,9 @@ def _ranks_on_node():
 
 def cpu_threads():
     """The BLAS thread count this rank should use, or None to leave the user's setting."""
-    text = os.environ.get(THREADS_ENV, "").strip()
-    if text:
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{THREADS_ENV}={text!r} must be a positive integer")
-        return int(text)
+    threads = NUM_THREADS.value()
+    if threads is not None:
+        return threads
     if any(os.environ.get(name) for name in _USER_THREAD_ENVS):
         return None
     return max(1, (os.cpu_count() or 1) // _ranks_on_node())

@@ -33,9 +33,9 @@ the whole check.
 import os
 from dataclasses import dataclass
 
+from ..knobs import CHECK_ENVIRONMENT
 from ..launcher_env import FAMILIES, PADDLE, SLURM
 
-CHECK_ENV = "FLEETMPI_CHECK_ENVIRONMENT"
 # Process names (as /proc/<pid>/comm shows them, at most 15 characters) of the programs that
 # start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy,
 # MPICH's single-host gforker.
@@ -61,10 +61,7 @@ class MPIPlace:
 
 def check_enabled(environ=os.environ):
     """The value of ``FLEETMPI_CHECK_ENVIRONMENT`` (``1``, the default, or ``0``)."""
-    text = environ.get(CHECK_ENV, "")
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{CHECK_ENV}={text!r} must be 0 or 1")
-    return text != "0"
+    return CHECK_ENVIRONMENT.value(environ)
 
 
 def parent_process_name():
@@ -167,7 +164,7 @@ def mismatch_error(problems):
     """The error ``fleet.init`` raises for ``problems`` (a non-empty list of sentences)."""
     return EnvironmentMismatchError(
         "the launcher's environment disagrees with MPI: " + "; ".join(problems)
-        + f" (MPI is taken as right; unset the stale variables, or set {CHECK_ENV}=0 to skip "
+        + f" (MPI is taken as right; unset the stale variables, or set {CHECK_ENVIRONMENT.name}=0 to skip "
           "this check)")
 
 

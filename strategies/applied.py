@@ -11,9 +11,8 @@ import os
 import types
 
 from .. import config_message as cm
-from .. import paddle_flags, world
+from .. import knobs, paddle_flags, world
 from ..distributed_strategy import DistributedStrategy
-from ..elastic import RESTART_COUNT_ENV
 from ..log import logger
 from ..nn import BatchNorm, Sequential
 from ..paddle_fields import PADDLE_ONLY
@@ -48,7 +47,7 @@ def _in_every_mode(strategy, on_gpu):
     ``elastic`` outside ``fleetmpirun --elastic``, and ``FLAGS_*`` variables not read."""
     reasons = {path: f"a field of Paddle's DistributedStrategy that fleetmpi does not have: "
                      f"{PADDLE_ONLY[path]}" for path in strategy.paddle_only_fields()}
-    if strategy.elastic and RESTART_COUNT_ENV not in os.environ:
+    if strategy.elastic and knobs.RESTART_COUNT.name not in os.environ:
         reasons["elastic"] = ("the job was not started by fleetmpirun --elastic, so nothing "
                               "restarts it after a failure")
     reasons.update(paddle_flags.unread(on_gpu))

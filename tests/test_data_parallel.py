@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi import backend, knobs, nn, optimizer
 from fleetmpi.launch.mpi_command import local_command
-from fleetmpi.strategies.gradient_allreduce import OVERLAP_ENV, plan_gradient_buckets
+from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 
 GLOBAL_BATCH = 24
 STEPS = 4
@@ -78,7 +78,7 @@ def test_n_ranks_match_one_process(opt_name, strategy_name, monkeypatch):
     settings = dict(STRATEGIES[strategy_name])
     build = settings.pop("build", {})
     overlap = settings.pop("overlap", "0")
-    monkeypatch.setenv(OVERLAP_ENV, overlap)
+    monkeypatch.setenv(knobs.OVERLAP_ALLREDUCE.name, overlap)
     strategy = fleet.DistributedStrategy()
     for key, value in settings.items():
         setattr(strategy, key, value)
