@@ -102,7 +102,7 @@ def positive_integer(name, text):
     return int(text)
 
 
-def count(name, text):
+def whole_number(name, text):
     """A whole number >= 0."""
     if not text.isdigit():
         raise ValueError(f"{name}={text!r} must be a whole number >= 0")
@@ -128,6 +128,7 @@ def path(name, text):
 
 
 def device(name, text):
+    """``cpu`` or ``gpu``, in any case and with spaces around; blank: None (automatic)."""
     text = text.strip().lower()
     if text == "":
         return None
@@ -138,6 +139,7 @@ def device(name, text):
 
 
 def log_level(name, text):
+    """The name of a ``logging`` level, upper-cased."""
     level = text.upper()
     if not isinstance(logging.getLevelName(level), int):
         raise ValueError(f"{name}={level!r} is not a logging level; "
@@ -256,7 +258,7 @@ AUTO_MEMORY_MB = Knob(
     "unset: the device's free memory on a GPU, half the available host memory shared by the "
     "ranks of the node on CPU (argument `auto_memory_MB` wins).")
 RESTART_COUNT = Knob(
-    "FLEETMPI_RESTART_COUNT", 0, count, "a whole number >= 0",
+    "FLEETMPI_RESTART_COUNT", 0, whole_number, "a whole number >= 0",
     "Set by `fleetmpirun --elastic`: 0, then 1 after the first restart, ...")
 ELASTIC_PROGRESS = Knob(
     "FLEETMPI_ELASTIC_PROGRESS", None, path, "a file path",

@@ -54,6 +54,13 @@ def _launcher_env():
     return module
 
 
+def _whole_numbers(environ, names):
+    """The values of variables ``names`` as integers; None unless each is a whole number (a
+    name of None is a variable that is not set)."""
+    values = [environ.get(name, "") if name else "" for name in names]
+    return tuple(int(value) for value in values) if all(v.isdigit() for v in values) else None
+
+
 def place(environ, single_host=False):
     """``(rank, size, local_rank)`` of this process from the launcher's variables, asking
     MPI only when no launcher set all three of its own. One launcher's three are used together,
@@ -64,15 +71,15 @@ def place(environ, single_host=False):
     launchers = _launcher_env()
     if single_host:
         hydra = launchers.HYDRA
-        values = [environ.get(name, "") for name in (hydra.rank, hydra.size_variable(environ))]
-        if all(value.isdigit() for value in values):
-            rank, size = map(int, values)
+        found = _whole_numbers(environ, (hydra.rank, hydra.size_variable(environ)))
+        if found:
+            rank, size = found
             return rank, size, rank
     for family in launchers.MPI_LAUNCHERS:
-        names = (family.rank, family.size_variable(environ), family.local_rank)
-        values = [environ.get(name, "") for name in names]
-        if all(value.isdigit() for value in values):
-            return tuple(int(value) for value in values)
+        found = _whole_numbers(environ, (family.rank, family.size_variable(environ),
+                                         family.local_rank))
+        if found:
+            return found
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
