@@ -13,7 +13,6 @@ step. Rank 0 prints auto's own report as each model calibrates, then the table.
 """
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -141,11 +140,12 @@ def main():
         return worker(args)
     env = dict(os.environ, FLEETMPI_DEVICE=os.environ.get("FLEETMPI_DEVICE", "cpu"),
                OMP_NUM_THREADS="1")
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    command = [mpiexec, "-n", str(args.ranks), sys.executable, os.path.abspath(__file__),
-               "--worker", "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--auto-seconds", str(args.auto_seconds), "--seed", str(args.seed),
-               "--ranks", str(args.ranks)]
+    from fleetmpi.launch.mpi_command import local_command
+
+    command = local_command(args.ranks, [
+        sys.executable, os.path.abspath(__file__), "--worker", "--steps", str(args.steps),
+        "--rounds", str(args.rounds), "--auto-seconds", str(args.auto_seconds),
+        "--seed", str(args.seed), "--ranks", str(args.ranks)])
     sys.exit(subprocess.run(command, env=env).returncode)
 
 

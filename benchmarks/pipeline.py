@@ -105,8 +105,10 @@ def main():
         worker(args)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    command = ["mpiexec", "-n", str(STAGES), sys.executable, os.path.abspath(__file__),
-               "--worker"] + sys.argv[1:]
+    from fleetmpi.launch.mpi_command import local_command
+
+    command = local_command(STAGES, [sys.executable, os.path.abspath(__file__), "--worker"]
+                            + sys.argv[1:])
     sys.exit(subprocess.run(command, env=env, timeout=1800).returncode)
 
 

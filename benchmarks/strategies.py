@@ -14,7 +14,6 @@ gradient_merge the rate scaled by k_steps (the linear scaling rule for a k times
 """
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -149,10 +148,12 @@ def main():
     if args.worker:
         return worker(args)
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", OMP_NUM_THREADS="1")
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    command = [mpiexec, "-n", str(args.ranks), sys.executable, os.path.abspath(__file__),
-               "--worker", "--epochs", str(args.epochs), "--learning-rate",
-               str(args.learning_rate), "--seed", str(args.seed), "--ranks", str(args.ranks)]
+    from fleetmpi.launch.mpi_command import local_command
+
+    command = local_command(args.ranks, [
+        sys.executable, os.path.abspath(__file__), "--worker", "--epochs", str(args.epochs),
+        "--learning-rate", str(args.learning_rate), "--seed", str(args.seed),
+        "--ranks", str(args.ranks)])
     sys.exit(subprocess.run(command, env=env).returncode)
 
 

@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 from .. import timeline
+from ..knobs import ALWAYS, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
 from ..log import logger
 from . import call_checks
 from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
@@ -51,10 +52,6 @@ from .stall import gather_rows
 from .transport_choice import AUTO, device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
 
-TRANSPORT_ENV = "FLEETMPI_TRANSPORT"
-CHECK_ENV = "FLEETMPI_CHECK_COLLECTIVES"
-ALWAYS = "always"
-TRANSPORTS = (AUTO, "mpi", "nccl")
 HEADER_DIMS = 32
 P2P_TAG = 7
 _NDARRAY = np.ndarray  # one global lookup on allreduce's repeated path
@@ -87,11 +84,7 @@ def check_mode(check, environ=os.environ):
     ``check`` when given, else from ``FLEETMPI_CHECK_COLLECTIVES`` (``0``, ``1``, ``always``;
     unset: ``1``)."""
     if check is None:
-        text = environ.get(CHECK_ENV, "")
-        if text not in ("", "0", "1", ALWAYS):
-            raise ValueError(f"{CHECK_ENV}={text!r} must be 0 (no check), 1 (once per distinct "
-                             f"call, the default) or always (every call)")
-        return ALWAYS if text == ALWAYS else text != "0"
+        return CHECK_COLLECTIVES.value(environ)
     if check not in (False, True, ALWAYS):
         raise ValueError(f"check={check!r} must be False, True or {ALWAYS!r}")
     return check
@@ -131,7 +124,7 @@ class Communicator:
                  fuse_broadcast_MB=32, use_hierarchical_allreduce=False,
                  hierarchical_allreduce_inter_nranks=None, chunk_bytes=DEFAULT_CHUNK_BYTES,
                  check=None):
-        transport = transport or os.environ.get(TRANSPORT_ENV) or AUTO
+        transport = transport or TRANSPORT.value()
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r} is not known; allowed: "
                              f"{', '.join(TRANSPORTS)}")

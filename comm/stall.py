@@ -31,10 +31,8 @@ import time
 
 import numpy as np
 
-from ..knobs import env_seconds
+from ..knobs import STALL_TIMEOUT
 
-STALL_ENV = "FLEETMPI_STALL_TIMEOUT"
-DEFAULT_STALL_SECONDS = 600.0
 ROW_TAG = 101
 REPORT_TAG = 102
 QUERY_TAG = 103
@@ -51,8 +49,7 @@ _keyval = None
 
 def stall_seconds(environ=os.environ):
     """``FLEETMPI_STALL_TIMEOUT`` in seconds: 600 when unset, ``inf`` for ``0`` (no limit)."""
-    seconds = env_seconds(STALL_ENV, DEFAULT_STALL_SECONDS, zero_means="no limit",
-                          environ=environ)
+    seconds = STALL_TIMEOUT.value(environ)
     return math.inf if seconds == 0 else seconds
 
 
@@ -130,7 +127,7 @@ def stall_message(rank, size, collective, call, missing, waited, reported_by=Non
     else:
         source = "" if reported_by is None else f" (as rank {reported_by} reports)"
         tail = f"rank(s) {ranks_text(missing)} have not arrived there{source}"
-    return head + tail + f"; {STALL_ENV} is exceeded, aborting the job"
+    return head + tail + f"; {STALL_TIMEOUT.name} is exceeded, aborting the job"
 
 
 def _stalled(message):

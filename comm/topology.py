@@ -3,23 +3,19 @@
 Nodes come from ``MPI.COMM_TYPE_SHARED``. ``FLEETMPI_LOCAL_SIZE=k`` instead makes each run of k
 consecutive world ranks act as one node, so multi-node algorithms can be exercised on one machine.
 """
-import os
-
 import numpy as np
 
-LOCAL_SIZE_ENV = "FLEETMPI_LOCAL_SIZE"
+from ..knobs import LOCAL_SIZE
+
+# The name fleetmpi.world reads to tell emulated nodes from real ones.
+LOCAL_SIZE_ENV = LOCAL_SIZE.name
 
 
 def _local_size_override(world_size):
-    text = os.environ.get(LOCAL_SIZE_ENV)
-    if text is None or text == "":
+    k = LOCAL_SIZE.value()
+    if k is None:
         return None
-    try:
-        k = int(text)
-    except ValueError:
-        raise ValueError(f"{LOCAL_SIZE_ENV}={text!r} is not an integer; it must be a "
-                         f"positive divisor of the world size {world_size}") from None
-    if k < 1 or world_size % k != 0:
+    if world_size % k != 0:
         raise ValueError(f"{LOCAL_SIZE_ENV}={k} must be a positive divisor of the world "
                          f"size {world_size}")
     return k

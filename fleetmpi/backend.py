@@ -18,14 +18,11 @@ import numpy as np
 
 from . import job
 from .host_memory import keep_freed_memory
+from .knobs import DEVICE, NUM_THREADS
+from .launcher_env import RANKS_ON_NODE
 from .paddle_flags import memory_fraction
 
-DEVICE_ENV = "FLEETMPI_DEVICE"
-DEVICES = ("cpu", "gpu")
-THREADS_ENV = "FLEETMPI_NUM_THREADS"
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# Launchers' names for the number of ranks on this node, for use before fleet.init().
-_LOCAL_SIZE_ENVS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
 
 _xp = None
 _thread_limit = None
@@ -36,13 +33,7 @@ _rank_rng = None
 
 def requested_device():
     """The device asked for by ``FLEETMPI_DEVICE``: ``"cpu"``, ``"gpu"`` or None (automatic)."""
-    text = os.environ.get(DEVICE_ENV, "").strip().lower()
-    if text == "":
-        return None
-    if text not in DEVICES:
-        raise ValueError(f"{DEVICE_ENV}={text!r} is not a device; use one of {DEVICES} "
-                         "or leave it unset to pick a GPU when one is usable")
-    return text
+    return DEVICE.value()
 
 
 def _local_rank():
@@ -55,12 +46,12 @@ def _import_cupy(required):
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CuPy missing, or no driver/device: both mean "no GPU here"
         if required:
-            raise RuntimeError(f"{DEVICE_ENV}=gpu but no CUDA device is usable through CuPy "
+            raise RuntimeError(f"{DEVICE.name}=gpu but no CUDA device is usable through CuPy "
                                f"({type(exc).__name__}: {exc})") from None
         return None
     if count == 0:
         if required:
-            raise RuntimeError(f"{DEVICE_ENV}=gpu but CuPy sees no CUDA device")
+            raise RuntimeError(f"{DEVICE.name}=gpu but CuPy sees no CUDA device")
         return None
     cupy.cuda.Device(_local_rank() % count).use()
     fraction = memory_fraction()
@@ -72,7 +63,7 @@ def _import_cupy(required):
 def _ranks_on_node():
     if job.joined():
         return job.local_size()
-    for name in _LOCAL_SIZE_ENVS:
+    for name in RANKS_ON_NODE:  # the launcher's, before fleet.init()
         text = os.environ.get(name, "")
         if text.isdigit() and int(text) > 0:
             return int(text)
@@ -81,11 +72,9 @@ def _ranks_on_node():
 
 def cpu_threads():
     """The BLAS thread count this rank should use, or None to leave the user's setting."""
-    text = os.environ.get(THREADS_ENV, "").strip()
-    if text:
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{THREADS_ENV}={text!r} must be a positive integer")
-        return int(text)
+    threads = NUM_THREADS.value()
+    if threads is not None:
+        return threads
     if any(os.environ.get(name) for name in _USER_THREAD_ENVS):
         return None
     return max(1, (os.cpu_count() or 1) // _ranks_on_node())

@@ -23,11 +23,8 @@ failure lost.
 import os
 
 from . import checkpoint
+from .knobs import ELASTIC_PROGRESS, RESTART_COUNT
 
-# The attempt of the job this rank belongs to: 0 for the first run, k after the k-th restart.
-RESTART_COUNT_ENV = "FLEETMPI_RESTART_COUNT"
-# The file where rank 0 records "<committed step> <reached step>" for the launcher.
-PROGRESS_FILE_ENV = "FLEETMPI_ELASTIC_PROGRESS"
 # Width of the record, rewritten in place at every commit (spaces pad a shorter one).
 _RECORD_BYTES = 48
 
@@ -35,13 +32,7 @@ _RECORD_BYTES = 48
 def restart_count(environ=os.environ):
     """How many times ``fleetmpirun --elastic`` restarted this job before this attempt (0 when
     it did not, or outside such a launcher)."""
-    text = environ.get(RESTART_COUNT_ENV, "")
-    if text == "":
-        return 0
-    if not text.isdigit():
-        raise ValueError(f"{RESTART_COUNT_ENV}={text!r} must be a whole number >= 0 (the "
-                         "launcher sets it)")
-    return int(text)
+    return RESTART_COUNT.value(environ)
 
 
 def _rank():
@@ -101,7 +92,7 @@ class State:
     def _record(self, reached):
         """Rewrite rank 0's progress record for the launcher, when it asked for one. No fsync:
         it has to survive this process, not the machine."""
-        path = os.environ.get(PROGRESS_FILE_ENV, "")
+        path = ELASTIC_PROGRESS.value()
         if not path or _rank() != 0:
             return
         if self._progress_fd is None:

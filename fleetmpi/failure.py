@@ -23,7 +23,8 @@ import threading
 import time
 import traceback
 
-ABORT_ENV = "FLEETMPI_ABORT_ON_ERROR"
+from .knobs import ABORT_ON_ERROR
+
 # Seconds between writing a report and aborting: Hydra's proxy forwards a rank's output
 # asynchronously, and an abort that comes first can lose the report (seen in about 1 job of 40).
 REPORT_LINGER = 0.2
@@ -31,10 +32,7 @@ REPORT_LINGER = 0.2
 
 def abort_on_error_enabled(environ=os.environ):
     """The value of ``FLEETMPI_ABORT_ON_ERROR`` (``1``, the default, or ``0``)."""
-    text = environ.get(ABORT_ENV, "")
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{ABORT_ENV}={text!r} must be 0 or 1")
-    return text != "0"
+    return ABORT_ON_ERROR.value(environ)
 
 
 def abort(message, code=1, linger=0.0):

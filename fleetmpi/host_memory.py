@@ -16,7 +16,8 @@ import ctypes
 import ctypes.util
 import os
 
-KEEP_ENV = "FLEETMPI_KEEP_HOST_MEMORY"
+from .knobs import KEEP_HOST_MEMORY
+
 # glibc's mallopt parameters (malloc.h) and the values set.
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -28,11 +29,7 @@ _kept = None
 
 def wanted(environ=os.environ):
     """Whether ``FLEETMPI_KEEP_HOST_MEMORY`` asks to keep freed memory (unset: yes)."""
-    text = environ.get(KEEP_ENV, "")
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{KEEP_ENV}={text!r} must be 1 (keep freed host memory for reuse, the "
-                         f"default) or 0 (glibc's defaults)")
-    return text != "0"
+    return KEEP_HOST_MEMORY.value(environ)
 
 
 def _glibc():

@@ -3,10 +3,10 @@
 ``FLEETMPI_LOG_LEVEL`` (DEBUG, INFO, WARNING, ...) sets the level; the default is WARNING.
 """
 import logging
-import os
 import sys
 
-LOG_LEVEL_ENV = "FLEETMPI_LOG_LEVEL"
+from .knobs import LOG_LEVEL
+
 
 logger = logging.getLogger("fleetmpi")
 
@@ -25,11 +25,7 @@ class _RankFilter(logging.Filter):
 
 def configure(rank, size, node):
     """Attach a stderr handler whose lines carry this process's place in the job."""
-    level_name = os.environ.get(LOG_LEVEL_ENV, "WARNING").upper()
-    level = logging.getLevelName(level_name)
-    if not isinstance(level, int):
-        raise ValueError(f"{LOG_LEVEL_ENV}={level_name!r} is not a logging level; "
-                         "use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    level = logging.getLevelName(LOG_LEVEL.value())
     for handler in list(logger.handlers):
         if getattr(handler, "fleetmpi_rank_handler", False):
             logger.removeHandler(handler)

@@ -21,12 +21,11 @@ elsewhere), ``bar``, ``lines`` or ``off``. ``bar`` is for launchers that hand th
 even when they run in a terminal (MPICH's ``mpiexec`` does): the pipe cannot tell.
 """
 import math
-import os
 import sys
 import time
 
-PROGRESS_ENV = "FLEETMPI_PROGRESS"
-MODES = ("auto", "bar", "lines", "off")
+from .knobs import PROGRESS
+
 
 
 def format_duration(seconds):
@@ -61,10 +60,7 @@ class ProgressBar:
             raise ValueError(f"epochs={epochs!r} must be a positive integer or None")
         self.total_steps = total_steps
         self.epochs = epochs
-        mode = os.environ.get(PROGRESS_ENV) or "auto" if mode is None else mode
-        if mode not in MODES:
-            raise ValueError(f"progress mode {mode!r} (argument mode or {PROGRESS_ENV}) is not "
-                             f"known; allowed: {', '.join(MODES)}")
+        mode = PROGRESS.value() if mode is None else PROGRESS.parse("mode", mode)
         self.stream = sys.stdout if stream is None else stream
         self.enabled = mode != "off" and (_this_rank() if rank is None else rank) == 0
         if mode == "auto":

@@ -52,8 +52,8 @@ import threading
 import time
 
 from . import files
+from .knobs import TIMELINE
 
-TIMELINE_ENV = "FLEETMPI_TIMELINE"
 LANES = ("compute", "comm")
 SPILL_EVENTS = 1024
 SPILL_SECONDS = 1.0
@@ -136,7 +136,7 @@ class Recorder:
         self.path = os.path.abspath(path)
         directory = os.path.dirname(self.path)
         if not os.path.isdir(directory):
-            raise ValueError(f"{TIMELINE_ENV}={path!r}: directory {directory!r} does not exist")
+            raise ValueError(f"{TIMELINE.name}={path!r}: directory {directory!r} does not exist")
         self.pending = []
         self.part = None
         self.rank = None
@@ -499,5 +499,5 @@ def main(argv=None):
 atexit.register(_flush_at_exit)
 if __name__ == "__main__":
     main()
-elif os.environ.get(TIMELINE_ENV):
-    start(os.environ[TIMELINE_ENV])
+elif TIMELINE.value():
+    start(TIMELINE.value())

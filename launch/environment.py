@@ -5,15 +5,10 @@ Launchers also describe each process in environment variables, and scripts read 
 loader sharding by ``PADDLE_TRAINER_ID``); when the two disagree, something is wrong in the
 launch, most often an mpi4py built against another MPI than the launcher's, so that every
 process sees a world of one and trains alone. ``fleet.init`` therefore checks each family of
-variables below and raises ``EnvironmentMismatchError`` naming every variable that disagrees.
-
-* Open MPI: ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``, ``OMPI_COMM_WORLD_LOCAL_RANK``,
-  ``OMPI_COMM_WORLD_LOCAL_SIZE``;
-* MPICH/Hydra: ``PMI_SIZE``, ``PMI_RANK``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``;
-* Slurm (``srun``): ``SLURM_STEP_NUM_TASKS`` (else ``SLURM_NTASKS``), ``SLURM_PROCID``,
-  ``SLURM_LOCALID``, ``SLURM_STEP_NUM_NODES``, and ``SLURM_NODEID``, which must group the ranks
-  into the same nodes as MPI does;
-* Paddle: ``PADDLE_TRAINERS_NUM``, ``PADDLE_TRAINER_ID``.
+variables of ``fleetmpi.launcher_env.FAMILIES`` (Open MPI, MPICH/Hydra, Slurm, Paddle: the
+size, rank, local rank, local size and number of nodes each sets; Slurm's node id, which must
+group the ranks into the same nodes as MPI does) and raises ``EnvironmentMismatchError``
+naming every variable that disagrees.
 
 Variables leak: a job started from inside another job (a test runner under ``mpiexec`` that
 starts ``mpiexec`` again, ``python train.py`` in an ``sbatch`` script, ranks of ``mpiexec``
@@ -38,7 +33,9 @@ the whole check.
 import os
 from dataclasses import dataclass
 
-CHECK_ENV = "FLEETMPI_CHECK_ENVIRONMENT"
+from ..knobs import CHECK_ENVIRONMENT
+from ..launcher_env import FAMILIES, PADDLE, SLURM
+
 # Process names (as /proc/<pid>/comm shows them, at most 15 characters) of the programs that
 # start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy,
 # MPICH's single-host gforker.
@@ -53,27 +50,6 @@ class EnvironmentMismatchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Family:
-    """One launcher's variables; ``size`` lists alternatives, the first one set is used."""
-    name: str
-    size: tuple
-    rank: str
-    local_rank: str = None
-    local_size: str = None
-    num_nodes: str = None
-
-
-OPEN_MPI = Family("Open MPI", ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_RANK",
-                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-HYDRA = Family("MPICH/Hydra", ("PMI_SIZE",), "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-SLURM = Family("Slurm", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), "SLURM_PROCID",
-               "SLURM_LOCALID", num_nodes="SLURM_STEP_NUM_NODES")
-PADDLE = Family("Paddle", ("PADDLE_TRAINERS_NUM",), "PADDLE_TRAINER_ID")
-FAMILIES = (OPEN_MPI, HYDRA, SLURM, PADDLE)
-SLURM_NODE = "SLURM_NODEID"
-
-
-@dataclass(frozen=True)
 class MPIPlace:
     """What MPI says about this process; the node-level fields are None where not checked."""
     rank: int
@@ -85,10 +61,7 @@ class MPIPlace:
 
 def check_enabled(environ=os.environ):
     """The value of ``FLEETMPI_CHECK_ENVIRONMENT`` (``1``, the default, or ``0``)."""
-    text = environ.get(CHECK_ENV, "")
-    if text not in ("", "0", "1"):
-        raise ValueError(f"{CHECK_ENV}={text!r} must be 0 or 1")
-    return text != "0"
+    return CHECK_ENVIRONMENT.value(environ)
 
 
 def parent_process_name():
@@ -116,15 +89,11 @@ def _integer(environ, name, problems):
         return None
 
 
-def _size_variable(environ, family):
-    return next((name for name in family.size if environ.get(name, "") != ""), None)
-
-
 def applicable(environ, family, size, collective=True):
     """True when ``family`` describes this job: its size variable equals MPI's world ``size``."""
     if family is PADDLE and not _paddle_applies(environ, collective):
         return False
-    name = _size_variable(environ, family)
+    name = family.size_variable(environ)
     return name is not None and environ[name].strip() == str(size)
 
 
@@ -136,7 +105,7 @@ def disagreements(environ, place, parent=None, collective=True):
     for family in FAMILIES:
         if family is PADDLE and not _paddle_applies(environ, collective):
             continue
-        size_name = _size_variable(environ, family)
+        size_name = family.size_variable(environ)
         if size_name is None:
             continue
         size = _integer(environ, size_name, problems)
@@ -166,7 +135,7 @@ def reported_node(environ, size, collective=True):
     """``SLURM_NODEID`` as an integer where the Slurm family describes this job, else -1."""
     if not applicable(environ, SLURM, size, collective):
         return -1
-    text = environ.get(SLURM_NODE, "")
+    text = environ.get(SLURM.node, "")
     return int(text) if text.strip().isdigit() else -1
 
 
@@ -183,7 +152,7 @@ def node_disagreements(reported, mpi_nodes):
             same_reported = reported[first] == reported[other]
             if same_reported != (mpi_nodes[first] == mpi_nodes[other]):
                 problems.append(
-                    f"{SLURM_NODE} is {reported[first]} on rank {first} and {reported[other]} "
+                    f"{SLURM.node} is {reported[first]} on rank {first} and {reported[other]} "
                     f"on rank {other} but MPI says they are on "
                     f"{'different nodes' if same_reported else 'the same node'}")
                 if len(problems) == 3:
@@ -195,7 +164,7 @@ def mismatch_error(problems):
     """The error ``fleet.init`` raises for ``problems`` (a non-empty list of sentences)."""
     return EnvironmentMismatchError(
         "the launcher's environment disagrees with MPI: " + "; ".join(problems)
-        + f" (MPI is taken as right; unset the stale variables, or set {CHECK_ENV}=0 to skip "
+        + f" (MPI is taken as right; unset the stale variables, or set {CHECK_ENVIRONMENT.name}=0 to skip "
           "this check)")
 
 

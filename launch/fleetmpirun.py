@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 
-from .. import elastic
+from .. import elastic, knobs
 from ..role_maker import endpoint_labels
 from . import mpi_command, rank_main, restart, shm, slurm, watch
 
@@ -218,11 +218,11 @@ def job_environment(args, np=None):
     job's rank count ``np``, also Paddle's endpoint lists (``endpoint_environment``)."""
     env = {} if np is None else endpoint_environment(args, np)
     if args.timeline is not None:
-        env["FLEETMPI_TIMELINE"] = os.path.abspath(args.timeline)
+        env[knobs.TIMELINE.name] = os.path.abspath(args.timeline)
     if getattr(args, "elastic", False):
-        env[elastic.RESTART_COUNT_ENV] = str(getattr(args, "restart_count", 0))
+        env[knobs.RESTART_COUNT.name] = str(getattr(args, "restart_count", 0))
         if getattr(args, "progress_file", None):
-            env[elastic.PROGRESS_FILE_ENV] = args.progress_file
+            env[knobs.ELASTIC_PROGRESS.name] = args.progress_file
     return env
 
 

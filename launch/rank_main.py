@@ -6,7 +6,8 @@
 ``fleetmpirun`` runs it by its file path rather than with ``-m``, so that nothing of fleetmpi
 is imported before the rank's variables are in place (the script's own ``import fleetmpi``
 then sees them) and a script that does not use fleetmpi starts without its import cost; it
-imports only the standard library. As with ``python script.py``, the script's folder is first
+imports only the standard library, and loads the one module of fleetmpi it reads
+(``fleetmpi/launcher_env.py``, which imports nothing) by its file path. As with ``python script.py``, the script's folder is first
 on ``sys.path``.
 
 It learns its rank from the variables the MPI launcher sets (so MPI itself is initialized only
@@ -26,6 +27,7 @@ leave the job hanging.
 import argparse
 import atexit
 import fcntl
+import importlib.util
 import os
 import runpy
 import signal
@@ -34,14 +36,6 @@ import sys
 import tempfile
 import time
 
-# (rank, size, local rank) variables of each launcher; one launcher's three are used together,
-# so that a variable left over from an enclosing launcher (an sbatch script's SLURM_LOCALID
-# under mpiexec) never mixes in.
-LAUNCHER_VARIABLES = (
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),                                  # MPICH hydra
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),  # Open MPI
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),                              # srun
-)
 # How long a rank that ends normally waits for its terminal copier to write what is left.
 COPIER_EXIT_SECONDS = 10.0
 # run_script's status for a rank that left the job after an uncaught exception while the
@@ -49,20 +43,43 @@ COPIER_EXIT_SECONDS = 10.0
 LEFT = -1
 
 
+def _launcher_env():
+    """``fleetmpi.launcher_env``, the table of the launchers' variables, loaded by its file
+    path: importing it by name would import fleetmpi first (see the module docstring)."""
+    package = importlib.util.find_spec("fleetmpi").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("fleetmpi_launcher_env",
+                                                  os.path.join(package, "launcher_env.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _whole_numbers(environ, names):
+    """The values of variables ``names`` as integers; None unless each is a whole number (a
+    name of None is a variable that is not set)."""
+    values = [environ.get(name, "") if name else "" for name in names]
+    return tuple(int(value) for value in values) if all(v.isdigit() for v in values) else None
+
+
 def place(environ, single_host=False):
     """``(rank, size, local_rank)`` of this process from the launcher's variables, asking
-    MPI only when no launcher set all three of its own. ``single_host``: every rank runs on
-    this host, started by MPICH's ``mpiexec.gforker``, which sets ``PMI_RANK`` and
-    ``PMI_SIZE`` but no local rank; the local rank is then the rank."""
+    MPI only when no launcher set all three of its own. One launcher's three are used together,
+    so that a variable left over from an enclosing launcher (an sbatch script's
+    ``SLURM_LOCALID`` under mpiexec) never mixes in. ``single_host``: every rank runs on this
+    host, started by MPICH's ``mpiexec.gforker``, which sets ``PMI_RANK`` and ``PMI_SIZE`` but
+    no local rank; the local rank is then the rank."""
+    launchers = _launcher_env()
     if single_host:
-        values = [environ.get(name, "") for name in ("PMI_RANK", "PMI_SIZE")]
-        if all(value.isdigit() for value in values):
-            rank, size = map(int, values)
+        hydra = launchers.HYDRA
+        found = _whole_numbers(environ, (hydra.rank, hydra.size_variable(environ)))
+        if found:
+            rank, size = found
             return rank, size, rank
-    for names in LAUNCHER_VARIABLES:
-        values = [environ.get(name, "") for name in names]
-        if all(value.isdigit() for value in values):
-            return tuple(int(value) for value in values)
+    for family in launchers.MPI_LAUNCHERS:
+        found = _whole_numbers(environ, (family.rank, family.size_variable(environ),
+                                         family.local_rank))
+        if found:
+            return found
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD

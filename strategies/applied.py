@@ -11,14 +11,14 @@ import os
 import types
 
 from .. import schema_view
-from .. import job, paddle_flags
+from .. import job, knobs, paddle_flags
 from ..distributed_strategy import DistributedStrategy
-from ..elastic import RESTART_COUNT_ENV
 from ..log import logger
 from ..nn import BatchNorm, Sequential
 from ..paddle_fields import PADDLE_ONLY
 from .compose import ORDER
-from .inert_fields import NO_EFFECT, inert_fields_set, report_once
+from .field_effects import IN_PARAMETER_SERVER_MODE, NO_EFFECT, NO_EFFECT_KEYS
+from .inert_fields import inert_fields_set, report_once
 
 # Fields that only shape how gradients travel between ranks.
 COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS",
@@ -48,7 +48,7 @@ def _in_every_mode(strategy, on_gpu):
     ``elastic`` outside ``fleetmpirun --elastic``, and ``FLAGS_*`` variables not read."""
     reasons = {path: f"a field of Paddle's DistributedStrategy that fleetmpi does not have: "
                      f"{PADDLE_ONLY[path]}" for path in strategy.paddle_only_fields()}
-    if strategy.elastic and RESTART_COUNT_ENV not in os.environ:
+    if strategy.elastic and knobs.RESTART_COUNT.name not in os.environ:
         reasons["elastic"] = ("the job was not started by fleetmpirun --elastic, so nothing "
                               "restarts it after a failure")
     reasons.update(paddle_flags.unread(on_gpu))
@@ -184,8 +184,6 @@ def parameter_server_not_applied(strategy, on_gpu):
     """``{field path: why}`` for every field set away from its default in parameter-server
     mode, where ``a_sync`` and ``a_sync_configs.k_steps`` alone choose what runs
     (``fleetmpi.strategies.ps.mode``)."""
-    from .ps.mode import EFFECTIVE_KEYS, NO_EFFECT_KEYS
-
     reasons = {}
     for path, _ in schema_view.differences(strategy._message, DistributedStrategy()._message):
         configs, _, key = path.partition(".")
@@ -193,7 +191,7 @@ def parameter_server_not_applied(strategy, on_gpu):
             reasons[path] = ("a_sync is off: synchronous training pushes every step, whatever "
                              "k_steps says")
             continue
-        if path in ("a_sync", "elastic") or configs == "a_sync_configs" and key in EFFECTIVE_KEYS:
+        if path in IN_PARAMETER_SERVER_MODE:
             continue
         reasons[path] = NO_EFFECT_KEYS[key] if configs == "a_sync_configs" else \
             _PARAMETER_SERVER

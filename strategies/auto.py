@@ -132,10 +132,6 @@ def _size(nbytes):
     return f"{nbytes / 2 ** 20:.2f} MB" if nbytes >= 2 ** 20 else f"{nbytes / 2 ** 10:.1f} KB"
 
 
-def _describe(overlay):
-    return ", ".join(f"{k}={dict(v) if hasattr(v, 'keys') else v!r}" for k, v in overlay.items())
-
-
 def resolved(strategy, overlay):
     """A copy of ``strategy`` with ``auto`` off and ``overlay`` applied."""
     result = copy.deepcopy(strategy)

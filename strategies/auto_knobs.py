@@ -15,19 +15,11 @@ environment variable (the argument wins):
 - ``auto_memory_MB`` / ``FLEETMPI_AUTO_MEMORY_MB``: the activation memory one rank may hold;
   above it auto enables recompute. Default: the device's free memory on a GPU, and on CPU half
   the available host memory shared by the ranks of the node.
-"""
-import math
-import numbers
-import os
 
-SECONDS_ENV = "FLEETMPI_AUTO_SECONDS"
-ALLOW_ENV = "FLEETMPI_AUTO_ALLOW"
-MEMORY_ENV = "FLEETMPI_AUTO_MEMORY_MB"
-DEFAULT_SECONDS = 3.0
-ROUNDING = ("fp16_allreduce", "amp")
-CONVERGENCE = ("gradient_merge", "dgc", "localsgd", "adaptive_localsgd")
-ALLOWABLE = ROUNDING + CONVERGENCE
-DEFAULT_ALLOW = ROUNDING
+The variables, their defaults and parsers are ``fleetmpi.knobs``' (``AUTO_SECONDS``,
+``AUTO_ALLOW``, ``AUTO_MEMORY_MB``); an argument is checked by the same parser.
+"""
+from .. import knobs
 
 
 class AutoKnobs:
@@ -40,50 +32,16 @@ class AutoKnobs:
         self.memory_bytes = memory_bytes
 
 
-def _positive_number(name, value):
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r} must be a positive number") from None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive number")
-    return float(value)
-
-
-def _allowed(name, value):
-    if isinstance(value, str):
-        text = value.strip()
-        names = [] if text.lower() == "none" else [part.strip() for part in text.split(",")]
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        names = list(value)
-    else:
-        raise ValueError(f"{name}={value!r} must be a comma-separated string or a list of "
-                         f"strategy names")
-    unknown = [n for n in names if n not in ALLOWABLE]
-    if unknown:
-        raise ValueError(f"{name}={value!r}: {', '.join(map(repr, unknown))} cannot be allowed; "
-                         f"allowed: {', '.join(ALLOWABLE)}, or 'none'")
-    return frozenset(names)
-
-
-def _pick(argument, env, default):
-    """``(name for messages, value)``: the argument when given, else the environment variable
-    when set and not empty, else ``default``."""
-    name, value = argument
-    if value is not None:
-        return name, value
-    text = os.environ.get(env, "")
-    return (env, text) if text != "" else (name, default)
+def _pick(knob, argument_name, argument):
+    """The argument, checked by the knob's parser, when given; else the knob's value."""
+    return knob.value() if argument is None else knob.parse(argument_name, argument)
 
 
 def auto_knobs(auto_seconds=None, auto_allow=None, auto_memory_MB=None):
     """The knobs from the arguments and the environment; a bad value raises a ValueError that
     names it and what is allowed."""
-    seconds = _positive_number(*_pick(("auto_seconds", auto_seconds), SECONDS_ENV,
-                                      DEFAULT_SECONDS))
-    allow = _allowed(*_pick(("auto_allow", auto_allow), ALLOW_ENV, DEFAULT_ALLOW))
-    name, memory = _pick(("auto_memory_MB", auto_memory_MB), MEMORY_ENV, None)
-    memory_bytes = None if memory is None else int(_positive_number(name, memory) * 2 ** 20)
+    seconds = _pick(knobs.AUTO_SECONDS, "auto_seconds", auto_seconds)
+    allow = _pick(knobs.AUTO_ALLOW, "auto_allow", auto_allow)
+    memory = _pick(knobs.AUTO_MEMORY_MB, "auto_memory_MB", auto_memory_MB)
+    memory_bytes = None if memory is None else int(memory * 2 ** 20)
     return AutoKnobs(seconds, allow, memory_bytes)

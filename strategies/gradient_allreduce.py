@@ -17,9 +17,9 @@ bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``co
 import os
 
 from .. import timeline
+from ..knobs import OVERLAP_ALLREDUCE
 from .base import Strategy
 
-OVERLAP_ENV = "FLEETMPI_OVERLAP_ALLREDUCE"
 
 
 def overlap_allreduce(environ=os.environ):
@@ -28,13 +28,7 @@ def overlap_allreduce(environ=os.environ):
     CPU too: at 2 ranks on a 2-core machine it was not slower than reducing each bucket before
     backward goes on (ResNet-20 1.25-2.8x faster, the MLP 0.7-1.3x, medians 1.7x and 1.1x;
     docs/performance.md, "Overlapped gradient reduction")."""
-    text = environ.get(OVERLAP_ENV, "")
-    if text == "":
-        return True
-    if text not in ("0", "1"):
-        raise ValueError(f"{OVERLAP_ENV}={text!r} must be 0 (reduce each bucket before backward "
-                         f"goes on) or 1 (reduce buckets asynchronously, wait before the update)")
-    return text == "1"
+    return OVERLAP_ALLREDUCE.value(environ)
 
 
 class GradientBucket:

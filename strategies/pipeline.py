@@ -46,8 +46,7 @@ from ..autograd import Tensor, as_array, run_backward
 from ..nn import Sequential
 from ..optimizer.clip import ClipGradByGlobalNorm
 from .base import Strategy
-from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order, \
-    messages_with_previous
+from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order
 from .pipeline_stages import check_chain, count_stages, stage_modules
 from .recompute import HostCheckpoints, checkpoint_forwards
 
@@ -230,7 +229,8 @@ class Pipeline(Strategy):
         xp = backend.array_module()
         comm = self.pipeline_communicator
         previous, following = layout.stage - 1, layout.stage + 1
-        right = (messages_with_previous(self.schedule_mode, layout.stages, m, following)
+        # the messages with the next stage, in the order both issue them
+        right = (compute_order(self.schedule_mode, layout.stages, m, following)
                  if not layout.last else [])
         # Per micro-batch in flight: the received input (a leaf whose gradient goes back), the
         # root of its recorded graph (the stage's output, or the loss) and that root's gradient.

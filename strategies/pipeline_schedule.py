@@ -8,9 +8,10 @@ backward, then drains the remaining backwards: no stage ever holds the activatio
 the same bubble, ``(stages - 1) / (micro_batch + stages - 1)`` of each rank's step.
 
 The order of the messages between two neighbouring stages is what keeps blocking sends and
-receives from deadlocking: both sides must issue them in one order. ``messages_with_previous``
-gives that order as the later stage issues them (it receives an activation right before each
-forward and sends a gradient right after each backward); the earlier stage follows it.
+receives from deadlocking: both sides must issue them in one order. That order is the later
+stage's ``compute_order`` (it receives an activation right before each forward and sends a
+gradient right after each backward): ``(FORWARD, k)`` is micro-batch k's activation,
+``(BACKWARD, k)`` its gradient; the earlier stage follows it.
 """
 SCHEDULE_MODES = ("1F1B", "F-then-B")
 FORWARD, BACKWARD = "F", "B"
@@ -35,12 +36,6 @@ def compute_order(mode, stages, micro_batches, stage):
     for k in range(micro_batches - warmup):
         order += [forwards[warmup + k], backwards[k]]
     return order + backwards[micro_batches - warmup:]
-
-
-def messages_with_previous(mode, stages, micro_batches, stage):
-    """The messages between ``stage - 1`` and ``stage`` in the order both issue them:
-    ``(FORWARD, k)`` is micro-batch k's activation, ``(BACKWARD, k)`` its gradient."""
-    return compute_order(mode, stages, micro_batches, stage)
 
 
 def in_flight(order):

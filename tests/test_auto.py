@@ -12,11 +12,11 @@ from fleetmpi import backend, nn, optimizer, parallel
 from fleetmpi.log import logger
 from fleetmpi.strategies import inert_fields
 from fleetmpi.strategies.auto import recompute_checkpoints
-from fleetmpi.strategies.auto_knobs import ALLOW_ENV, CONVERGENCE, MEMORY_ENV, SECONDS_ENV
+from fleetmpi import knobs
 from strategy_support import make_mlp, make_strategy, momentum, shard
 
 STEPS = 3
-ARITHMETIC = ("fp16_allreduce", "amp") + CONVERGENCE
+ARITHMETIC = knobs.AUTO_ALLOWABLE
 
 
 def world_gather(value):
@@ -132,9 +132,10 @@ def test_bad_knob_values_are_refused_by_name(knob, value, message):
                                     **{knob: value})
 
 
-@pytest.mark.parametrize("env, value", [(SECONDS_ENV, "0"), (SECONDS_ENV, "3s"),
-                                        (ALLOW_ENV, "localsgd,everything"),
-                                        (MEMORY_ENV, "lots")])
+@pytest.mark.parametrize("env, value", [(knobs.AUTO_SECONDS.name, "0"),
+                                        (knobs.AUTO_SECONDS.name, "3s"),
+                                        (knobs.AUTO_ALLOW.name, "localsgd,everything"),
+                                        (knobs.AUTO_MEMORY_MB.name, "lots")])
 def test_bad_environment_values_are_refused_by_name(monkeypatch, env, value):
     fleet.init(is_collective=True)
     monkeypatch.setenv(env, value)

@@ -11,7 +11,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.log import logger
-from fleetmpi.strategies import compose, inert_fields
+from fleetmpi.strategies import compose, field_effects, inert_fields
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 from comm_support import equal, ok, raises
 from strategy_support import make_strategy, train, world_gather
@@ -136,8 +136,8 @@ def test_every_strategy_field_is_implemented_refused_or_reported():
             fields.append(field.name)
     strategies = set(compose.ORDER) | set(compose.SEARCHED)
     handled = (strategies | {f"{name}_configs" for name in strategies}
-               | set(inert_fields.EFFECTIVE) | set(inert_fields.NO_EFFECT))
-    assert not set(inert_fields.EFFECTIVE) & set(inert_fields.NO_EFFECT)
+               | set(field_effects.EFFECTIVE) | set(field_effects.NO_EFFECT))
+    assert not set(field_effects.EFFECTIVE) & set(field_effects.NO_EFFECT)
     assert set(fields) <= handled, sorted(set(fields) - handled)
 
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi import backend, knobs, nn, optimizer
 from fleetmpi.launch.mpi_command import local_command
-from fleetmpi.strategies.gradient_allreduce import (OVERLAP_ENV, GradientAllreduce,
-                                                   plan_gradient_buckets)
+from fleetmpi.strategies.gradient_allreduce import GradientAllreduce, plan_gradient_buckets
 
 GLOBAL_BATCH = 24
 STEPS = 4
@@ -80,7 +79,7 @@ def test_n_ranks_match_one_process(opt_name, strategy_name, monkeypatch):
     settings = dict(STRATEGIES[strategy_name])
     build = settings.pop("build", {})
     overlap = settings.pop("overlap", "0")
-    monkeypatch.setenv(OVERLAP_ENV, overlap)
+    monkeypatch.setenv(knobs.OVERLAP_ALLREDUCE.name, overlap)
     strategy = fleet.DistributedStrategy()
     for key, value in settings.items():
         setattr(strategy, key, value)
@@ -162,7 +161,7 @@ class ChoiceRecorder:
 
 def test_each_bucket_algorithm_is_chosen_once_per_plan_and_passed_to_its_reductions(
         monkeypatch):
-    monkeypatch.setenv(OVERLAP_ENV, "0")
+    monkeypatch.setenv(knobs.OVERLAP_ALLREDUCE.name, "0")
     model = make_model()
     opt = optimizer.SGD(parameters=model.parameters())
     strategy = fleet.DistributedStrategy()

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from fleetmpi import elastic, nn
+from fleetmpi import elastic, knobs, nn
 from fleetmpi.launch import fleetmpirun, restart, shm, slurm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -292,8 +292,8 @@ def test_min_np_above_the_first_count_is_refused(tmp_path, monkeypatch, capsys):
 
 def test_state_restores_nothing_then_commits_every_k_steps(tmp_path, monkeypatch):
     progress = tmp_path / "progress"
-    monkeypatch.setenv(elastic.PROGRESS_FILE_ENV, str(progress))
-    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "2")
+    monkeypatch.setenv(knobs.ELASTIC_PROGRESS.name, str(progress))
+    monkeypatch.setenv(knobs.RESTART_COUNT.name, "2")
     model = nn.Linear(3, 2)
     state = elastic.State(str(tmp_path / "ckpt"), model, commit_every=3)
     assert state.restore() == 0 and state.restart_count == 2
@@ -315,7 +315,7 @@ def test_state_refuses_a_bad_commit_interval(tmp_path, value):
 
 
 def test_restart_count_is_validated(monkeypatch):
-    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "x")
+    monkeypatch.setenv(knobs.RESTART_COUNT.name, "x")
     with pytest.raises(ValueError, match="FLEETMPI_RESTART_COUNT='x'"):
         elastic.restart_count()
 
@@ -327,8 +327,8 @@ def test_strategy_elastic_is_reported_as_not_applied_outside_fleetmpirun_elastic
     strategy = DistributedStrategy()
     assert strategy.elastic is False
     strategy.elastic = True
-    monkeypatch.delenv(elastic.RESTART_COUNT_ENV, raising=False)
+    monkeypatch.delenv(knobs.RESTART_COUNT.name, raising=False)
     assert "not started by fleetmpirun --elastic" in applied.not_applied(strategy, None,
                                                                          False)["elastic"]
-    monkeypatch.setenv(elastic.RESTART_COUNT_ENV, "0")
+    monkeypatch.setenv(knobs.RESTART_COUNT.name, "0")
     assert "elastic" not in applied.not_applied(strategy, None, False)

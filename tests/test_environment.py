@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
+from fleetmpi import knobs
 from fleetmpi.launch import environment as env_check
 from fleetmpi.launch.environment import EnvironmentMismatchError, MPIPlace
 from fleetmpi.launch.mpi_command import local_command
@@ -117,9 +118,9 @@ def test_node_ids_must_group_ranks_as_mpi_does():
 
 def test_check_knob_is_validated():
     assert env_check.check_enabled({})
-    assert not env_check.check_enabled({env_check.CHECK_ENV: "0"})
+    assert not env_check.check_enabled({knobs.CHECK_ENVIRONMENT.name: "0"})
     with pytest.raises(ValueError, match="FLEETMPI_CHECK_ENVIRONMENT='no' must be 0 or 1"):
-        env_check.check_enabled({env_check.CHECK_ENV: "no"})
+        env_check.check_enabled({knobs.CHECK_ENVIRONMENT.name: "no"})
 
 
 def _init_in_subprocess(extra):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleetmpi import failure
+from fleetmpi import failure, knobs
 from fleetmpi.launch.mpi_command import local_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +23,7 @@ JOB_SECONDS = 30
 def run_job(cmd, **kwargs):
     """Run a job that must end by itself; TimeoutExpired (a hang) fails the test."""
     env = dict(os.environ, FLEETMPI_DEVICE="cpu")
-    env.pop(failure.ABORT_ENV, None)
+    env.pop(knobs.ABORT_ON_ERROR.name, None)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_SECONDS,
                           **kwargs)
 
@@ -83,10 +83,10 @@ def test_python_m_fleetmpi_launch_job_ends_with_the_traceback_in_the_rank_log(tm
 
 def test_abort_on_error_knob_is_validated():
     assert failure.abort_on_error_enabled({})
-    assert failure.abort_on_error_enabled({failure.ABORT_ENV: "1"})
-    assert not failure.abort_on_error_enabled({failure.ABORT_ENV: "0"})
+    assert failure.abort_on_error_enabled({knobs.ABORT_ON_ERROR.name: "1"})
+    assert not failure.abort_on_error_enabled({knobs.ABORT_ON_ERROR.name: "0"})
     with pytest.raises(ValueError, match="FLEETMPI_ABORT_ON_ERROR='yes' must be 0 or 1"):
-        failure.abort_on_error_enabled({failure.ABORT_ENV: "yes"})
+        failure.abort_on_error_enabled({knobs.ABORT_ON_ERROR.name: "yes"})
 
 
 def test_report_names_the_place_and_carries_the_traceback():
@@ -106,7 +106,7 @@ def test_install_leaves_handlers_someone_else_installed(monkeypatch):
 
     monkeypatch.setattr(sys, "excepthook", mine)
     monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
-    monkeypatch.delenv(failure.ABORT_ENV, raising=False)
+    monkeypatch.delenv(knobs.ABORT_ON_ERROR.name, raising=False)
     assert failure.install(0, 1, 0) == ["threading"]
     assert sys.excepthook is mine
     assert threading.excepthook is not threading.__excepthook__
@@ -115,7 +115,7 @@ def test_install_leaves_handlers_someone_else_installed(monkeypatch):
 def test_install_does_nothing_when_switched_off(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
-    monkeypatch.setenv(failure.ABORT_ENV, "0")
+    monkeypatch.setenv(knobs.ABORT_ON_ERROR.name, "0")
     assert failure.install(0, 1, 0) == []
     assert sys.excepthook is sys.__excepthook__
     assert threading.excepthook is threading.__excepthook__

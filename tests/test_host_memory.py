@@ -72,5 +72,5 @@ def test_the_variable_turns_it_off_and_rejects_other_values(monkeypatch):
     assert host_memory.keep_freed_memory(libc, environ={"FLEETMPI_KEEP_HOST_MEMORY": "0"}) \
         is False
     assert libc.calls == []
-    with pytest.raises(ValueError, match="FLEETMPI_KEEP_HOST_MEMORY='yes' must be 1"):
+    with pytest.raises(ValueError, match="FLEETMPI_KEEP_HOST_MEMORY='yes' must be 0 or 1"):
         host_memory.wanted({"FLEETMPI_KEEP_HOST_MEMORY": "yes"})

@@ -1,7 +1,16 @@
-"""Seconds from environment variables: defaults, the zero rule, and errors naming the value."""
+"""The FLEETMPI_* variables: one table of them, seconds with the zero rule, errors naming the
+value, and the README's table rendered from the knobs."""
+import ast
+import os
+import re
+
 import pytest
 
+import fleetmpi
+from fleetmpi import knobs, knobs_doc
 from fleetmpi.knobs import env_seconds
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_unset_or_empty_keeps_the_default():
@@ -24,3 +33,71 @@ def test_bad_values_are_named_with_the_rule_and_default(text):
     with pytest.raises(ValueError, match=rf"T='{text}' must be a number of seconds >= 0 "
                                          r"\(0: no limit; unset: 5\)"):
         env_seconds("T", 5.0, zero_means="no limit", environ={"T": text})
+
+
+def test_the_readme_table_is_rendered_from_the_knobs():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert knobs_doc.with_table(readme) == readme, (
+        "README.md's table of variables differs from fleetmpi.knobs; regenerate it with "
+        "python -m fleetmpi.knobs_doc --write README.md")
+
+
+def test_every_variable_the_package_names_is_a_knob():
+    """A FLEETMPI_* name written anywhere in the package's source is a knob's (where it is
+    documented and parsed), and knobs.py imports nothing from fleetmpi."""
+    names = {knob.name for knob in knobs.KNOBS}
+    assert len(names) == len(knobs.KNOBS)
+    package = os.path.dirname(fleetmpi.__file__)
+    folders = [package] + [os.path.join(ROOT, name) for name in ("comm", "strategies",
+                                                                   "launch")]
+    written = set()
+    for folder in folders:
+        for directory, _, files in os.walk(folder):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(directory, name)) as f:
+                        written |= set(re.findall(r"FLEETMPI_[A-Z_]*[A-Z]", f.read()))
+    assert written <= names, f"not in fleetmpi.knobs: {sorted(written - names)}"
+    with open(knobs.__file__) as f:
+        tree = ast.parse(f.read())
+    imported = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.level or (node.module or "").startswith("fleetmpi"))]
+    assert not imported
+
+
+@pytest.mark.parametrize("knob", knobs.KNOBS, ids=lambda knob: knob.name)
+def test_unset_or_empty_gives_the_default(knob):
+    assert knob.value({}) == knob.default
+    assert knob.value({knob.name: ""}) == knob.default
+
+
+@pytest.mark.parametrize("knob, text, value", [
+    (knobs.DEVICE, " GPU ", "gpu"), (knobs.NUM_THREADS, "3", 3),
+    (knobs.KEEP_HOST_MEMORY, "0", False), (knobs.ABORT_ON_ERROR, "1", True),
+    (knobs.CHECK_COLLECTIVES, "always", "always"), (knobs.CHECK_COLLECTIVES, "0", False),
+    (knobs.TRANSPORT, "nccl", "nccl"), (knobs.LOG_LEVEL, "info", "INFO"),
+    (knobs.STALL_TIMEOUT, "0", 0.0), (knobs.PS_TIMEOUT, "2.5", 2.5),
+    (knobs.AUTO_ALLOW, "none", frozenset()), (knobs.AUTO_ALLOW, "dgc, amp", {"dgc", "amp"}),
+    (knobs.AUTO_MEMORY_MB, "64", 64.0), (knobs.RESTART_COUNT, "2", 2),
+    (knobs.TIMELINE, "t.json", "t.json"),
+])
+def test_values_are_parsed(knob, text, value):
+    assert knob.value({knob.name: text}) == value
+
+
+@pytest.mark.parametrize("knob, text, message", [
+    (knobs.KEEP_HOST_MEMORY, "yes", "FLEETMPI_KEEP_HOST_MEMORY='yes' must be 0 or 1 (0: glibc's"),
+    (knobs.OVERLAP_ALLREDUCE, "2", "FLEETMPI_OVERLAP_ALLREDUCE='2' must be 0 or 1 (0: reduce"),
+    (knobs.CHECK_COLLECTIVES, "x", "FLEETMPI_CHECK_COLLECTIVES='x' must be 0, 1 or always"),
+    (knobs.TRANSPORT, "gloo", "FLEETMPI_TRANSPORT='gloo' must be auto, mpi or nccl"),
+    (knobs.DEVICE, "tpu", "FLEETMPI_DEVICE='tpu' is not a device"),
+    (knobs.NUM_THREADS, "0", "FLEETMPI_NUM_THREADS='0' must be a positive integer"),
+    (knobs.LOCAL_SIZE, "two", "FLEETMPI_LOCAL_SIZE='two' must be a positive integer"),
+    (knobs.LOG_LEVEL, "loud", "FLEETMPI_LOG_LEVEL='LOUD' is not a logging level"),
+    (knobs.RESTART_COUNT, "-1", "FLEETMPI_RESTART_COUNT='-1' must be a whole number >= 0"),
+    (knobs.PS_TIMEOUT, "0", "FLEETMPI_PS_TIMEOUT='0' must be a positive number of seconds"),
+])
+def test_bad_values_name_the_variable_the_value_and_what_is_allowed(knob, text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        knob.value({knob.name: text})

@@ -314,6 +314,17 @@ def test_place_takes_one_launchers_variables_together(environ, expected):
     assert rank_main.place(environ) == expected
 
 
+def test_place_reads_os_environ_where_launchers_set_none_of_their_variables(monkeypatch):
+    """os.environ refuses to look up a name of None (a launcher without its size variable)."""
+    for name in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("SLURM_PROCID", "6"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "2")):
+        monkeypatch.setenv(name, value)
+    assert rank_main.place(os.environ) == (6, 8, 2)
+    assert rank_main.place(os.environ, single_host=True) == (6, 8, 2)
+
+
 def test_collective_roles_and_one_gpu_per_local_rank():
     env, log = rank_main.role_variables(5, 8, 1, gpus=["4", "6"])
     assert env == {"CUDA_VISIBLE_DEVICES": "6", "FLAGS_selected_gpus": "6",

@@ -1,9 +1,13 @@
 """No strategy field is ever silently ignored.
 
-``FIELDS`` is the one table of what every field of the schema does: a field either changes
-behaviour (``Effect``: the test that proves it) or never does (``Reported``: it must appear in
-``applied_strategy().not_applied`` whenever it is set). A field added to the proto without a
-row fails ``test_every_field_of_the_schema_has_one_row``.
+Which fields change behaviour and which never do is ``fleetmpi.strategies.field_effects``'
+table; ``FIELDS`` here gives every field of the schema a value to set and, for each field that
+table says acts, the test that proves it (``Effect``). A field it says changes nothing
+anywhere (``field_effects.never_effective()``) must appear in
+``applied_strategy().not_applied`` whenever it is set. A field added to the proto without a
+row fails ``test_every_field_of_the_schema_has_one_row``; a field the table says acts without a
+proving test, or one with a proof the table says changes nothing, fails
+``test_the_fields_with_a_proof_are_those_the_table_says_act``.
 
 In each mode (plain collective, each strategy on its own path, auto, parameter-server), the tests
 set every field to a non-default value and check each one: reported as not applied with a
@@ -21,7 +25,7 @@ from fleetmpi import schema_view
 from fleetmpi import nn, optimizer
 from fleetmpi.paddle_fields import PADDLE_ONLY
 from fleetmpi.proto import distributed_strategy_pb2 as schema
-from fleetmpi.strategies import applied
+from fleetmpi.strategies import applied, field_effects
 from fleetmpi.strategies.compose import ORDER
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,8 +40,8 @@ class Effect:
 
 
 @dataclass(frozen=True)
-class Reported:
-    """The field changes nothing anywhere: it is reported whenever it is set."""
+class Value:
+    """A field that changes nothing anywhere (``field_effects``): the value it is set to."""
     value: object
 
 
@@ -50,7 +54,7 @@ FIELDS = {
                                                "and_trains_as_set_by_hand")),
     "a_sync": Effect(False, "test_pserver.py::" + _t("sync_equals_data_parallel_with_uneven_"
                                                      "batches")),
-    "sync_nccl_allreduce": Reported(False),
+    "sync_nccl_allreduce": Value(False),
     "nccl_comm_num": Effect(2, "test_comm_fusion.py::" + _t("buckets_spread_over_several_"
                                                             "communicators")),
     "use_hierarchical_allreduce": Effect(True, "test_comm_hierarchical.py::"
@@ -66,9 +70,9 @@ FIELDS = {
     "fuse_grad_size_in_TFLOPS": Effect(3.0, "test_composition.py::"
                                        + _t("fuse_grad_size_in_tflops_caps_the_layers_per_"
                                             "bucket")),
-    "cudnn_exhaustive_search": Reported(False),
-    "conv_workspace_size_limit": Reported(100),
-    "cudnn_batchnorm_spatial_persistent": Reported(False),
+    "cudnn_exhaustive_search": Value(False),
+    "conv_workspace_size_limit": Value(100),
+    "cudnn_batchnorm_spatial_persistent": Value(False),
     "recompute": Effect(True, "test_recompute.py::" + _t("measured_peak_activation_memory_"
                                                          "falls_for_a_16_layer_mlp")),
     "recompute_configs.checkpoints": Effect(["1"], "test_recompute.py::"
@@ -199,38 +203,39 @@ FIELDS = {
         1, "test_hybrid.py::" + _t("tensor_parallel_gpt_at_mp2_equals_the_serial_gpt")),
     "tensor_parallel_configs.tensor_init_seed": Effect(
         7, "test_hybrid.py::" + _t("tensor_init_seed_reseeds_the_tensor_parallel_weights")),
-    "a_sync_configs.max_merge_var_num": Reported(2),
-    "a_sync_configs.send_queue_size": Reported(8),
-    "a_sync_configs.independent_recv_thread": Reported(True),
-    "a_sync_configs.min_send_grad_num_before_recv": Reported(2),
-    "a_sync_configs.thread_pool_size": Reported(2),
-    "a_sync_configs.send_wait_times": Reported(2),
-    "a_sync_configs.runtime_split_send_recv": Reported(True),
-    "a_sync_configs.launch_barrier": Reported(False),
-    "a_sync_configs.heter_worker_device_guard": Reported("gpu"),
-    "a_sync_configs.lr_decay_steps": Reported(5),
-    "a_sync_configs.use_ps_gpu": Reported(1),
-    "build_strategy.enable_sequential_execution": Reported(True),
+    "a_sync_configs.max_merge_var_num": Value(2),
+    "a_sync_configs.send_queue_size": Value(8),
+    "a_sync_configs.independent_recv_thread": Value(True),
+    "a_sync_configs.min_send_grad_num_before_recv": Value(2),
+    "a_sync_configs.thread_pool_size": Value(2),
+    "a_sync_configs.send_wait_times": Value(2),
+    "a_sync_configs.runtime_split_send_recv": Value(True),
+    "a_sync_configs.launch_barrier": Value(False),
+    "a_sync_configs.heter_worker_device_guard": Value("gpu"),
+    "a_sync_configs.lr_decay_steps": Value(5),
+    "a_sync_configs.use_ps_gpu": Value(1),
+    "build_strategy.enable_sequential_execution": Value(True),
     "build_strategy.fuse_elewise_add_act_ops": Effect(True, "test_kernels.py::"
                                                       + _t("fused_equals_unfused")),
     "build_strategy.fuse_bn_act_ops": Effect(True, "test_kernels.py::"
                                              + _t("fused_equals_unfused")),
-    "build_strategy.fuse_relu_depthwise_conv": Reported(True),
-    "build_strategy.fuse_broadcast_ops": Reported(True),
+    "build_strategy.fuse_relu_depthwise_conv": Value(True),
+    "build_strategy.fuse_broadcast_ops": Value(True),
     "build_strategy.fuse_all_optimizer_ops": Effect(True, "test_optim.py::"
                                                     + _t("fused_and_unfused_updates_are_"
                                                          "identical")),
-    "build_strategy.enable_inplace": Reported(True),
-    "build_strategy.enable_backward_optimizer_op_deps": Reported(False),
-    "build_strategy.cache_runtime_context": Reported(True),
-    "build_strategy.enable_auto_fusion": Reported(True),
-    "execution_strategy.num_threads": Reported(2),
-    "execution_strategy.num_iteration_per_drop_scope": Reported(5),
-    "execution_strategy.num_iteration_per_run": Reported(2),
-    "execution_strategy.use_thread_barrier": Reported(True),
+    "build_strategy.enable_inplace": Value(True),
+    "build_strategy.enable_backward_optimizer_op_deps": Value(False),
+    "build_strategy.cache_runtime_context": Value(True),
+    "build_strategy.enable_auto_fusion": Value(True),
+    "execution_strategy.num_threads": Value(2),
+    "execution_strategy.num_iteration_per_drop_scope": Value(5),
+    "execution_strategy.num_iteration_per_run": Value(2),
+    "execution_strategy.use_thread_barrier": Value(True),
 }
 
 SWITCHES = tuple(ORDER) + ("auto",)
+NEVER_EFFECTIVE = field_effects.never_effective()
 # The collective modes checked when the optimizer is built; auto, which decides on its first
 # step, has a test of its own below.
 MODES = ("collective",) + tuple(ORDER)
@@ -252,6 +257,13 @@ def test_every_field_of_the_schema_has_one_row():
                or path.split(".")[0] in schema.DistributedStrategy.DESCRIPTOR.fields_by_name
                and "." not in path}
     assert not in_both, f"implemented now: remove {in_both} from fleetmpi.paddle_fields"
+
+
+def test_the_fields_with_a_proof_are_those_the_table_says_act():
+    proven = {path for path, row in FIELDS.items() if isinstance(row, Effect)}
+    assert NEVER_EFFECTIVE <= set(FIELDS), sorted(NEVER_EFFECTIVE - set(FIELDS))
+    assert proven == set(FIELDS) - NEVER_EFFECTIVE, sorted(proven ^ (set(FIELDS)
+                                                                     - NEVER_EFFECTIVE))
 
 
 def test_every_proving_test_exists():
@@ -308,7 +320,7 @@ def check_mode(mode, ranks, reasons, strategy):
     assert len(set_paths) == len(FIELDS) - len(SWITCHES) + (mode in SWITCHES) - at_default
     for path in set_paths:
         # an Effect field that is not reported is shown to act by its proving test
-        if isinstance(FIELDS[path], Reported):
+        if path in NEVER_EFFECTIVE:
             assert _reported(path, reasons), f"{mode} at {ranks} rank(s): {path} is not reported"
     for path, why in reasons.items():
         assert why and isinstance(why, str), path
@@ -374,10 +386,11 @@ def test_every_field_is_applied_or_reported_in_parameter_server_mode():
     assert "a_sync" not in reasons
     assert "not started by fleetmpirun --elastic" in reasons["elastic"]
     assert "a_sync is off" in reasons["a_sync_configs.k_steps"]
+    acting = field_effects.IN_PARAMETER_SERVER_MODE
+    assert {"a_sync", "a_sync_configs.k_steps"} <= acting
     for path in FIELDS:
         owner = path.split(".")[0]
-        if path not in SWITCHES and owner != "a_sync_configs" and path not in ("a_sync",
-                                                                              "elastic") \
+        if path not in SWITCHES and owner not in acting and path not in acting \
                 and _value(FIELDS[path], 1) != _default(path):
             assert reasons[path].startswith("parameter-server mode trains with a_sync"), path
 

@@ -6,8 +6,8 @@ import logging
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import log
-from fleetmpi.progress import PROGRESS_ENV, ProgressBar, format_duration
+from fleetmpi import knobs, log
+from fleetmpi.progress import ProgressBar, format_duration
 
 from comm_support import ok
 
@@ -41,7 +41,7 @@ class Loss:
 
 @pytest.fixture(autouse=True)
 def no_mode_from_environment(monkeypatch):
-    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    monkeypatch.delenv(knobs.PROGRESS.name, raising=False)
 
 
 def run_epochs(stream, rank=0, mode=None, epochs=2, steps_per_epoch=5, min_interval=0.0):
@@ -125,12 +125,12 @@ def test_modes(monkeypatch):
     lines = Terminal()
     run_epochs(lines, mode="lines")
     assert "\r" not in lines.getvalue() and lines.getvalue().count("\n") == 2
-    monkeypatch.setenv(PROGRESS_ENV, "bar")
+    monkeypatch.setenv(knobs.PROGRESS.name, "bar")
     piped = io.StringIO()
     run_epochs(piped)
     assert piped.getvalue().count("\r") == 10 and piped.getvalue().endswith("\n")
-    monkeypatch.setenv(PROGRESS_ENV, "fancy")
-    with pytest.raises(ValueError, match="'fancy'.*FLEETMPI_PROGRESS.*auto, bar, lines, off"):
+    monkeypatch.setenv(knobs.PROGRESS.name, "fancy")
+    with pytest.raises(ValueError, match="FLEETMPI_PROGRESS='fancy' must be auto, bar, lines or off"):
         ProgressBar(1)
 
 
@@ -164,7 +164,7 @@ def restored_logger():
 
 
 def test_log_lines_carry_rank_and_node(capsys, restored_logger, monkeypatch):
-    monkeypatch.setenv(log.LOG_LEVEL_ENV, "INFO")
+    monkeypatch.setenv(knobs.LOG_LEVEL.name, "INFO")
     log.configure(rank=3, size=8, node=1)
     log.logger.info("step %d done", 7)
     assert capsys.readouterr().err == "[fleetmpi rank 3/8 node 1] INFO step 7 done\n"

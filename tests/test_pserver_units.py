@@ -8,6 +8,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import nn, no_grad
 from fleetmpi.schema_view import ConfigError
+from fleetmpi.strategies import field_effects
 from fleetmpi.strategies.ps import blocks, mode, shards, wire
 
 
@@ -74,8 +75,8 @@ def test_mode_follows_a_sync_and_k_steps():
 
 def test_every_a_sync_configs_key_is_effective_or_listed_without_effect():
     keys = set(fleet.DistributedStrategy().a_sync_configs)
-    assert keys == set(mode.EFFECTIVE_KEYS) | set(mode.NO_EFFECT_KEYS)
-    assert not set(mode.EFFECTIVE_KEYS) & set(mode.NO_EFFECT_KEYS)
+    assert keys == set(field_effects.EFFECTIVE_KEYS) | set(field_effects.NO_EFFECT_KEYS)
+    assert not set(field_effects.EFFECTIVE_KEYS) & set(field_effects.NO_EFFECT_KEYS)
 
 
 def test_keys_without_effect_are_listed_and_reported_once(caplog):
@@ -85,8 +86,8 @@ def test_keys_without_effect_are_listed_and_reported_once(caplog):
     s.a_sync_configs = {"send_queue_size": 4, "thread_pool_size": 2}
     s.amp_configs = {"init_loss_scaling": 8.0}
     reasons = applied.parameter_server_not_applied(s, on_gpu=False)
-    assert reasons == {"a_sync_configs.send_queue_size": mode.NO_EFFECT_KEYS["send_queue_size"],
-                       "a_sync_configs.thread_pool_size": mode.NO_EFFECT_KEYS["thread_pool_size"],
+    assert reasons == {"a_sync_configs.send_queue_size": field_effects.NO_EFFECT_KEYS["send_queue_size"],
+                       "a_sync_configs.thread_pool_size": field_effects.NO_EFFECT_KEYS["thread_pool_size"],
                        "amp_configs.init_loss_scaling": applied._PARAMETER_SERVER}
     inert_fields._reported.difference_update(reasons)
     fleet_logger = inert_fields.logger

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from fleetmpi import knobs
 from fleetmpi.comm import stall
 from fleetmpi.launch.mpi_command import local_command
 
@@ -97,14 +98,14 @@ def test_a_missing_rank_0_is_named_by_the_others():
 @pytest.mark.parametrize("text, seconds", [(None, 600.0), ("", 600.0), ("2.5", 2.5),
                                            ("0", math.inf), ("30", 30.0)])
 def test_stall_time_knob(text, seconds):
-    environ = {} if text is None else {stall.STALL_ENV: text}
+    environ = {} if text is None else {knobs.STALL_TIMEOUT.name: text}
     assert stall.stall_seconds(environ) == seconds
 
 
 @pytest.mark.parametrize("text", ["abc", "-1", "nan", "inf"])
 def test_bad_stall_time_is_named(text):
     with pytest.raises(ValueError, match=f"FLEETMPI_STALL_TIMEOUT='{text}' must be a number"):
-        stall.stall_seconds({stall.STALL_ENV: text})
+        stall.stall_seconds({knobs.STALL_TIMEOUT.name: text})
 
 
 def test_rank_lists_are_written_as_ranges():

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import timeline
+from fleetmpi import knobs, timeline
 from fleetmpi.launch.mpi_command import local_command
-from fleetmpi.strategies.gradient_allreduce import OVERLAP_ENV
 
 from comm_support import ok
 from strategy_support import make_strategy, train
@@ -75,7 +74,7 @@ def test_every_rank_step_and_bucket_on_one_time_axis(tmp_path, overlap, monkeypa
     """``overlapped``: the buckets' events come from the communicator's thread."""
     from mpi4py import MPI
 
-    monkeypatch.setenv(OVERLAP_ENV, overlap)
+    monkeypatch.setenv(knobs.OVERLAP_ALLREDUCE.name, overlap)
     fleet.init()
     size, rank = fleet.worker_num(), fleet.worker_index()
     path = str(tmp_path / "timeline.json")
@@ -176,7 +175,7 @@ SCRIPT = textwrap.dedent("""
 def run_job(tmp_path, n, env):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT.format(here=HERE, steps=STEPS))
-    environ = {k: v for k, v in os.environ.items() if k != timeline.TIMELINE_ENV}
+    environ = {k: v for k, v in os.environ.items() if k != knobs.TIMELINE.name}
     environ.update(env, FLEETMPI_DEVICE="cpu")
     return subprocess.run(local_command(n, [sys.executable, str(script)]), cwd=tmp_path,
                           env=environ, capture_output=True, text=True, timeout=120)
@@ -185,7 +184,7 @@ def run_job(tmp_path, n, env):
 def test_job_with_the_variable_writes_one_file_at_exit(tmp_path):
     path = tmp_path / "out" / "t.json"
     path.parent.mkdir()
-    done = run_job(tmp_path, 2, {timeline.TIMELINE_ENV: str(path)})
+    done = run_job(tmp_path, 2, {knobs.TIMELINE.name: str(path)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("active True") == 2
     assert sorted(os.listdir(path.parent)) == ["t.json"]
@@ -207,7 +206,7 @@ def test_job_without_the_variable_records_nothing(tmp_path):
 
 def test_part_files_of_a_job_that_died_merge(tmp_path):
     path = tmp_path / "t.json"
-    done = run_job(tmp_path, 2, {timeline.TIMELINE_ENV: str(path), "SPILL_EVERY_EVENT": "1",
+    done = run_job(tmp_path, 2, {knobs.TIMELINE.name: str(path), "SPILL_EVERY_EVENT": "1",
                                  "DIE": "1"})
     assert done.returncode != 0
     assert not path.exists()

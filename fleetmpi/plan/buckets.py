@@ -2,16 +2,17 @@
 
 ``gradient_buckets`` builds the same ``plan_gradient_buckets`` the ``gradient_allreduce``
 strategy builds from a ``DistributedStrategy``'s fusion fields (``fuse_all_reduce_ops``,
-``fuse_grad_size_in_MB``, ``fuse_grad_size_in_TFLOPS`` as a layer count), over the optimizer's
-runs of the model's flat parameter buffers, and returns each bucket's bytes in buffer order,
-which is the order backward completes them (``nn.flat`` lays parameters out last layer first).
+``fuse_grad_size_in_MB``, ``fuse_grad_size_in_TFLOPS`` as a layer count; ``fusion_limits``
+reads them for both), over the optimizer's runs of the model's flat parameter buffers, and
+returns each bucket's bytes in buffer order, which is the order backward completes them
+(``nn.flat`` lays parameters out last layer first).
 """
 import dataclasses
 
 from .. import nn
 from ..distributed_strategy import DistributedStrategy
 from ..optimizer import SGD
-from ..strategies.gradient_allreduce import plan_gradient_buckets
+from ..strategies.gradient_allreduce import fusion_limits, plan_gradient_buckets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +33,7 @@ def gradient_buckets(model, strategy=None):
     None)."""
     strategy = DistributedStrategy() if strategy is None else strategy
     opt = SGD(learning_rate=0.0, parameters=model.parameters())
-    bucket_bytes = (int(strategy.fuse_grad_size_in_MB * 2 ** 20)
-                    if strategy.fuse_all_reduce_ops else None)
-    max_layers = strategy.fuse_grad_size_in_TFLOPS if strategy.fuse_all_reduce_ops else None
-    planned = plan_gradient_buckets(opt.runs, bucket_bytes, max_layers)
+    planned = plan_gradient_buckets(opt.runs, *fusion_limits(strategy))
     return Buckets(tuple(int(b.grad.nbytes) for b in planned),
                    tuple(int(p.size) for run in opt.runs for p in run.parameters))
 

@@ -5,15 +5,12 @@ computes at the same per-rank speed until the ranks outnumber the cores.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
 
+from ..launch.mpi_command import local_command
+
 RESULT = "PLAN-RESULT "
-
-
-def mpiexec():
-    return shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
 
 
 def job_env():
@@ -23,7 +20,7 @@ def job_env():
 
 def run(module, ranks, args, timeout=300):
     """Run ``python -m module args`` on ``ranks`` ranks; the dict its rank 0 printed."""
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", module, *map(str, args)]
+    cmd = local_command(ranks, [sys.executable, "-m", module, *map(str, args)])
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=job_env(),
                               timeout=timeout)

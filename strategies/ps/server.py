@@ -23,13 +23,11 @@ import time
 
 import numpy as np
 
-from ...knobs import env_seconds
+from ...knobs import PS_TIMEOUT
 from ...log import logger
 from . import wire
 from .mode import SYNC
 
-TIMEOUT_ENV = "FLEETMPI_PS_TIMEOUT"
-DEFAULT_TIMEOUT = 300.0
 
 
 class WorkerLostError(RuntimeError):
@@ -38,7 +36,7 @@ class WorkerLostError(RuntimeError):
 
 def timeout_seconds(environ=os.environ):
     """``FLEETMPI_PS_TIMEOUT``: seconds a synchronous step may wait for missing pushes."""
-    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT, environ=environ)
+    return PS_TIMEOUT.value(environ)
 
 
 class Server:
@@ -213,7 +211,7 @@ class Server:
         missing = sorted(self.active - set(self.pending))
         self._fail(f"worker(s) {missing} (rank(s) {missing}) pushed nothing for step "
                    f"{next(iter(self.pending.values())).step} within {self.timeout:g} s "
-                   f"({TIMEOUT_ENV}) while the others waited; synchronous training cannot go "
+                   f"({PS_TIMEOUT.name}) while the others waited; synchronous training cannot go "
                    "on")
 
     def _check_silence(self):
@@ -225,7 +223,7 @@ class Server:
             return
         silent = sorted(self.active)
         self._fail(f"worker(s) {silent} (rank(s) {silent}) sent nothing for {self.timeout:g} s "
-                   f"({TIMEOUT_ENV}) and no other worker is training; the server stops "
+                   f"({PS_TIMEOUT.name}) and no other worker is training; the server stops "
                    "instead of waiting forever")
 
     def _fail(self, why):
