@@ -7,16 +7,13 @@ import numpy as np
 
 from ..knobs import LOCAL_SIZE
 
-# The name fleetmpi.world reads to tell emulated nodes from real ones.
-LOCAL_SIZE_ENV = LOCAL_SIZE.name
-
 
 def _local_size_override(world_size):
     k = LOCAL_SIZE.value()
     if k is None:
         return None
     if world_size % k != 0:
-        raise ValueError(f"{LOCAL_SIZE_ENV}={k} must be a positive divisor of the world "
+        raise ValueError(f"{LOCAL_SIZE.name}={k} must be a positive divisor of the world "
                          f"size {world_size}")
     return k
 

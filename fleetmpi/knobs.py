@@ -7,7 +7,7 @@ ValueError naming the variable, the value and what is allowed. Where a behaviour
 argument (``FLEETMPI_PROGRESS`` and ``ProgressBar(mode=...)``, the ``auto_*`` arguments of
 ``distributed_optimizer``), the argument wins.
 
-The README's table of variables is rendered from ``KNOBS`` (``fleetmpi.knobs_doc``).
+The README's table of variables is rendered from ``KNOBS`` (``fleetmpi.docs``).
 
 This module is at the bottom of the layers: it imports nothing from fleetmpi.
 """

@@ -3,7 +3,7 @@
 Three readers use it: ``launch/rank_main.py`` takes a rank's place from one launcher's rank, size
 and local rank together (before MPI starts), ``fleetmpi.backend`` counts the ranks on a node
 before ``fleet.init`` (to share the node's cores between their BLAS threads), and
-``fleetmpi.launch.environment`` checks every family against what MPI says.
+``fleetmpi.launcher_check`` checks every family against what MPI says.
 
 This module imports nothing: ``launch/rank_main.py``, which must not import fleetmpi before the
 rank's variables are in place, loads it by its file path.

@@ -224,7 +224,7 @@ class PaddleCloudRoleMaker(RoleMakerBase):
     def bind(self, rank, size):
         """Collective mode: the launcher's endpoints where they describe this job (as many as
         the MPI world has ranks; otherwise they were left over from another job, as
-        ``fleetmpi.launch.environment`` judges), and then ``PADDLE_TRAINER_ID`` and
+        ``fleetmpi.launcher_check`` judges), and then ``PADDLE_TRAINER_ID`` and
         ``PADDLE_CURRENT_ENDPOINT`` must name this rank."""
         if self.is_collective and self.worker_endpoints is None:
             workers, trainer_id, current = self._launched

@@ -37,13 +37,14 @@ def init(role_maker=None, is_collective=True, strategy=None):
     role_maker = role_maker or PaddleCloudRoleMaker(is_collective=collective)
     from mpi4py import MPI
 
-    from .comm.topology import LOCAL_SIZE_ENV, Topology
-    from .launch.environment import verify
+    from .comm.topology import Topology
+    from .knobs import LOCAL_SIZE
+    from .launcher_check import verify
 
     topology = Topology(MPI.COMM_WORLD)
     failure.install(topology.rank, topology.size, topology.node_index)
     verify(topology, collective=collective,
-           emulated_nodes=os.environ.get(LOCAL_SIZE_ENV, "") != "")
+           emulated_nodes=os.environ.get(LOCAL_SIZE.name, "") != "")
     role_maker.bind(topology.rank, topology.size)
     job.join(topology, role_maker)
     if not collective:

@@ -10,8 +10,8 @@ from mpi4py import MPI
 
 import fleetmpi as fleet
 from fleetmpi import knobs
-from fleetmpi.launch import environment as env_check
-from fleetmpi.launch.environment import EnvironmentMismatchError, MPIPlace
+from fleetmpi import launcher_check as env_check
+from fleetmpi.launcher_check import EnvironmentMismatchError, MPIPlace
 from fleetmpi.launch.mpi_command import local_command
 from fleetmpi.world import topology
 

@@ -27,7 +27,8 @@ PACKAGES = {"fleetmpi": "fleetmpi", "comm": "fleetmpi.comm", "strategies": "flee
 LAYERS = (
     ("backend", ("fleetmpi.backend", "fleetmpi.knobs", "fleetmpi.log", "fleetmpi.files",
                  "fleetmpi.cuda_source", "fleetmpi.host_memory", "fleetmpi.timeline",
-                 "fleetmpi.failure", "fleetmpi.job", "fleetmpi.paddle_flags")),
+                 "fleetmpi.failure", "fleetmpi.job", "fleetmpi.paddle_flags",
+                 "fleetmpi.launcher_env")),
     ("comm", ("fleetmpi.comm",)),
     ("trainer", ("fleetmpi.autograd", "fleetmpi.nn", "fleetmpi.optimizer", "fleetmpi.kernels",
                  "fleetmpi.data", "fleetmpi.checkpoint", "fleetmpi.hybrid_checkpoint",

@@ -33,8 +33,8 @@ the whole check.
 import os
 from dataclasses import dataclass
 
-from ..knobs import CHECK_ENVIRONMENT
-from ..launcher_env import FAMILIES, PADDLE, SLURM
+from .knobs import CHECK_ENVIRONMENT
+from .launcher_env import FAMILIES, PADDLE, SLURM
 
 # Process names (as /proc/<pid>/comm shows them, at most 15 characters) of the programs that
 # start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy,

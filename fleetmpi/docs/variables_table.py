@@ -1,16 +1,10 @@
 """The README's table of the ``FLEETMPI_*`` variables, rendered from ``fleetmpi.knobs.KNOBS``.
 
-    python -m fleetmpi.knobs_doc                    # print the table
-    python -m fleetmpi.knobs_doc --write README.md  # replace the README's table with it
-
-The table sits between the two marker lines ``TABLE_START`` and ``TABLE_END``; a test fails
-when the README's table differs from the one rendered here.
+The table sits between the two marker lines ``TABLE_START`` and ``TABLE_END``.
 """
-import sys
+from ..knobs import AUTO_ALLOWABLE, KNOBS
 
-from .knobs import AUTO_ALLOWABLE, KNOBS
-
-TABLE_START = "<!-- variables: python -m fleetmpi.knobs_doc --write README.md -->"
+TABLE_START = "<!-- variables: python -m fleetmpi.docs regenerate -->"
 TABLE_END = "<!-- end of variables -->"
 
 
@@ -40,19 +34,3 @@ def with_table(text):
     start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END) + 1
     return text[:start] + markdown_table() + text[end:]
 
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--write"] and len(argv) == 2:
-        with open(argv[1]) as f:
-            text = f.read()
-        with open(argv[1], "w") as f:
-            f.write(with_table(text))
-    elif argv:
-        sys.exit("usage: python -m fleetmpi.knobs_doc [--write README.md]")
-    else:
-        sys.stdout.write(markdown_table())
-
-
-if __name__ == "__main__":
-    main()
