@@ -136,7 +136,7 @@ class DistributedOptimizer:
         knobs = (auto_seconds, auto_allow, auto_memory_MB)
         self._calibration = None
         if strategy.auto:
-            from .strategies.auto_knobs import auto_knobs
+            from .strategies.auto import auto_knobs
 
             knobs = auto_knobs(*knobs)
             narrowing = [name for name in ("pipeline", "sharding") if getattr(strategy, name)]
@@ -386,7 +386,7 @@ def distributed_optimizer(optimizer, strategy=None, communicator=None, local=Fal
     ``strategy.auto = True`` chooses the strategy by measuring it on the first ``minimize``
     call; ``auto_seconds``, ``auto_allow`` and ``auto_memory_MB`` bound the calibration's time,
     admit strategies that change the arithmetic, and set the activation memory budget (each
-    also an environment variable; ``fleetmpi.strategies.auto_knobs``). ``applied_strategy()``
+    also an environment variable; ``fleetmpi.strategies.auto.settings``). ``applied_strategy()``
     then returns what was chosen, and for every strategy what runs and what does not.
 
     In parameter-server mode (``fleet.init(is_collective=False)``) it returns a

@@ -22,21 +22,21 @@ On the first ``minimize`` call (the batch it gets is the one calibration trains 
 
 Every timing is the slowest rank's; rank 0's choice is broadcast, so every rank applies the
 same strategy. Only strategies ``auto_allow`` admits may change the arithmetic (see
-``auto_knobs``). Every decision to measure more is checked against ``auto_seconds``.
+``settings``). Every decision to measure more is checked against ``auto_seconds``.
 """
 import copy
 import math
 import os
 import statistics
 
-from .. import backend, nn
-from ..distributed_strategy import DistributedStrategy
-from ..proto import distributed_strategy_pb2 as schema
-from .applied import changed
-from .auto_calibration import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
+from ... import backend, nn
+from ...distributed_strategy import DistributedStrategy
+from ...proto import distributed_strategy_pb2 as schema
+from ..applied import changed
+from .measure import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
                                time_allreduce)
-from .compose import build_strategies, check_combination, enabled_strategies, strategy_class
-from .gradient_allreduce import layer_of, plan_gradient_buckets
+from ..compose import build_strategies, check_combination, enabled_strategies, strategy_class
+from ..gradient_allreduce import layer_of, plan_gradient_buckets
 
 MARGIN = 0.03
 MIN_SAMPLES = 2

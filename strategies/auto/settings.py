@@ -19,7 +19,7 @@ environment variable (the argument wins):
 The variables, their defaults and parsers are ``fleetmpi.knobs``' (``AUTO_SECONDS``,
 ``AUTO_ALLOW``, ``AUTO_MEMORY_MB``); an argument is checked by the same parser.
 """
-from .. import knobs
+from ... import knobs
 
 
 class AutoKnobs:
