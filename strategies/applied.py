@@ -218,7 +218,7 @@ def unfused(strategy, model):
     fused = dict.fromkeys(wanted, 0)
     for _, layer in model.named_sublayers(include_self=True):
         if isinstance(layer, Sequential):
-            for step_layer, act in layer.plan():
+            for step_layer, act in layer.steps():
                 if act is not None:
                     kind = "build_strategy.fuse_bn_act_ops" if isinstance(step_layer, BatchNorm) \
                         else "build_strategy.fuse_elewise_add_act_ops"

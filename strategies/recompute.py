@@ -4,9 +4,9 @@ are computed again in backward, trading computation for activation memory.
 ``recompute_configs["checkpoints"]`` names sublayers of the model at any depth by their dotted
 names from ``named_sublayers()`` (``"blocks.0"``, ``"encoder.layer3"``):
 
-* a sublayer of an ``nn.Sequential`` is a boundary, as in Paddle's static graph: the steps of
-  that Sequential's plan are cut after every checkpoint into segments, and every segment but
-  the last is recomputed (a name of an activation that the fusion plan folded into the layer
+* a sublayer of an ``nn.Sequential`` is a boundary, as in Paddle's static graph: the steps
+  of that Sequential are cut after every checkpoint into segments, and every segment but
+  the last is recomputed (a name of an activation that kernel fusion folded into the layer
   before it means that fused step). The last segment is not dropped: backward starts with it,
   so recomputing it at once would cost time and lower no peak.
 * any other sublayer is itself the recomputed segment: each call of it.
@@ -43,7 +43,7 @@ __all__ = ["ActivationMeter", "HostCheckpoints", "Recompute", "Segment", "checkp
 # -- where the checkpoints are ----------------------------------------------------------------
 
 class Segment:
-    """Consecutive steps ``(layer, fused activation or None)`` of a Sequential's plan;
+    """Consecutive steps ``(layer, fused activation or None)`` of a Sequential's steps;
     ``checkpoint``: the dotted name of the checkpoint whose output ends it (None when it ends
     the Sequential without one). Calling it runs the steps as ``Sequential.forward`` does."""
 
@@ -62,13 +62,13 @@ class Segment:
 
 
 def cut_into_segments(sequential, names, prefix=""):
-    """``sequential``'s plan cut after the step of each of its children ``names`` (the
+    """``sequential``'s steps cut after the step of each of its children ``names`` (the
     checkpoints ``prefix + name``)."""
-    plan = sequential.plan()
+    steps = sequential.steps()
     children = sequential.named_children()
     step_of = {}
     position = 0
-    for index, (layer, act) in enumerate(plan):
+    for index, (layer, act) in enumerate(steps):
         while children[position][1] is not layer:
             position += 1
         step_of[children[position][0]] = index
@@ -79,10 +79,10 @@ def cut_into_segments(sequential, names, prefix=""):
         ends.setdefault(step_of[name], prefix + name)
     segments, first = [], 0
     for end in sorted(ends):
-        segments.append(Segment(plan[first:end + 1], ends[end]))
+        segments.append(Segment(steps[first:end + 1], ends[end]))
         first = end + 1
-    if first < len(plan):
-        segments.append(Segment(plan[first:], None))
+    if first < len(steps):
+        segments.append(Segment(steps[first:], None))
     return segments
 
 

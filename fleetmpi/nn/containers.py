@@ -35,7 +35,7 @@ class Sequential(Layer):
             self.add_sublayer(name, layer)
         self._fuse_elewise_add_act = False
         self._fuse_bn_act = False
-        self._plan = self._build_plan()
+        self._steps = self._build_steps()
 
     def __len__(self):
         return len(self._children)
@@ -49,7 +49,7 @@ class Sequential(Layer):
         super().configure_fusion(fuse_elewise_add_act_ops, fuse_bn_act_ops)
         self._fuse_elewise_add_act = bool(fuse_elewise_add_act_ops)
         self._fuse_bn_act = bool(fuse_bn_act_ops)
-        self._plan = self._build_plan()
+        self._steps = self._build_steps()
 
     def _fused_activation(self, layer, following):
         """The activation ``layer`` absorbs from ``following``, or None."""
@@ -60,29 +60,29 @@ class Sequential(Layer):
             return "relu"
         return None
 
-    def _build_plan(self):
+    def _build_steps(self):
         """``(layer, fused activation or None)`` steps in forward order."""
         layers = list(self._children.values())
-        plan = []
+        steps = []
         i = 0
         while i < len(layers):
             following = layers[i + 1] if i + 1 < len(layers) else None
             act = self._fused_activation(layers[i], following)
-            plan.append((layers[i], act))
+            steps.append((layers[i], act))
             i += 2 if act else 1
-        return plan
+        return steps
 
     def fused_steps(self):
         """How many steps of this container run fused."""
-        return sum(act is not None for _, act in self._plan)
+        return sum(act is not None for _, act in self._steps)
 
-    def plan(self):
+    def steps(self):
         """The ``(layer, fused activation or None)`` steps ``forward`` runs, in order: each
         step runs ``layer.forward_act(x, act)`` when fused, else ``layer(x)``."""
-        return list(self._plan)
+        return list(self._steps)
 
     def forward(self, x):
-        for layer, act in self._plan:
+        for layer, act in self._steps:
             x = layer.forward_act(x, act) if act else layer(x)
         return x
 

@@ -20,7 +20,7 @@ The interface strategies use, besides a model's public methods (``parameters``,
 * ``pipeline_stage``: read; set only through ``set_pipeline_stage``.
 * ``forward``: a strategy may give a layer a ``forward`` instance attribute for the time of a
   step (recompute) and must delete it, or put back the one it had, afterwards.
-* ``nn.Sequential.plan()`` and a layer's ``forward_act(x, act)``: the steps a Sequential runs
+* ``nn.Sequential.steps()`` and a layer's ``forward_act(x, act)``: the steps a Sequential runs
   with kernel fusion, for a strategy that runs or cuts them itself (pipeline, recompute).
 """
 from collections import OrderedDict

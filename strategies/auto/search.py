@@ -242,7 +242,7 @@ class Calibration:
                                           "arithmetic"))
         return False
 
-    def _plan(self, megabytes, layers):
+    def _buckets(self, megabytes, layers):
         return plan_gradient_buckets(self.optimizer.runs, megabytes * 2 ** 20, layers)
 
     def _fusion_candidates(self):
@@ -258,9 +258,9 @@ class Calibration:
                    for mb in _powers_of_two(max(base_mb, total / 2 ** 20))]
         options += [("fuse_grad_size_in_TFLOPS", cap, (base_mb, cap))
                     for cap in _powers_of_two(layers)]
-        by_count = {len(self._plan(base_mb, base_layers)): None}
+        by_count = {len(self._buckets(base_mb, base_layers)): None}
         for field, value, plan in options:
-            by_count.setdefault(len(self._plan(*plan)), (field, value, plan))
+            by_count.setdefault(len(self._buckets(*plan)), (field, value, plan))
         found = sorted((count, option) for count, option in by_count.items() if option)
         if not found:
             self.report.skipped.append(
@@ -282,12 +282,12 @@ class Calibration:
         sizes = set()
         plans = [(self.strategy.fuse_grad_size_in_MB, self.strategy.fuse_grad_size_in_TFLOPS)]
         for plan in plans + [c.plan for c in fusion]:
-            sizes.update(int(bucket.grad.nbytes) for bucket in self._plan(*plan))
+            sizes.update(int(bucket.grad.nbytes) for bucket in self._buckets(*plan))
         return sorted(sizes, reverse=True)[:MAX_COMM_SIZES]
 
     def _base_bucket_sizes(self):
         return [int(bucket.grad.nbytes) for bucket in
-                self._plan(self.strategy.fuse_grad_size_in_MB,
+                self._buckets(self.strategy.fuse_grad_size_in_MB,
                            self.strategy.fuse_grad_size_in_TFLOPS)]
 
     # -- communication ----------------------------------------------------------------------
