@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 
 from .. import timeline
-from ..knobs import ALWAYS, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
+from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
 from ..log import logger
 from . import call_checks
 from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
@@ -49,7 +49,7 @@ from .ops import array_module, finish_mean, is_device_array
 from .ring import (DEFAULT_CHUNK_BYTES, RingAllreduce, allgather_ring, allreduce_ring,
                    count_offsets, reduce_scatter_ring, split_offsets)
 from .stall import gather_rows
-from .transport_choice import AUTO, device_identity, pick_transport
+from .transport_choice import device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
 
 HEADER_DIMS = 32
@@ -143,7 +143,7 @@ class Communicator:
         self.size = topology.size
         self.requested_transport = transport
         self.transport_name = (pick_transport(topology.world, device_identity())
-                               if transport == AUTO else transport)
+                               if transport == AUTO_TRANSPORT else transport)
         self.nccl_comm_num = int(nccl_comm_num)
         self.fuse_grad_size_in_MB = fuse_grad_size_in_MB
         self.fuse_broadcast_MB = fuse_broadcast_MB
@@ -188,7 +188,7 @@ class Communicator:
                     comm.Free()
                     raise
         except NCCLUnavailableError as exc:
-            if self.requested_transport != AUTO:
+            if self.requested_transport != AUTO_TRANSPORT:
                 raise
             for transport in transports:
                 transport.free()

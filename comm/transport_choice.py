@@ -9,8 +9,6 @@ import socket
 
 from .. import backend
 
-AUTO = "auto"
-
 
 def device_identity():
     """This rank's device as ``host/PCI bus id``, or None when the arrays live on the host."""

@@ -166,7 +166,8 @@ def strategy_names(name, value):
 
 
 DEVICES = ("cpu", "gpu")
-TRANSPORTS = ("auto", "mpi", "nccl")
+AUTO_TRANSPORT = "auto"  # NCCL where every rank has a GPU of its own, else MPI (comm)
+TRANSPORTS = (AUTO_TRANSPORT, "mpi", "nccl")
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
 ALWAYS = "always"
 DEFAULT_STALL_SECONDS = 600.0

@@ -8,14 +8,15 @@ import os
 import subprocess
 import sys
 
+from .. import knobs
 from ..launch.mpi_command import local_command
 
 RESULT = "PLAN-RESULT "
 
 
 def job_env():
-    return dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_NUM_THREADS="1",
-                OMP_NUM_THREADS="1")
+    return {**os.environ, knobs.DEVICE.name: "cpu", knobs.NUM_THREADS.name: "1",
+            "OMP_NUM_THREADS": "1"}
 
 
 def run(module, ranks, args, timeout=300):
