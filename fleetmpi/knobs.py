@@ -202,7 +202,7 @@ CHECK_ENVIRONMENT = Knob(
     "`fleet.init()` checks the launcher's variables (Open MPI, Hydra, Slurm, Paddle's) "
     "against MPI; `0` skips the check.")
 TRANSPORT = Knob(
-    "FLEETMPI_TRANSPORT", "auto", names(*TRANSPORTS), "`auto`, `mpi`, `nccl`",
+    "FLEETMPI_TRANSPORT", AUTO_TRANSPORT, names(*TRANSPORTS), "`auto`, `mpi`, `nccl`",
     "`auto`: NCCL when every rank's arrays live on a GPU of its own, as `fleetmpirun --gpus` "
     "arranges, MPI otherwise; when NCCL cannot start, MPI with one warning naming each rank's "
     "reason. `nccl`: NCCL failing to start is an error.")
