@@ -32,22 +32,19 @@ import numpy as np
 from .. import timeline
 from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
 from ..log import logger
-from . import call_checks
+from . import call_checks, dispatch
 from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
 from .algorithm_choice import (BROADCAST_ALGORITHMS, GATHER_ALGORITHMS, TIMED, choose,
                                time_ring_against_shm, topology_of)
 from .barrier import barrier as dissemination_barrier
-from .broadcast import broadcast_chain, broadcast_tree
 from .call_checks import (capture, check_algorithm, check_allreduce, check_array, check_arrays,
                           check_counts, check_peer, check_positive, check_root)
 from .compression import accumulate_dtypes, to_wire
 from .exchange import alltoall_pairwise, gather_linear, scatter_linear
 from .fusion import buckets_for
 from .handles import CommThread
-from .hierarchical import allreduce_hierarchical
 from .ops import array_module, finish_mean, is_device_array
-from .ring import (DEFAULT_CHUNK_BYTES, RingAllreduce, allgather_ring, allreduce_ring,
-                   count_offsets, reduce_scatter_ring, split_offsets)
+from .ring import DEFAULT_CHUNK_BYTES, count_offsets, reduce_scatter_ring, split_offsets
 from .stall import gather_rows
 from .transport_choice import device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
@@ -206,29 +203,8 @@ class Communicator:
         from .transport_mpi import MPITransport
         return MPITransport(comm)
 
-    def _level_transports(self, index):
-        """The (intra-group, inter-group) transports of the hierarchical algorithm for one comm."""
-        if index not in self._levels:
-            k = self.hierarchical_allreduce_inter_nranks
-            if k is None:
-                local, cross = self.topology.local.Dup(), self.topology.cross.Dup()
-            else:
-                world = self.topology.world
-                local = world.Split(self.rank // k, self.rank)
-                cross = world.Split(self.rank % k, self.rank)
-            stream = getattr(self.transports[index], "stream", None)
-            self._levels[index] = (self._make_transport(local, stream),
-                                   self._make_transport(cross, stream))
-        return self._levels[index]
-
     def _single_node(self):
         return self.transport_name == "mpi" and self.topology.local_size == self.size
-
-    def _shared_memory(self):
-        if self._shm is None:
-            from .shm import SharedMemoryAllreduce
-            self._shm = SharedMemoryAllreduce(self.topology.world.Dup())
-        return self._shm
 
     def _agree(self, collective, arrays, problem, layout=None, **fields):
         """Count the call's payload (unless its arguments were rejected) and check that every
@@ -252,19 +228,6 @@ class Communicator:
 
     # running an algorithm on a transport
 
-    def _run(self, index, fn, *bufs):
-        """Call ``fn(*bufs)`` on transport ``index``; device arrays go through host memory
-        when the transport is MPI."""
-        transport = self.transports[index]
-        if bufs and is_device_array(bufs[0]) and not transport.device:
-            host = [b.get() for b in bufs]
-            fn(*host)
-            for b, h in zip(bufs, host):
-                b.set(h)
-            return
-        with transport.activate():
-            fn(*bufs)
-
     def allreduce_algorithm(self, nbytes, compression=None):
         """The algorithm ``allreduce``/``allreduce_many`` run with ``algorithm=None`` on a flat
         buffer of ``nbytes`` bytes: this communicator's row of ``algorithm_choice.CHOICES``.
@@ -275,60 +238,11 @@ class Communicator:
         if algorithm == TIMED:
             if self._timed_choice is None:
                 noted, self._algorithms = self._algorithms, None  # the probe is not the call's
-                self._timed_choice = time_ring_against_shm(self._allreduce_flat, self._control)
+                self._timed_choice = time_ring_against_shm(
+                    functools.partial(dispatch.allreduce_flat, self), self._control)
                 self._algorithms = noted
             algorithm = self._timed_choice
         return algorithm
-
-    def _allreduce_flat(self, buf, op, algorithm, compression, index, sendbuf=None):
-        """Allreduce the flat ``buf`` in place on transport ``index``, or reduce the flat
-        ``sendbuf`` into it (MPI's separate send buffer: native, ring and shm read it where it
-        is; hierarchical copies it into ``buf`` first)."""
-        algorithm = algorithm or self.allreduce_algorithm(buf.nbytes, compression)
-        self._note(algorithm)
-        transport = self.transports[index]
-        if algorithm == "hierarchical":
-            local, cross = self._level_transports(index)
-            if sendbuf is not None:
-                array_module(buf).copyto(buf, sendbuf)
-
-            def fn(b):
-                allreduce_hierarchical(local, cross, b, op, compression, self.chunk_bytes)
-            self._run(index, fn, buf)
-            return
-        if algorithm == "ring":
-            def fn(b, s=None):
-                allreduce_ring(transport, b, op, compression, self.chunk_bytes, sendbuf=s)
-        elif algorithm == "shm":
-            shm = self._shared_memory()
-
-            def fn(b, s=None):
-                shm.allreduce(b if s is None else s, b, op)
-        else:
-            def fn(b, s=None):
-                transport.native_allreduce(b, op, s)
-                finish_mean(b, op, self.size)
-        if sendbuf is None:
-            self._run(index, fn, buf)
-        else:
-            self._run(index, fn, buf, sendbuf)
-
-    def _broadcast_flat(self, buf, root, algorithm, index):
-        transport = self.transports[index]
-        if algorithm == "native":
-            def fn(b):
-                transport.native_bcast(b, root)
-        else:
-            if algorithm is None:
-                algorithm = choose("broadcast", buf.nbytes, self.transport_name,
-                                   self._world_topology).algorithm
-            algo = broadcast_tree if algorithm == "tree" else broadcast_chain
-
-            def fn(b):
-                if self.size > 1 and b.size:
-                    algo(transport, b, root)
-        self._note(algorithm)
-        self._run(index, fn, buf)
 
     # collectives
 
@@ -402,73 +316,11 @@ class Communicator:
         self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
                     compression=compression)
         if key is None:
-            return self._allreduce_into(x, op, algorithm, compression, out)
-        run = self._allreduce_runner(x, op, algorithm, compression, out)
+            return dispatch.allreduce_into(self, x, op, algorithm, compression, out)
+        run = dispatch.allreduce_runner(self, x, op, algorithm, compression, out)
         self._repeats[previous, key] = (self._previous, self.payload_bytes - before, run)
         result = run(x, out)
         return out if result is None else result
-
-    def _allreduce_runner(self, x, op, algorithm, compression, out):
-        """A function ``(x, out) -> result`` (None: the result is ``out``) that repeats this
-        agreed ``allreduce`` on arrays like ``x`` and ``out``, with the algorithm picked once.
-        A native or ring reduction of host arrays goes straight to the transport, reducing
-        ``x`` into the result without a copy (what MPI_Allreduce with a separate receive
-        buffer costs)."""
-        algorithm = algorithm or self.allreduce_algorithm(x.nbytes, compression)
-        transport = self.transports[0]
-        if algorithm == "native" and not transport.device and x.flags.c_contiguous:
-            return self._native_runner(x, op, out)
-        if algorithm == "ring" and not transport.device and x.flags.c_contiguous:
-            layout = (x.size, x.dtype, op, compression)
-            if layout not in self._rings:  # shared by the repeats of one layout
-                self._rings[layout] = RingAllreduce(transport, *layout, self.chunk_bytes)
-            ring, shape, dtype = self._rings[layout], x.shape, x.dtype
-            if out is not None and out is not x and x.ndim == 1:
-                return lambda x, out: ring(out, x)
-
-            def run(x, out):
-                result = np.empty(shape, dtype) if out is None else out
-                ring(result.reshape(-1), None if result is x else x.reshape(-1))
-                return result
-            return run
-        return lambda x, out: self._allreduce_into(x, op, algorithm, compression, out)
-
-    def _native_runner(self, x, op, out):
-        """``_allreduce_runner``'s native reduction of host arrays, one form per kind of
-        ``out``: a small call's cost is mostly Python, so each form does only what it needs,
-        and a sum or extremum into a separate ``out`` is the MPI call itself."""
-        transport, shape, dtype, size = self.transports[0], x.shape, x.dtype, self.size
-        if op != "mean" and out is not None and out is not x:
-            return transport.bound_allreduce(op)
-        reduce = transport.native_allreduce
-        if op == "mean":
-            def run(x, out):
-                result = np.empty(shape, dtype) if out is None else out
-                reduce(result, op, None if result is x else x)
-                finish_mean(result, op, size)
-                return result
-        elif out is None:
-            def run(x, out):
-                result = np.empty(shape, dtype)
-                reduce(result, op, x)
-                return result
-        else:
-            def run(x, out):
-                reduce(x, op)
-        return run
-
-    def _allreduce_into(self, x, op, algorithm, compression, out):
-        """The reduction of ``x`` into ``out`` (a new array when None, ``x`` itself in place),
-        ``x`` read where it is (a strided ``x`` is copied first, and so is an ``x`` that
-        overlaps ``out``)."""
-        xp = array_module(x)
-        result = xp.empty(x.shape, x.dtype) if out is None else out
-        src = None if result is x else xp.ascontiguousarray(x).reshape(-1)
-        if src is not None and xp.may_share_memory(result, x):
-            xp.copyto(result, x)
-            src = None
-        self._allreduce_flat(result.reshape(-1), op, algorithm, compression, 0, src)
-        return result
 
     @_recorded("allreduce_many")
     def allreduce_many(self, arrays, op="sum", algorithm=None, compression=None,
@@ -491,7 +343,8 @@ class Communicator:
                     compression=compression)
         for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
             flat = bucket.load()
-            self._allreduce_flat(flat, op, algorithm, compression, i % self.nccl_comm_num)
+            dispatch.allreduce_flat(self, flat, op, algorithm, compression,
+                                    i % self.nccl_comm_num)
             bucket.store()
 
     # asynchronous forms
@@ -581,7 +434,7 @@ class Communicator:
         self._agree("broadcast", [x], problem, root=root, algorithm=algorithm)
         xp = array_module(x)
         buf = xp.array(x, order="C", copy=True).reshape(-1)
-        self._broadcast_flat(buf, root, algorithm, 0)
+        dispatch.broadcast_flat(self, buf, root, algorithm, 0)
         return buf.reshape(x.shape)
 
     @_recorded("broadcast_many")
@@ -599,7 +452,7 @@ class Communicator:
         self._agree("broadcast_many", arrays, problem, root=root, algorithm=algorithm)
         for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
             flat = bucket.load()
-            self._broadcast_flat(flat, root, algorithm, i % self.nccl_comm_num)
+            dispatch.broadcast_flat(self, flat, root, algorithm, i % self.nccl_comm_num)
             bucket.store()
 
     @_recorded("allgather")
@@ -630,21 +483,7 @@ class Communicator:
                                  f"first dimensions are {rows}; use algorithm=None")
             offsets = count_offsets(rows, int(np.prod(x.shape[1:], dtype=np.int64)))
             shape = (sum(rows),) + x.shape[1:]
-        return self._allgather_flat(x.reshape(-1), offsets, algorithm).reshape(shape)
-
-    def _allgather_flat(self, flat, offsets, algorithm=None):
-        """Every rank's 1-d ``flat`` (part ``offsets[r]:offsets[r + 1]`` of the result on rank
-        ``r``) joined in rank order; ``"native"`` needs equal parts."""
-        xp = array_module(flat)
-        out = xp.empty(offsets[-1], flat.dtype)
-        out[offsets[self.rank]:offsets[self.rank + 1]] = flat
-        transport = self.transports[0]
-        self._note(algorithm or "ring")
-        if algorithm == "native":
-            self._run(0, transport.native_allgather, out)
-        else:
-            self._run(0, lambda b: allgather_ring(transport, b, offsets), out)
-        return out
+        return dispatch.allgather_flat(self, x.reshape(-1), offsets, algorithm).reshape(shape)
 
     def _exchange_rows(self, values, collective):
         """Every rank's ``values`` (integers, as many on every rank) as a table, one row per
@@ -685,8 +524,8 @@ class Communicator:
         transport = self.transports[0]
         self._note("pairwise")
         self._count_payload([x], None)
-        self._run(0, lambda a, b: alltoall_pairwise(transport, a, send_offsets, b,
-                                                    recv_offsets), send, out)
+        dispatch.run_on(self, 0, lambda a, b: alltoall_pairwise(transport, a, send_offsets, b,
+                                                                recv_offsets), send, out)
         return out.reshape((sum(received),) + x.shape[1:]), received
 
     @_recorded("gather")
@@ -710,7 +549,7 @@ class Communicator:
         local = offsets if self.rank == root else [o - offsets[self.rank] for o in offsets]
         transport = self.transports[0]
         self._note("linear")
-        self._run(0, lambda b: gather_linear(transport, b, local, root), buf)
+        dispatch.run_on(self, 0, lambda b: gather_linear(transport, b, local, root), buf)
         return buf.reshape((sum(rows),) + x.shape[1:]) if self.rank == root else None
 
     @_recorded("scatter")
@@ -747,7 +586,8 @@ class Communicator:
         send = xp.ascontiguousarray(x).reshape(-1) if self.rank == root else part[:0]
         transport = self.transports[0]
         self._note("linear")
-        self._run(0, lambda b, p: scatter_linear(transport, b, offsets, p, root), send, part)
+        dispatch.run_on(self, 0, lambda b, p: scatter_linear(transport, b, offsets, p, root),
+                        send, part)
         return part.reshape((parts[self.rank],) + tail)
 
     @_recorded("allgatherv")
@@ -767,7 +607,7 @@ class Communicator:
         self._agree("allgatherv", [] if problem else [x[:0]], problem,
                     layout=None if problem else tuple(int(c) for c in counts))
         self._count_payload([x], None)
-        return self._allgather_flat(x, count_offsets(counts))
+        return dispatch.allgather_flat(self, x, count_offsets(counts))
 
     @_recorded("reduce_scatter")
     def reduce_scatter(self, x, op="sum", algorithm=None, compression=None, counts=None,
@@ -810,7 +650,7 @@ class Communicator:
             def native(s, o):
                 transport.native_reduce_scatter(s, o, counts, op)
                 finish_mean(o, op, self.size)
-            self._run(0, native, send, out)
+            dispatch.run_on(self, 0, native, send, out)
             return out.reshape(shape)
         acc_dtype, wire_dtype = accumulate_dtypes(x.dtype, compression)
         in_place = overwrite_input and acc_dtype == x.dtype and x.flags.c_contiguous
@@ -820,7 +660,7 @@ class Communicator:
         def ring(a):
             reduce_scatter_ring(transport, a, op, offsets, wire_dtype, self.chunk_bytes)
             finish_mean(a[lo:hi], op, self.size)
-        self._run(0, ring, acc)
+        dispatch.run_on(self, 0, ring, acc)
         wire = xp.empty(hi - lo, wire_dtype)
         to_wire(wire, acc[lo:hi])
         return wire.astype(x.dtype).reshape(shape)
@@ -839,8 +679,8 @@ class Communicator:
         self._control.Send(header, dest=dest, tag=P2P_TAG)
         buf = array_module(x).ascontiguousarray(x)
         self._note("p2p")
-        self._run(0, lambda b: (self.transports[0].send(b, dest),
-                                self.transports[0].synchronize()), buf)
+        dispatch.run_on(self, 0, lambda b: (self.transports[0].send(b, dest),
+                                            self.transports[0].synchronize()), buf)
 
     @_recorded("recv", nbytes=True)
     def recv(self, x, source):
@@ -859,13 +699,15 @@ class Communicator:
         transport = self.transports[0]
         self._note("p2p")
         if num != x.dtype.num or shape != x.shape:
-            self._run(0, lambda b: (transport.recv(b, source), transport.synchronize()),
-                      xp.empty(nbytes, np.uint8))
+            dispatch.run_on(self, 0, lambda b: (transport.recv(b, source),
+                                                transport.synchronize()),
+                            xp.empty(nbytes, np.uint8))
             raise ValueError(f"recv from rank {source}: expected a {x.dtype} array of shape "
                              f"{x.shape}, but rank {source} sent {dtype_name(num)} "
                              f"of shape {shape}")
         buf = x if x.flags.c_contiguous else xp.empty(x.shape, x.dtype)
-        self._run(0, lambda b: (transport.recv(b, source), transport.synchronize()), buf)
+        dispatch.run_on(self, 0, lambda b: (transport.recv(b, source), transport.synchronize()),
+                        buf)
         if buf is not x:
             x[...] = buf
         return x
@@ -877,7 +719,8 @@ class Communicator:
         if self._token is None:
             self._token = array_module_for(self.transport_name).zeros(2, np.uint8)
         self._note("dissemination")
-        self._run(0, lambda t: dissemination_barrier(self.transports[0], t), self._token)
+        dispatch.run_on(self, 0, lambda t: dissemination_barrier(self.transports[0], t),
+                        self._token)
 
     def free(self):
         """Finish the asynchronous operations started, then release this communicator's MPI

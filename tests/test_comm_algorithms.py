@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi.comm import Communicator
+from fleetmpi.comm import Communicator, dispatch
 from fleetmpi.comm.algorithm_choice import NATIVE_BELOW_BYTES
 
 from comm_support import (all_data, close, equal, ok, raises, rank_data,
@@ -105,9 +105,9 @@ def test_the_single_node_probe_times_written_memory(monkeypatch):
     if comm.topology.local_size != comm.size:
         pytest.skip("one node only")  # the same on every rank
     probes = []
-    run = comm._allreduce_flat
-    monkeypatch.setattr(comm, "_allreduce_flat", lambda buf, *args, **kwargs: (
-        probes.append((buf.min(), buf.max())), run(buf, *args, **kwargs))[-1])
+    run = dispatch.allreduce_flat
+    monkeypatch.setattr(dispatch, "allreduce_flat", lambda comm, buf, *args, **kwargs: (
+        probes.append((buf.min(), buf.max())), run(comm, buf, *args, **kwargs))[-1])
     comm.allreduce_algorithm(NATIVE_BELOW_BYTES)
     ok(len(probes) == 6, f"{len(probes)} probe runs")
     ok(all(low > 0 for low, _ in probes), f"probe values {probes}")

@@ -12,6 +12,7 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi import backend, checkpoint, nn, optimizer
+from fleetmpi.comm import dispatch
 from fleetmpi.launch.mpi_command import local_command
 from comm_support import close, equal, ok, raises
 from strategy_support import (global_batch, make_mlp, make_strategy, momentum, shard, train,
@@ -310,7 +311,7 @@ def test_amp_with_sharding_matches_amp_data_parallel_and_skips_the_same_step(sta
 
 
 @pytest.mark.mpi(min_size=2)
-def test_parameters_travel_back_in_messages_of_at_most_fuse_broadcast_mb():
+def test_parameters_travel_back_in_messages_of_at_most_fuse_broadcast_mb(monkeypatch):
     fleet.init(is_collective=True)
     size, rank = fleet.worker_num(), fleet.worker_index()
     backend.manual_seed(0)
@@ -320,12 +321,13 @@ def test_parameters_travel_back_in_messages_of_at_most_fuse_broadcast_mb():
                                       sharding(fuse_broadcast_MB=megabytes))
     group = opt.strategies["sharding"].group
     messages = []
-    broadcast = group._broadcast_flat
+    broadcast = dispatch.broadcast_flat
 
-    def recording(buf, root, algorithm, index):
-        messages.append((root, buf.nbytes))
-        return broadcast(buf, root, algorithm, index)
-    group._broadcast_flat = recording
+    def recording(comm, buf, root, algorithm, index):
+        if comm is group:
+            messages.append((root, buf.nbytes))
+        return broadcast(comm, buf, root, algorithm, index)
+    monkeypatch.setattr(dispatch, "broadcast_flat", recording)
     x, y = global_batch(0)
     opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
     ok(max(nbytes for _, nbytes in messages) <= 200, f"messages {messages}")
