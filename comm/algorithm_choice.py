@@ -5,8 +5,8 @@ Each row of ``CHOICES`` names a collective, the request it applies to (the commu
 a range of flat-buffer sizes, the algorithm and why. ``choose`` returns the first row that
 matches a call. ``TIMED`` in a row's algorithm is not an algorithm but an input: the
 communicator times ring against shm once (``time_ring_against_shm``), on the first call that
-needs it, and runs the faster (``Communicator.allreduce_algorithm``). ``python -m fleetmpi.comm`` prints the table, and under
-``mpiexec`` what this world chooses.
+needs it, and runs the faster (``Communicator.allreduce_algorithm``). ``python -m
+fleetmpi.comm`` prints the table, and under ``mpiexec`` what this world chooses.
 
 Collectives not in the table run one algorithm unless asked otherwise: allgather,
 allgatherv and reduce_scatter the ring, alltoall pairwise, gather and scatter linear, barrier

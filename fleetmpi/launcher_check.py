@@ -164,8 +164,8 @@ def mismatch_error(problems):
     """The error ``fleet.init`` raises for ``problems`` (a non-empty list of sentences)."""
     return EnvironmentMismatchError(
         "the launcher's environment disagrees with MPI: " + "; ".join(problems)
-        + f" (MPI is taken as right; unset the stale variables, or set {CHECK_ENVIRONMENT.name}=0 to skip "
-          "this check)")
+        + f" (MPI is taken as right; unset the stale variables, or set "
+          f"{CHECK_ENVIRONMENT.name}=0 to skip this check)")
 
 
 def verify(topology, environ=os.environ, collective=True, emulated_nodes=False):

@@ -7,8 +7,8 @@
 is imported before the rank's variables are in place (the script's own ``import fleetmpi``
 then sees them) and a script that does not use fleetmpi starts without its import cost; it
 imports only the standard library, and loads the one module of fleetmpi it reads
-(``fleetmpi/launcher_env.py``, which imports nothing) by its file path. As with ``python script.py``, the script's folder is first
-on ``sys.path``.
+(``fleetmpi/launcher_env.py``, which imports nothing) by its file path. As with
+``python script.py``, the script's folder is first on ``sys.path``.
 
 It learns its rank from the variables the MPI launcher sets (so MPI itself is initialized only
 by the script's ``fleet.init()``, after ``CUDA_VISIBLE_DEVICES`` is in place), sets the

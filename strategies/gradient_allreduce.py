@@ -21,7 +21,6 @@ from ..knobs import OVERLAP_ALLREDUCE
 from .base import Strategy
 
 
-
 def overlap_allreduce(environ=os.environ):
     """Whether buckets are reduced asynchronously, on the communicator's thread while backward
     goes on (``FLEETMPI_OVERLAP_ALLREDUCE``: ``1``, the default, or ``0``). On by default on

@@ -1,6 +1,9 @@
 """A repeated ``allreduce`` (the same arguments right after the same call as before) skips the
 argument checks and the exchange: it must still compute what the checked call computes, and
 any argument the checks would refuse must still take the checked path and be refused."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -141,6 +144,19 @@ def test_reused_arrays_changed_in_place_are_checked_again(in_place):
     out.flags.writeable = False
     with raises(ValueError, match="is read-only"):
         comm.allreduce(x, out=out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_lookup_by_the_arrays_keeps_no_array_alive():
+    """The arrays of the last repeat are held weakly: once the caller drops them, they are
+    freed, however large they are."""
+    comm = fresh()
+    x, out = np.ones(1 << 16), np.empty(1 << 16)
+    reuse(comm, x, out)
+    probes = [weakref.ref(x), weakref.ref(out)]
+    del x, out
+    gc.collect()
+    ok(all(probe() is None for probe in probes), "the repeated path keeps x or out alive")
 
 
 @pytest.mark.mpi(min_size=2)

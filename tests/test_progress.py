@@ -130,7 +130,8 @@ def test_modes(monkeypatch):
     run_epochs(piped)
     assert piped.getvalue().count("\r") == 10 and piped.getvalue().endswith("\n")
     monkeypatch.setenv(knobs.PROGRESS.name, "fancy")
-    with pytest.raises(ValueError, match="FLEETMPI_PROGRESS='fancy' must be auto, bar, lines or off"):
+    with pytest.raises(ValueError,
+                       match="FLEETMPI_PROGRESS='fancy' must be auto, bar, lines or off"):
         ProgressBar(1)
 
 

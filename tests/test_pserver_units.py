@@ -86,8 +86,9 @@ def test_keys_without_effect_are_listed_and_reported_once(caplog):
     s.a_sync_configs = {"send_queue_size": 4, "thread_pool_size": 2}
     s.amp_configs = {"init_loss_scaling": 8.0}
     reasons = applied.parameter_server_not_applied(s, on_gpu=False)
-    assert reasons == {"a_sync_configs.send_queue_size": field_effects.NO_EFFECT_KEYS["send_queue_size"],
-                       "a_sync_configs.thread_pool_size": field_effects.NO_EFFECT_KEYS["thread_pool_size"],
+    why = field_effects.NO_EFFECT_KEYS
+    assert reasons == {"a_sync_configs.send_queue_size": why["send_queue_size"],
+                       "a_sync_configs.thread_pool_size": why["thread_pool_size"],
                        "amp_configs.init_loss_scaling": applied._PARAMETER_SERVER}
     inert_fields._reported.difference_update(reasons)
     fleet_logger = inert_fields.logger

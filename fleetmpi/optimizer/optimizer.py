@@ -337,7 +337,8 @@ class Optimizer:
 
     def state_nbytes(self):
         """Bytes of optimizer state this process holds (velocity, moments)."""
-        return sum(int(flat.nbytes) for run_state in self.run_states for flat in run_state.values())
+        return sum(int(flat.nbytes) for run_state in self.run_states
+                   for flat in run_state.values())
 
     def shard(self, start, stop, sum_over_shards=None, own_gradient=False,
               own_parameters=False):
