@@ -51,6 +51,12 @@ def uninterrupted(tmp_path_factory):
     return outputs(folder / "out", 3)
 
 
+def worker_logs(folder):
+    """The end of every rank's log under ``folder``, for a failure's message."""
+    return "".join(f"\n--- {name}:\n{(folder / name).read_text()[-2000:]}"
+                   for name in sorted(os.listdir(folder))) if folder.is_dir() else ""
+
+
 def parameters(output):
     return {key: value for key, value in output.items() if key not in ("size", "attempt")}
 
@@ -99,7 +105,7 @@ def test_exhausted_restarts_end_the_job_non_zero_with_the_cause(tmp_path):
     result = run(["--elastic", "--np", "2", "--max_restarts", "1", "--log_dir", str(logs), JOB,
                   str(tmp_path / "ckpt"), str(tmp_path / "out"), str(STEPS), str(COMMIT_EVERY),
                   "1", "3", "99"])
-    assert result.returncode == 9, result.stderr[-3000:]
+    assert result.returncode == 9, result.stderr[-3000:] + worker_logs(logs)
     assert sorted(os.listdir(logs)) == ["workerlog.0", "workerlog.1"]  # no records left behind
     assert "FAULT" in (logs / "workerlog.1").read_text()
     assert "restart 1 of at most 1 with 2 rank(s)" in result.stderr
