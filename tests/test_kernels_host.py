@@ -18,7 +18,8 @@ import re
 import numpy as np
 import pytest
 
-from fleetmpi import backend, kernels
+import fleetmpi.nn.functional as F
+from fleetmpi import Tensor, backend, kernels
 from fleetmpi.kernels import loader, reference
 
 from cuda_host import compile_for_device, load_on_host
@@ -185,9 +186,11 @@ def _bn_inputs(rng, shape, dtype):
 def test_bn_act_matches_the_reference(gpu_path, shape, dtype, tolerance):
     rng = np.random.default_rng([len(shape), shape[-1], 7])
     x, mean, invstd, gamma, beta = _bn_inputs(rng, shape, dtype)
-    y = kernels.bn_act_forward(x, mean, invstd, gamma, beta)
-    want_y = reference.bn_act_forward(x, mean, invstd, gamma, beta, np)
+    y, kernel_xhat = kernels.bn_act_forward(x, mean, invstd, gamma, beta)
+    want_y, want_xhat = reference.bn_act_forward(x, mean, invstd, gamma, beta, np)
     close(y, want_y, tolerance)
+    assert kernel_xhat is None
+    np.testing.assert_array_equal(want_xhat, reference.bn_xhat(x, mean, invstd))
     assert 0 < (want_y > 0).mean() < 1 or want_y.size <= 1
 
     dy = random(rng, shape, dtype)
@@ -205,6 +208,35 @@ def test_bn_act_matches_the_reference(gpu_path, shape, dtype, tolerance):
     scale = max(1.0, float(np.abs(want_dx).max(initial=0)))
     close(dx, want_dx, tolerance * scale)
     assert gpu_path == ["bn_act_forward", "bn_act_backward_mask", "bn_input_grad"]
+
+
+def _fused_batch_norm_step(x, dy):
+    """Output and gradients of a training batch norm + ReLU (``fuse_bn_act_ops``)."""
+    channels = x.shape[1]
+    xt = Tensor(x, stop_gradient=False)
+    weight = Tensor(np.linspace(0.5, 1.5, channels).astype(x.dtype), stop_gradient=False)
+    bias = Tensor(np.linspace(-0.2, 0.2, channels).astype(x.dtype), stop_gradient=False)
+    y = F.batch_norm(xt, None, None, weight, bias, training=True, act="relu")
+    y.backward(Tensor(dy))
+    return [np.array(a) for a in (y.numpy(), xt.grad, weight.grad, bias.grad)]
+
+
+@pytest.mark.parametrize("gpu_path", [None], indirect=True)
+def test_fused_batch_norm_on_the_device_branch_equals_the_host(gpu_path):
+    """The host keeps the normalized input from forward; the device kernel does not, and
+    backward forms it again from the input: both give the same step."""
+    rng = np.random.default_rng(11)
+    x, dy = random(rng, (4, 3, 5, 6), "float64"), random(rng, (4, 3, 5, 6), "float64")
+    on_device = _fused_batch_norm_step(x, dy)
+    assert gpu_path[0] == "bn_act_forward" and "bn_input_grad" in gpu_path
+    gpu_path.clear()
+    with pytest.MonkeyPatch.context() as host:
+        host.setattr(backend, "on_gpu", lambda: False)
+        host.setattr(backend, "array_module", lambda: np)
+        on_host = _fused_batch_norm_step(x, dy)
+    assert gpu_path == []
+    for got, want in zip(on_device, on_host):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
 
 OPTIMIZER_SIZES = [1, 97, 1001]

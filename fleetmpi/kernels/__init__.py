@@ -70,6 +70,8 @@ def bias_act_backward(dy, y, pre, act):
 
 
 def bn_act_forward(x, mean, invstd, gamma, beta):
+    """``(y, xhat)``: the normalized input ``xhat`` where it was formed on the way (the
+    reference), None from the device kernel, which never stores it."""
     xp = backend.array_module()
     if not _use_kernel(x, gamma):
         return reference.bn_act_forward(x, mean, invstd, gamma, beta, xp)
@@ -78,7 +80,7 @@ def bn_act_forward(x, mean, invstd, gamma, beta):
     n, channels, inner = _layout(x)
     launch("bn_act.cu", "bn_act_forward", x.dtype, n,
            (x, mean, invstd, gamma, beta, y, n, channels, inner))
-    return y
+    return y, None
 
 
 def bn_act_backward_mask(dy, y):

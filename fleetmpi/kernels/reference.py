@@ -121,10 +121,10 @@ def bn_normalize(x, mean, invstd, gamma, beta):
 
 
 def bn_act_forward(x, mean, invstd, gamma, beta, xp):
-    """``fuse_bn_act_ops`` forward: ``relu(gamma * (x - mean) * invstd + beta)``, in the
-    memory of one temporary."""
-    y = _affine(bn_xhat(x, mean, invstd), gamma, beta, in_place=True)
-    return xp.maximum(y, 0, out=y)
+    """``fuse_bn_act_ops`` forward: ``(y, xhat)``, ``y = relu(gamma * xhat + beta)`` with
+    ``xhat = (x - mean) * invstd``, which backward needs and so need not compute again."""
+    xhat, y = bn_normalize(x, mean, invstd, gamma, beta)
+    return xp.maximum(y, 0, out=y), xhat
 
 
 def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):

@@ -78,8 +78,9 @@ class BatchNorm(Function):
         if act is not None:
             if act != "relu":
                 raise ValueError(f"fuse_bn_act_ops fuses batch norm with relu only, not {act!r}")
-            self.x, self.mean = x, mean
-            self.y = kernels.bn_act_forward(x, mean, self.invstd, weight, bias)
+            self.y, self.xhat = kernels.bn_act_forward(x, mean, self.invstd, weight, bias)
+            # the device kernel keeps no normalized input; backward forms it from x then
+            self.x, self.mean = (x, mean) if self.xhat is None else (None, None)
             return self.y
         self.xhat, y = reference.bn_normalize(x, mean, self.invstd, weight, bias)
         return y
@@ -100,7 +101,8 @@ class BatchNorm(Function):
         the gradient reduction's mean turns into the gradient of ``L``: the single-process
         gradients on the global batch."""
         if self.act is not None:
-            self.xhat = reference.bn_xhat(self.x, self.mean, self.invstd)
+            if self.xhat is None:
+                self.xhat = reference.bn_xhat(self.x, self.mean, self.invstd)
             dz = kernels.bn_act_backward_mask(dz, self.y)
         xhat = self.xhat
         sum_dz = dz.sum(axis=self.axes)
