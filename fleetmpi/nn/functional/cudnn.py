@@ -61,7 +61,7 @@ class Settings:
 
 _settings = Settings()
 _bindings = None  # (cupyx.cudnn, cupy.cuda.cudnn) once loaded
-_unusable = None  # why cuDNN cannot run on this GPU, once decided
+_unusable = None  # why cuDNN cannot run on this GPU, once decided: the error met
 _workspace_set = None  # the conv_workspace_size_limit last handed to CuPy
 
 
@@ -115,9 +115,9 @@ def _decide():
         version = constants.getVersion()
     except Exception as error:  # no bindings, no library, or one that fails: all "no cuDNN"
         _unusable = f"{type(error).__name__}: {error}"
-        logger.warning("cuDNN is not usable (%s): convolution, pooling and batch norm run "
-                       "without it, as im2col and matrix products and CuPy kernels; "
-                       "pip install 'fleetmpi[gpu]' installs CuPy 13 and cuDNN 8", _unusable)
+        logger.warning("%s: convolution, pooling and batch norm run without it, as im2col and "
+                       "matrix products and CuPy kernels; pip install 'fleetmpi[gpu]' installs "
+                       "CuPy 13 and cuDNN 8", unusable_reason())
         return
     _bindings = (functions, constants)
     logger.info("cuDNN %s (%s) runs convolution, pooling and batch norm", version,
@@ -131,7 +131,7 @@ def unusable_reason():
         return ON_CPU
     if _bindings is None and _unusable is None:
         _decide()
-    return _unusable
+    return None if _unusable is None else f"cuDNN is not usable on this GPU ({_unusable})"
 
 
 def handles(*arrays):
