@@ -68,8 +68,8 @@ def _cudnn_reasons(strategy, on_gpu):
     if why is None:
         return {}
     default = DistributedStrategy()
-    return {name: f"{why}: convolution, pooling and batch norm run without it"
-            for name in CUDNN_FIELDS if changed(strategy, default, name)}
+    return {name: f"{why}: {cudnn.WITHOUT_CUDNN}" for name in CUDNN_FIELDS
+            if changed(strategy, default, name)}
 
 
 def not_applied(strategy, communicator, on_gpu, hooks=()):

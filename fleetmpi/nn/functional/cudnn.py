@@ -31,6 +31,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -43,6 +44,9 @@ CUDNN_DISTRIBUTION = "nvidia-cudnn-cu12"
 # Inside the distribution: the cuDNN 8 library CuPy 13's bindings are linked against.
 CUDNN_LIBRARY = "nvidia/cudnn/lib/libcudnn.so.8"
 ON_CPU = "this process computes on the CPU (NumPy), where there is no cuDNN"
+# What runs where cuDNN does not.
+WITHOUT_CUDNN = ("convolution, pooling and batch norm run without it, as im2col and matrix "
+                 "products and CuPy kernels")
 _DTYPES = frozenset({"float16", "float32", "float64"})
 _NO_DILATION = (1, 1)
 _ONE_GROUP = 1
@@ -55,7 +59,7 @@ class Settings:
     heuristic algorithm choice, CuPy's own workspace limit (None), the spatial batch norm."""
 
     cudnn_exhaustive_search: bool = False
-    conv_workspace_size_limit: object = None
+    conv_workspace_size_limit: Optional[int] = None
     cudnn_batchnorm_spatial_persistent: bool = False
 
 
@@ -115,9 +119,8 @@ def _decide():
         version = constants.getVersion()
     except Exception as error:  # no bindings, no library, or one that fails: all "no cuDNN"
         _unusable = f"{type(error).__name__}: {error}"
-        logger.warning("%s: convolution, pooling and batch norm run without it, as im2col and "
-                       "matrix products and CuPy kernels; pip install 'fleetmpi[gpu]' installs "
-                       "CuPy 13 and cuDNN 8", unusable_reason())
+        logger.warning("%s: %s; pip install 'fleetmpi[gpu]' installs CuPy 13 and cuDNN 8",
+                       unusable_reason(), WITHOUT_CUDNN)
         return
     _bindings = (functions, constants)
     logger.info("cuDNN %s (%s) runs convolution, pooling and batch norm", version,
@@ -145,9 +148,9 @@ def handles(*arrays):
 
 
 def batch_norm_takes(epsilon):
-    """Whether cuDNN's batch norm accepts ``epsilon`` (it refuses one below
+    """Whether cuDNN is loaded and its batch norm accepts ``epsilon`` (it refuses one below
     ``CUDNN_BN_MIN_EPSILON``; the other path computes with any)."""
-    return epsilon >= _bindings[1].CUDNN_BN_MIN_EPSILON
+    return _bindings is not None and epsilon >= _bindings[1].CUDNN_BN_MIN_EPSILON
 
 
 def _functions():
