@@ -20,6 +20,7 @@ import weakref
 from . import backend, hybrid, paddle_flags, world
 from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
+from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
 from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
                              run_forward, step_running)
@@ -47,6 +48,12 @@ def applied_strategy():
         raise RuntimeError("no strategy is applied yet: call fleet.distributed_optimizer first "
                            "(with strategy.auto, also one minimize call, which calibrates)")
     return _applied
+
+
+def _configure_cudnn(strategy):
+    """Hand ``strategy``'s cuDNN fields to the cuDNN path (process-wide, as Paddle's flags)."""
+    cudnn.configure(strategy.cudnn_exhaustive_search, strategy.conv_workspace_size_limit,
+                    strategy.cudnn_batchnorm_spatial_persistent)
 
 
 def _world_communicator(communicator):
@@ -181,6 +188,7 @@ class DistributedOptimizer:
         self.strategy = strategy
         self.strategies = {hook.name: hook for hook in self.hooks}
         build = strategy.build_strategy
+        _configure_cudnn(strategy)
         self.inner.fuse_all_optimizer_ops = bool(build.fuse_all_optimizer_ops)
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
         reasons = applied.not_applied(strategy, self.communicator, backend.on_gpu(), self.hooks)
@@ -370,6 +378,7 @@ def _parameter_server_optimizer(optimizer, strategy):
         raise NotImplementedError("strategy.auto calibrates collective training; in "
                                   "parameter-server mode set a_sync and a_sync_configs")
     ps_optimizer = make_optimizer(optimizer, strategy)
+    _configure_cudnn(strategy)
     _applied = applied.AppliedStrategy.of(
         strategy, [f"parameter_server ({ps_optimizer.mode})"],
         applied.parameter_server_not_applied(strategy, backend.on_gpu()))

@@ -15,11 +15,15 @@ from .. import job, knobs, paddle_flags
 from ..distributed_strategy import DistributedStrategy
 from ..log import logger
 from ..nn import BatchNorm, Sequential
+from ..nn.functional import cudnn
 from ..paddle_fields import PADDLE_ONLY
 from .compose import ORDER
 from .field_effects import IN_PARAMETER_SERVER_MODE, NO_EFFECT, NO_EFFECT_KEYS
 from .inert_fields import inert_fields_set, report_once
 
+# Fields that only change what cuDNN does (fleetmpi.nn.functional.cudnn).
+CUDNN_FIELDS = ("cudnn_exhaustive_search", "conv_workspace_size_limit",
+                "cudnn_batchnorm_spatial_persistent")
 # Fields that only shape how gradients travel between ranks.
 COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS",
                         "nccl_comm_num", "use_hierarchical_allreduce",
@@ -45,14 +49,27 @@ def changed(strategy, default, name):
 
 def _in_every_mode(strategy, on_gpu):
     """The reasons that do not depend on the mode: Paddle-only fields of a loaded file,
-    ``elastic`` outside ``fleetmpirun --elastic``, and ``FLAGS_*`` variables not read."""
+    ``elastic`` outside ``fleetmpirun --elastic``, ``FLAGS_*`` variables not read, and the
+    cuDNN fields where cuDNN does not run."""
     reasons = {path: f"a field of Paddle's DistributedStrategy that fleetmpi does not have: "
                      f"{PADDLE_ONLY[path]}" for path in strategy.paddle_only_fields()}
     if strategy.elastic and knobs.RESTART_COUNT.name not in os.environ:
         reasons["elastic"] = ("the job was not started by fleetmpirun --elastic, so nothing "
                               "restarts it after a failure")
     reasons.update(paddle_flags.unread(on_gpu))
+    reasons.update(_cudnn_reasons(strategy, on_gpu))
     return reasons
+
+
+def _cudnn_reasons(strategy, on_gpu):
+    """The cuDNN fields set where cuDNN does not run: on the CPU, or on a GPU where it is not
+    usable."""
+    why = cudnn.unusable_reason() if on_gpu else cudnn.ON_CPU
+    if why is None:
+        return {}
+    default = DistributedStrategy()
+    return {name: f"{why}: {cudnn.WITHOUT_CUDNN}" for name in CUDNN_FIELDS
+            if changed(strategy, default, name)}
 
 
 def not_applied(strategy, communicator, on_gpu, hooks=()):

@@ -20,7 +20,8 @@ PARAMETER_SERVER = "parameter-server"
 EVERY_MODE = "every mode"
 NOWHERE = None
 
-_NO_CUDNN = "convolutions run as im2col and matrix multiply, without cuDNN"
+_CUDNN = ("on a GPU with cuDNN (fleetmpi.nn.functional.cudnn; reported as not applied where "
+          "there is none): ")
 _IN_ORDER = "the trainer runs one layer at a time, in program order"
 _PS_MODE = "(fleet.init(is_collective=False))"
 
@@ -70,9 +71,14 @@ FIELDS = {
     "a_sync_configs.use_ps_gpu": (NOWHERE, "servers keep their shards in host memory"),
     "sync_nccl_allreduce": (NOWHERE, "every collective of this trainer completes before the "
                                      "step goes on"),
-    "cudnn_exhaustive_search": (NOWHERE, _NO_CUDNN),
-    "conv_workspace_size_limit": (NOWHERE, _NO_CUDNN),
-    "cudnn_batchnorm_spatial_persistent": (NOWHERE, _NO_CUDNN),
+    "cudnn_exhaustive_search": (EVERY_MODE, _CUDNN + "each convolution times every cuDNN "
+                                                       "algorithm for its shapes once and keeps "
+                                                       "the fastest; off: cuDNN's heuristics"),
+    "conv_workspace_size_limit": (EVERY_MODE, _CUDNN + "the most scratch memory (MB) a "
+                                                         "convolution algorithm may use"),
+    "cudnn_batchnorm_spatial_persistent": (EVERY_MODE, _CUDNN + "batch norm in training runs "
+                                                                  "in CUDNN_BATCHNORM_SPATIAL_"
+                                                                  "PERSISTENT mode"),
     "build_strategy.enable_sequential_execution": (NOWHERE, _IN_ORDER),
     "build_strategy.fuse_relu_depthwise_conv": (NOWHERE, "the trainer has no depthwise "
                                                          "convolution"),

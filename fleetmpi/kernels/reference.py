@@ -127,6 +127,13 @@ def bn_act_forward(x, mean, invstd, gamma, beta, xp):
     return xp.maximum(y, 0, out=y), xhat
 
 
+def move_running(running, batch, momentum):
+    """Batch norm's running statistic moved towards the batch's, in place: ``running =
+    momentum * running + (1 - momentum) * batch`` (Paddle's convention)."""
+    running *= momentum
+    running += (1 - momentum) * batch
+
+
 def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
     """Batch-norm input gradient from the gradient ``dz`` of its output, given the per-channel
     sums of ``dz`` and ``dz * xhat`` over the ``count`` values of each channel."""

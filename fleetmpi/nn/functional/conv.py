@@ -14,6 +14,7 @@ import numpy as np
 from ... import backend, kernels
 from ...autograd import Function
 from ...autograd.operations import matmul_arrays
+from . import cudnn
 
 
 def _as_strided(x, shape, strides):
@@ -237,10 +238,14 @@ def _check_4d(what, x):
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, act=None):
-    """2-d convolution (NCHW); ``act`` fuses a bias and an activation into the output."""
+    """2-d convolution (NCHW); ``act`` fuses a bias and an activation into the output. Through
+    cuDNN where it is usable (``cudnn.py``), else as im2col and a matrix product."""
     _check_4d("conv2d", x)
-    return Conv2D.apply(x, weight, bias, pair("stride", stride),
-                        pair("padding", padding, minimum=0), act)
+    stride, padding = pair("stride", stride), pair("padding", padding, minimum=0)
+    if cudnn.handles(x, weight, bias):
+        out_shape = output_size("conv2d", x, weight.shape[2:], stride, padding)
+        return cudnn.CudnnConv2D.apply(x, weight, bias, stride, padding, out_shape, act)
+    return Conv2D.apply(x, weight, bias, stride, padding, act)
 
 
 def _pool_args(kernel_size, stride, padding):
@@ -253,14 +258,25 @@ def _pool_args(kernel_size, stride, padding):
     return kernel, stride, padding
 
 
+def _pool(what, x, kernel, stride, padding):
+    """Pooling ``what`` (``"max_pool2d"`` or ``"avg_pool2d"``) through cuDNN where it is
+    usable, else over strided windows."""
+    if cudnn.handles(x):
+        out_shape = output_size(what, x, kernel, stride, padding)
+        function = cudnn.CudnnMaxPool2D if what == "max_pool2d" else cudnn.CudnnAvgPool2D
+        return function.apply(x, kernel, stride, padding, out_shape)
+    function = MaxPool2D if what == "max_pool2d" else AvgPool2D
+    return function.apply(x, kernel, stride, padding)
+
+
 def max_pool2d(x, kernel_size, stride=None, padding=0):
     _check_4d("max_pool2d", x)
-    return MaxPool2D.apply(x, *_pool_args(kernel_size, stride, padding))
+    return _pool("max_pool2d", x, *_pool_args(kernel_size, stride, padding))
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0):
     _check_4d("avg_pool2d", x)
-    return AvgPool2D.apply(x, *_pool_args(kernel_size, stride, padding))
+    return _pool("avg_pool2d", x, *_pool_args(kernel_size, stride, padding))
 
 
 def adaptive_avg_pool2d(x, output_size):
@@ -275,7 +291,7 @@ def adaptive_avg_pool2d(x, output_size):
         raise ValueError(f"adaptive_avg_pool2d to {out} needs it to divide the input's "
                          f"spatial size {(h, w)}")
     kernel = (h // out[0], w // out[1])
-    return AvgPool2D.apply(x, kernel, kernel, (0, 0))
+    return _pool("avg_pool2d", x, kernel, kernel, (0, 0))
 
 
 def global_avg_pool(x):

@@ -6,6 +6,7 @@ import numpy as np
 from ... import backend, kernels
 from ...autograd import Function
 from ...kernels import reference
+from . import cudnn
 
 
 def sum_over_ranks(communicator, *vectors):
@@ -68,8 +69,7 @@ class BatchNorm(Function):
             mean, var, self.count = batch_statistics(x, self.axes, self.communicator)
             for running, batch in ((running_mean, mean), (running_var, var)):
                 if running is not None:
-                    running *= momentum
-                    running += (1 - momentum) * batch
+                    reference.move_running(running, batch, momentum)
         else:
             mean, var = running_mean, running_var
             self.count = x.size // x.shape[1]
@@ -127,13 +127,19 @@ def batch_norm(x, running_mean, running_var, weight, bias, training=False, momen
                epsilon=1e-5, communicator=None, act=None):
     """Batch normalization over axis 1 (Paddle's ``F.batch_norm``); ``communicator`` makes the
     training statistics those of every rank's batch together. The running statistics are
-    updated in place, so they must be arrays of the backend (a layer's buffers are)."""
+    updated in place, so they must be arrays of the backend (a layer's buffers are). Through
+    cuDNN where it is usable (``cudnn.py``), except with a communicator in training."""
     array = backend.array_module().ndarray
     for name, running in (("running_mean", running_mean), ("running_var", running_var)):
         if running is not None and not isinstance(running, array):
             raise TypeError(f"batch_norm {name} must be a {array.__module__}.ndarray updated in "
                             f"place, not {type(running).__name__}; create it with "
                             "backend.asarray")
+    if (communicator is None or not training) and cudnn.handles(x) \
+            and cudnn.batch_norm_takes(epsilon):
+        return cudnn.CudnnBatchNorm.apply(x, weight, bias, running_mean=running_mean,
+                                          running_var=running_var, training=training,
+                                          momentum=momentum, epsilon=epsilon, act=act)
     return BatchNorm.apply(x, weight, bias, running_mean=running_mean, running_var=running_var,
                            training=training, momentum=momentum, epsilon=epsilon,
                            communicator=communicator, act=act)
