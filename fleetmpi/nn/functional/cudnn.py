@@ -221,7 +221,6 @@ class CudnnConv2D(Function):
         return dx, dweight, dbias, None, None, None, None
 
 
-
 class _CudnnPool2D(Function):
     """Pooling through cuDNN in ``mode_name``'s mode: the arguments of ``conv.py``'s poolings
     plus the output's spatial size, which the caller has checked."""
