@@ -191,7 +191,20 @@ def image_batch(step):
             rng.integers(0, CLASSES, GLOBAL_BATCH))
 
 
-MODELS = {"mlp_bn1d": (bn_mlp, global_batch), "convnet_bn2d": (bn_convnet, image_batch)}
+def resnet20():
+    """``nn.resnet20`` itself: 19 convolutions with batch norm, residual additions (float64)."""
+    return nn.resnet20(num_classes=CLASSES, dtype="float64")
+
+
+def cifar_like_batch(step):
+    """Three-channel images, small enough (8x8) that ResNet-20's two stride-2 stages leave 2x2."""
+    rng = np.random.default_rng(300 + step)
+    return (rng.standard_normal((GLOBAL_BATCH, 3, 8, 8)) + 0.2,
+            rng.integers(0, CLASSES, GLOBAL_BATCH))
+
+
+MODELS = {"mlp_bn1d": (bn_mlp, global_batch), "convnet_bn2d": (bn_convnet, image_batch),
+          "resnet20": (resnet20, cifar_like_batch)}
 STEPS = 4
 
 
