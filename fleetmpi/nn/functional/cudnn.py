@@ -45,8 +45,8 @@ CUDNN_DISTRIBUTION = "nvidia-cudnn-cu12"
 CUDNN_LIBRARY = "nvidia/cudnn/lib/libcudnn.so.8"
 ON_CPU = "this process computes on the CPU (NumPy), where there is no cuDNN"
 # What runs where cuDNN does not.
-WITHOUT_CUDNN = ("convolution, pooling and batch norm run without it, as im2col and matrix "
-                 "products and CuPy kernels")
+WITHOUT_CUDNN = ("convolution, pooling and batch norm run without it, as im2col, matrix "
+                 "products and elementwise array operations")
 _DTYPES = frozenset({"float16", "float32", "float64"})
 _NO_DILATION = (1, 1)
 _ONE_GROUP = 1
