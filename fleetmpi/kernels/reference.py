@@ -104,14 +104,18 @@ def bn_xhat(x, mean, invstd):
 
 
 def _affine(xhat, gamma, beta, in_place):
-    """``gamma * xhat + beta`` per channel; ``in_place``: in ``xhat``'s memory, where its dtype
-    holds the result (the same bits either way)."""
+    """``gamma * xhat + beta`` per channel, in one array: ``xhat``'s memory when ``in_place``,
+    else a new one, where ``xhat``'s dtype holds the result (the same bits either way)."""
     scale, shift = per_channel(gamma, xhat.ndim), per_channel(beta, xhat.ndim)
-    if not (in_place and np.result_type(xhat.dtype, scale.dtype, shift.dtype) == xhat.dtype):
+    if np.result_type(xhat.dtype, scale.dtype, shift.dtype) != xhat.dtype:
         return scale * xhat + shift
-    xhat *= scale
-    xhat += shift
-    return xhat
+    if in_place:
+        xhat *= scale
+        y = xhat
+    else:
+        y = xhat * scale
+    y += shift
+    return y
 
 
 def bn_normalize(x, mean, invstd, gamma, beta):
