@@ -52,8 +52,7 @@ def applied_strategy():
 
 def _configure_cudnn(strategy):
     """Hand ``strategy``'s cuDNN fields to the cuDNN path (process-wide, as Paddle's flags)."""
-    cudnn.configure(strategy.cudnn_exhaustive_search, strategy.conv_workspace_size_limit,
-                    strategy.cudnn_batchnorm_spatial_persistent)
+    cudnn.configure(strategy.cudnn_exhaustive_search, strategy.conv_workspace_size_limit)
 
 
 def _world_communicator(communicator):

@@ -21,9 +21,9 @@ from .compose import ORDER
 from .field_effects import IN_PARAMETER_SERVER_MODE, NO_EFFECT, NO_EFFECT_KEYS
 from .inert_fields import inert_fields_set, report_once
 
-# Fields that only change what cuDNN does (fleetmpi.nn.functional.cudnn).
-CUDNN_FIELDS = ("cudnn_exhaustive_search", "conv_workspace_size_limit",
-                "cudnn_batchnorm_spatial_persistent")
+# Fields that only change what cuDNN does (fleetmpi.nn.functional.cudnn);
+# cudnn_batchnorm_spatial_persistent changes nothing anywhere (field_effects).
+CUDNN_FIELDS = ("cudnn_exhaustive_search", "conv_workspace_size_limit")
 # Fields that only shape how gradients travel between ranks.
 COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS",
                         "nccl_comm_num", "use_hierarchical_allreduce",

@@ -15,6 +15,8 @@ training, ``inert_fields`` and ``applied.not_applied``), ``IN_PARAMETER_SERVER_M
 ``applied.parameter_server_not_applied``), and ``never_effective()`` (the fields that change
 nothing in any mode, which tests/test_never_silent.py expects reported wherever they are set).
 """
+from ..nn.functional import cudnn
+
 COLLECTIVE = "collective"
 PARAMETER_SERVER = "parameter-server"
 EVERY_MODE = "every mode"
@@ -71,14 +73,13 @@ FIELDS = {
     "a_sync_configs.use_ps_gpu": (NOWHERE, "servers keep their shards in host memory"),
     "sync_nccl_allreduce": (NOWHERE, "every collective of this trainer completes before the "
                                      "step goes on"),
-    "cudnn_exhaustive_search": (EVERY_MODE, _CUDNN + "each convolution times every cuDNN "
-                                                       "algorithm for its shapes once and keeps "
-                                                       "the fastest; off: cuDNN's heuristics"),
-    "conv_workspace_size_limit": (EVERY_MODE, _CUDNN + "the most scratch memory (MB) a "
-                                                         "convolution algorithm may use"),
-    "cudnn_batchnorm_spatial_persistent": (EVERY_MODE, _CUDNN + "batch norm in training runs "
-                                                                  "in CUDNN_BATCHNORM_SPATIAL_"
-                                                                  "PERSISTENT mode"),
+    "cudnn_exhaustive_search": (EVERY_MODE, _CUDNN + "every plan cuDNN has for a convolution, "
+                                                       "batch norm or attention graph is timed "
+                                                       "once and the fastest kept; off: cuDNN's "
+                                                       "heuristics"),
+    "conv_workspace_size_limit": (EVERY_MODE, _CUDNN + "the most scratch memory (MB) a cuDNN "
+                                                         "plan may use"),
+    "cudnn_batchnorm_spatial_persistent": (NOWHERE, cudnn.PERSISTENT_NOT_IN_GRAPH_API),
     "build_strategy.enable_sequential_execution": (NOWHERE, _IN_ORDER),
     "build_strategy.fuse_relu_depthwise_conv": (NOWHERE, "the trainer has no depthwise "
                                                          "convolution"),

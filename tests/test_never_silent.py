@@ -70,13 +70,12 @@ FIELDS = {
     "fuse_grad_size_in_TFLOPS": Effect(3.0, "test_composition.py::"
                                        + _t("fuse_grad_size_in_tflops_caps_the_layers_per_"
                                             "bucket")),
-    # on a GPU with cuDNN; on the CPU, or without cuDNN, reported (test_cudnn.py)
-    "cudnn_exhaustive_search": Effect(False, "test_cudnn.py::"
-                                      + _t("strategy_fields_reach_the_cudnn_calls")),
-    "conv_workspace_size_limit": Effect(100, "test_cudnn.py::"
-                                        + _t("strategy_fields_reach_the_cudnn_calls")),
-    "cudnn_batchnorm_spatial_persistent": Effect(False, "test_cudnn.py::"
-                                                 + _t("strategy_fields_reach_the_cudnn_calls")),
+    # on a GPU with cuDNN; on the CPU, or without cuDNN, reported (test_cudnn_frontend.py)
+    "cudnn_exhaustive_search": Effect(False, "test_cudnn_frontend.py::"
+                                      + _t("strategy_fields_reach_the_cudnn_graphs")),
+    "conv_workspace_size_limit": Effect(100, "test_cudnn_frontend.py::"
+                                        + _t("strategy_fields_reach_the_cudnn_graphs")),
+    "cudnn_batchnorm_spatial_persistent": Value(False),
     "recompute": Effect(True, "test_recompute.py::" + _t("measured_peak_activation_memory_"
                                                          "falls_for_a_16_layer_mlp")),
     "recompute_configs.checkpoints": Effect(["1"], "test_recompute.py::"

@@ -6,6 +6,8 @@ in). Inside ``autocast(policy)`` every ``Function`` with an ``op_type`` casts it
 inputs to that dtype first, through recorded casts, so their gradients go back in the dtype
 the inputs came in (float32 master weights get float32 gradients).
 """
+import numpy as np
+
 _policy = None
 
 
@@ -29,3 +31,12 @@ class autocast:
         global _policy
         _policy = self._previous
         return False
+
+
+def input_dtype(op_type, dtype):
+    """The dtype a floating input of ``dtype`` has inside the forward of an operator named
+    ``op_type`` under the current policy (what ``Function.apply`` casts it to), so a caller can
+    choose how to run the operator before it is applied."""
+    cast = None if _policy is None or op_type is None else _policy.dtype_for(op_type)
+    dtype = np.dtype(dtype)
+    return np.dtype(cast) if cast is not None and dtype.kind == "f" else dtype

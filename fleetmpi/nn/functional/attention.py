@@ -10,6 +10,10 @@ probabilities, and its backward computes the three input gradients from those di
 The scores and the softmax are computed in at least float32 (the inputs are upcast first), with
 the row maximum subtracted before ``exp``, so float16 inputs (amp) neither overflow nor lose the
 small probabilities; the output and the gradients go back in the inputs' dtypes.
+
+On a GPU with cuDNN, float16 and bfloat16 attention without a mask tensor or dropout runs as
+cuDNN's fused (flash) attention instead (``cudnn_attention.py``), which never stores the
+scores.
 """
 import math
 
@@ -17,6 +21,7 @@ import numpy as np
 
 from ... import backend
 from ...autograd import Function
+from . import cudnn, cudnn_attention
 from .common import check_dropout_rate
 
 
@@ -136,5 +141,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     masked gives zeros. ``dropout_p``: dropout on the attention probabilities while
     ``training``, with the rank generator's masks as ``F.dropout``."""
     dropout_p = check_dropout_rate(dropout_p) if training else 0.0
+    plans = None if attn_mask is not None or dropout_p else _fused_plans(query, key, value,
+                                                                       is_causal)
+    if plans is not None:
+        return cudnn_attention.CudnnAttention.apply(query, key, value, plans)
     return ScaledDotProductAttention.apply(query, key, value, attn_mask,
                                            is_causal=bool(is_causal), dropout_p=dropout_p)
+
+
+def _fused_plans(query, key, value, is_causal):
+    """cuDNN's fused attention plans for these operands (``cudnn_attention.py``), or None
+    where it does not run them."""
+    dtype = cudnn.operation_dtype(ScaledDotProductAttention.op_type, query, key, value)
+    if dtype is None or dtype.name not in cudnn_attention.FUSED_DTYPES:
+        return None
+    _check_shapes(query, key, value, None)
+    return cudnn_attention.attention_plans(query.shape, key.shape, value.shape, dtype,
+                                           bool(is_causal))

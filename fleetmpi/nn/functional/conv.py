@@ -14,7 +14,7 @@ import numpy as np
 from ... import backend, kernels
 from ...autograd import Function
 from ...autograd.operations import matmul_arrays
-from . import cudnn
+from . import cudnn, cudnn_ops
 
 
 def _as_strided(x, shape, strides):
@@ -239,12 +239,16 @@ def _check_4d(what, x):
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, act=None):
     """2-d convolution (NCHW); ``act`` fuses a bias and an activation into the output. Through
-    cuDNN where it is usable (``cudnn.py``), else as im2col and a matrix product."""
+    cuDNN where it has an engine for the shapes (``cudnn_ops.py``), else as im2col and a
+    matrix product."""
     _check_4d("conv2d", x)
     stride, padding = pair("stride", stride), pair("padding", padding, minimum=0)
-    if cudnn.handles(x, weight, bias):
+    dtype = cudnn.operation_dtype(Conv2D.op_type, x, weight, bias)
+    if dtype is not None:
         out_shape = output_size("conv2d", x, weight.shape[2:], stride, padding)
-        return cudnn.CudnnConv2D.apply(x, weight, bias, stride, padding, out_shape, act)
+        plans = cudnn_ops.conv_plans(x.shape, weight.shape, dtype, stride, padding, out_shape)
+        if plans is not None:
+            return cudnn_ops.CudnnConv2D.apply(x, weight, bias, plans, act=act)
     return Conv2D.apply(x, weight, bias, stride, padding, act)
 
 
@@ -259,12 +263,7 @@ def _pool_args(kernel_size, stride, padding):
 
 
 def _pool(what, x, kernel, stride, padding):
-    """Pooling ``what`` (``"max_pool2d"`` or ``"avg_pool2d"``) through cuDNN where it is
-    usable, else over strided windows."""
-    if cudnn.handles(x):
-        out_shape = output_size(what, x, kernel, stride, padding)
-        function = cudnn.CudnnMaxPool2D if what == "max_pool2d" else cudnn.CudnnAvgPool2D
-        return function.apply(x, kernel, stride, padding, out_shape)
+    """Pooling ``what`` (``"max_pool2d"`` or ``"avg_pool2d"``) over strided windows."""
     function = MaxPool2D if what == "max_pool2d" else AvgPool2D
     return function.apply(x, kernel, stride, padding)
 

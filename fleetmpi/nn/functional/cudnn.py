@@ -1,335 +1,266 @@
-"""Convolution, pooling and batch normalization through cuDNN, on a GPU where it is usable.
+"""cuDNN 9 through NVIDIA's cuDNN frontend (``nvidia-cudnn-frontend``, module ``cudnn``), on a
+GPU where it is usable: the graphs ``cudnn_ops.py`` and ``cudnn_attention.py`` describe are
+built, cached and executed here.
 
-cuDNN comes through CuPy 13's bindings (``cupyx.cudnn`` and ``cupy.cuda.cudnn``; CuPy 14 has
-none), which are built against ``libcudnn.so.8``. CuPy 13 looks for that library on the default
-search path only, not in the ``nvidia-cudnn-cu12`` wheel the ``gpu`` extra installs, so
-``preload_library`` loads the wheel's copy first, globally, and CuPy's module then finds it
-loaded. Whether cuDNN is usable is decided once, on the first operation on a GPU; when it is
-not (no bindings, no library), one warning says why and the operations of ``conv.py`` and
-``norm.py`` run instead (im2col and matrix products, CuPy elementwise kernels). On the CPU there
-is no cuDNN and nothing is said.
+CuPy 14 has no cuDNN bindings; its upgrade guide points to the frontend, whose Python graph API
+takes CuPy arrays (their device pointers and strides) in each execution's variant pack. The
+frontend finds cuDNN in NVIDIA's ``nvidia-cudnn-cu12`` / ``nvidia-cudnn-cu13`` wheel itself.
+Whether it is usable is decided once, on the first operation on a GPU (the module imports,
+cuDNN loads, a handle is created); when it is not, one warning says why and the operations run
+without it (``WITHOUT_CUDNN``). On the CPU there is no cuDNN and nothing is said.
+
+A graph is built once per key (the operation, its shapes, dtypes and parameters, and the
+settings below) and kept. Building is where cuDNN says whether it has an engine for the graph:
+where it has none, the key is remembered as unsupported, one line is logged per kind of
+operation, and the caller runs that operation on its own path.
 
 What the strategy fields of the same names set (``configure``, called when a strategy is
-applied; until then cuDNN's plain behaviour):
+applied; until then the frontend's plain behaviour):
 
-* ``cudnn_exhaustive_search``: each convolution times every algorithm cuDNN has for its shapes
-  once (``cudnnFind*AlgorithmEx``, CuPy's ``auto_tune``) and keeps the fastest; off, cuDNN's
-  heuristics pick one without running anything;
-* ``conv_workspace_size_limit``: the most scratch memory (MB) an algorithm may use, CuPy's
-  ``set_max_workspace_size``;
-* ``cudnn_batchnorm_spatial_persistent``: batch norm in training runs in
-  ``CUDNN_BATCHNORM_SPATIAL_PERSISTENT`` mode, often faster, with a narrower range: cuDNN warns
-  that very large finite inputs may overflow to inf or NaN where the plain spatial mode stays
-  finite. Inference always runs in spatial mode, the one cuDNN has for it.
-
-The functions here compute what their counterparts in ``conv.py`` and ``norm.py`` compute, with
-the same arguments, gradients and fused activations; ``tests/test_cudnn.py`` checks them
-against the same references through a stand-in for the bindings.
+* ``cudnn_exhaustive_search``: every plan cuDNN has for a graph is built, each is timed once on
+  the graph's first execution, and the fastest is kept; off, cuDNN's heuristics (mode A, then
+  its fallback list) pick one plan without running anything;
+* ``conv_workspace_size_limit``: plans that need more scratch memory (MB) are not considered,
+  for every graph (convolution, batch norm, attention);
+* ``cudnn_batchnorm_spatial_persistent`` sets nothing: it selects a mode of cuDNN's legacy
+  batch-norm call, and the graph API has no such mode (its heuristics choose the batch-norm
+  engine), so ``applied_strategy().not_applied`` reports it wherever it is set
+  (``PERSISTENT_NOT_IN_GRAPH_API``).
 """
-import ctypes
 import dataclasses
 import importlib
-import importlib.metadata
-import os
+import logging
 from typing import Optional
 
 import numpy as np
 
-from ... import backend, kernels
-from ...autograd import Function
-from ...kernels import reference
+from ... import backend
+from ...autograd.autocast import input_dtype
 from ...log import logger
 
-CUDNN_DISTRIBUTION = "nvidia-cudnn-cu12"
-# Inside the distribution: the cuDNN 8 library CuPy 13's bindings are linked against.
-CUDNN_LIBRARY = "nvidia/cudnn/lib/libcudnn.so.8"
+FRONTEND_MODULE = "cudnn"
+FRONTEND_DISTRIBUTION = "nvidia-cudnn-frontend"
 ON_CPU = "this process computes on the CPU (NumPy), where there is no cuDNN"
 # What runs where cuDNN does not.
-WITHOUT_CUDNN = ("convolution, pooling and batch norm run without it, as im2col, matrix "
-                 "products and elementwise array operations")
-_DTYPES = frozenset({"float16", "float32", "float64"})
-_NO_DILATION = (1, 1)
-_ONE_GROUP = 1
+WITHOUT_CUDNN = ("convolution, batch norm and attention run without it, as im2col and matrix "
+                 "products, elementwise array operations and fleetmpi's fused attention")
+PERSISTENT_NOT_IN_GRAPH_API = (
+    "cuDNN 9's graph API, which fleetmpi uses through the cuDNN frontend, has no persistent "
+    "batch-norm mode (that mode belongs to the legacy cudnnBatchNormalizationForwardTraining); "
+    "cuDNN's heuristics choose the batch-norm engine")
+# The dtypes cuDNN computes in here, by NumPy (or ml_dtypes) name, and the frontend's name.
+DATA_TYPES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT"}
+_MB = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """The cuDNN settings, under the names of the strategy fields that set them (module
-    docstring). The defaults are cuDNN's plain behaviour, before any strategy is applied:
-    heuristic algorithm choice, CuPy's own workspace limit (None), the spatial batch norm."""
+    docstring). The defaults are the frontend's plain behaviour, before any strategy is applied:
+    heuristic plan choice, no workspace limit (None)."""
 
     cudnn_exhaustive_search: bool = False
     conv_workspace_size_limit: Optional[int] = None
-    cudnn_batchnorm_spatial_persistent: bool = False
 
 
 _settings = Settings()
-_bindings = None  # (cupyx.cudnn, cupy.cuda.cudnn) once loaded
+_frontend = None  # the frontend module, once loaded
+_handle = None  # the cuDNN handle every execution uses (on CuPy's current stream)
 _unusable = None  # why cuDNN cannot run on this GPU, once decided: the error met
-_workspace_set = None  # the conv_workspace_size_limit last handed to CuPy
+_plans = {}  # key -> Plan, or None where cuDNN has no engine for the key's graph
+_declined_kinds = set()  # the kinds of operation already logged as declined
 
 
-def configure(cudnn_exhaustive_search, conv_workspace_size_limit,
-              cudnn_batchnorm_spatial_persistent):
-    """Set what the next cuDNN operations use (the strategy fields of the same names;
+def configure(cudnn_exhaustive_search, conv_workspace_size_limit):
+    """Set what the next cuDNN graphs use (the strategy fields of the same names;
     ``conv_workspace_size_limit`` in MB). Process-wide, as Paddle's flags: the strategy applied
     last wins."""
     global _settings
-    for name, value in (("cudnn_exhaustive_search", cudnn_exhaustive_search),
-                        ("cudnn_batchnorm_spatial_persistent",
-                         cudnn_batchnorm_spatial_persistent)):
-        if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{name} must be True or False, not {value!r}")
+    if not isinstance(cudnn_exhaustive_search, (bool, np.bool_)):
+        raise ValueError(f"cudnn_exhaustive_search must be True or False, not "
+                         f"{cudnn_exhaustive_search!r}")
     limit = conv_workspace_size_limit
     if not isinstance(limit, (int, np.integer)) or isinstance(limit, bool) or limit < 0:
         raise ValueError(f"conv_workspace_size_limit must be an integer >= 0 (MB), not "
                          f"{limit!r}")
-    _settings = Settings(bool(cudnn_exhaustive_search), int(limit),
-                         bool(cudnn_batchnorm_spatial_persistent))
+    _settings = Settings(bool(cudnn_exhaustive_search), int(limit))
 
 
 def settings():
-    """The ``Settings`` the next cuDNN operations use."""
+    """The ``Settings`` the next cuDNN graphs use."""
     return _settings
 
 
-def preload_library():
-    """Load ``libcudnn.so.8`` from the ``nvidia-cudnn-cu12`` distribution, globally, so that
-    CuPy's cuDNN module finds it already loaded; the path loaded, or None where the
-    distribution or its cuDNN 8 library is not installed (a cuDNN on the default search path
-    serves then)."""
-    try:
-        distribution = importlib.metadata.distribution(CUDNN_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    path = str(distribution.locate_file(CUDNN_LIBRARY))
-    if not os.path.isfile(path):
-        return None
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    return path
-
-
 def _decide():
-    """Load the bindings once; on failure keep and warn why."""
-    global _bindings, _unusable
+    """Load the frontend and create the handle once; on failure keep and warn why."""
+    global _frontend, _handle, _unusable
     try:
-        path = preload_library()
-        functions = importlib.import_module("cupyx.cudnn")
-        constants = importlib.import_module("cupy.cuda.cudnn")
-        version = constants.getVersion()
-    except Exception as error:  # no bindings, no library, or one that fails: all "no cuDNN"
+        frontend = importlib.import_module(FRONTEND_MODULE)
+        version = frontend.backend_version()
+        _handle = frontend.create_handle()
+    except Exception as error:  # no frontend, no cuDNN library, no handle: all "no cuDNN"
         _unusable = f"{type(error).__name__}: {error}"
-        logger.warning("%s: %s; pip install 'fleetmpi[gpu]' installs CuPy 13 and cuDNN 8",
-                       unusable_reason(), WITHOUT_CUDNN)
+        logger.warning("%s: %s; pip install 'fleetmpi[gpu]' (CUDA 12) or 'fleetmpi[gpu-cuda13]' "
+                       "installs cuDNN 9 and the cuDNN frontend", unusable_reason(),
+                       WITHOUT_CUDNN)
         return
-    _bindings = (functions, constants)
-    logger.info("cuDNN %s (%s) runs convolution, pooling and batch norm", version,
-                path or "found on the library search path")
+    _frontend = frontend
+    logger.info("cuDNN %s (frontend %s) runs convolution, batch norm and attention", version,
+                getattr(frontend, "__version__", "of unknown version"))
 
 
 def unusable_reason():
-    """None where cuDNN runs this process's convolutions, pooling and batch norm; else why it
-    does not. The first call on a GPU decides, and warns when cuDNN is not usable."""
+    """None where cuDNN runs this process's convolutions, batch norm and attention; else why
+    it does not. The first call on a GPU decides, and warns when cuDNN is not usable."""
     if not backend.on_gpu():
         return ON_CPU
-    if _bindings is None and _unusable is None:
+    if _frontend is None and _unusable is None:
         _decide()
     return None if _unusable is None else f"cuDNN is not usable on this GPU ({_unusable})"
 
 
-def handles(*arrays):
-    """Whether the cuDNN path runs an operation on ``arrays`` (None entries skipped): cuDNN is
-    usable, and they are non-empty arrays of one dtype cuDNN computes in."""
+def operation_dtype(op_type, *arrays):
+    """The dtype cuDNN would compute the operator ``op_type`` on ``arrays`` in (None entries
+    skipped; amp's casts applied, ``autocast.input_dtype``), or None where cuDNN does not run
+    it: it is not usable, or the arrays are empty, of several dtypes, or of one it does not
+    compute in here (``DATA_TYPES``)."""
     if unusable_reason() is not None:
-        return False
+        return None
     present = [a for a in arrays if a is not None]
-    dtypes = {np.dtype(a.dtype) for a in present}
-    return len(dtypes) == 1 and dtypes.pop().name in _DTYPES and all(a.size for a in present)
+    dtypes = {input_dtype(op_type, a.dtype) for a in present}
+    if len(dtypes) != 1 or not all(a.size for a in present):
+        return None
+    dtype = dtypes.pop()
+    return dtype if dtype.name in DATA_TYPES else None
 
 
-def batch_norm_takes(epsilon):
-    """Whether cuDNN is loaded and its batch norm accepts ``epsilon`` (it refuses one below
-    ``CUDNN_BN_MIN_EPSILON``; the other path computes with any)."""
-    return _bindings is not None and epsilon >= _bindings[1].CUDNN_BN_MIN_EPSILON
+def data_type(dtype):
+    """The frontend's ``data_type`` for a NumPy (or ml_dtypes) ``dtype``."""
+    return getattr(_frontend.data_type, DATA_TYPES[np.dtype(dtype).name])
 
 
-def _functions():
-    """``cupyx.cudnn``, with the workspace limit of the current settings handed to it."""
-    global _workspace_set
-    functions = _bindings[0]
-    limit = _settings.conv_workspace_size_limit
-    if limit is not None and limit != _workspace_set:
-        functions.set_max_workspace_size(limit * 2**20)
-        _workspace_set = limit
-    return functions
+def strides(shape):
+    """The element strides of a C-contiguous array of ``shape``, as the graph API takes them."""
+    out, step = [], 1
+    for extent in reversed(shape):
+        out.append(step)
+        step *= extent
+    return out[::-1]
 
 
-def _constants():
-    return _bindings[1]
+class Plan:
+    """A built graph: ``tensors`` names its graph tensors (the names ``execute`` takes),
+    ``index`` is the plan chosen by timing (None: the heuristics' choice)."""
+
+    def __init__(self, graph, tensors):
+        self.graph = graph
+        self.tensors = tensors
+        self.index = None
+
+    def workspace(self, index=None):
+        size = (self.graph.get_workspace_size() if index is None
+                else self.graph.get_workspace_size_plan_at_index(index))
+        return backend.array_module().empty(max(int(size), 1), dtype=np.uint8)
 
 
-def _contiguous(array, dtype=None):
+def new_graph(io_dtype):
+    """An empty graph computing in float32, with ``io_dtype`` inputs and outputs."""
+    names = _frontend.data_type
+    return _frontend.pygraph(io_data_type=data_type(io_dtype), intermediate_data_type=names.FLOAT,
+                             compute_data_type=names.FLOAT, handle=_handle)
+
+
+def _finish(graph):
+    """Validate and build ``graph`` with the current settings (module docstring); raises the
+    frontend's error where cuDNN has no engine for it."""
+    frontend = _frontend
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([frontend.heur_mode.A, frontend.heur_mode.FALLBACK])
+    if _settings.conv_workspace_size_limit is not None:
+        graph.deselect_workspace_greater_than(_settings.conv_workspace_size_limit * _MB)
+    graph.check_support()
+    policy = frontend.build_plan_policy
+    graph.build_plans(policy.ALL if _settings.cudnn_exhaustive_search
+                      else policy.HEURISTICS_CHOICE)
+
+
+def plan(kind, io_dtype, key, describe):
+    """The built ``Plan`` of the graph ``describe(graph)`` declares (``describe`` returns the
+    dict of its named tensors), with ``io_dtype`` inputs and outputs, built once per ``key``;
+    None where cuDNN has no engine for it. ``kind`` names the operation in the log."""
+    key = (kind, np.dtype(io_dtype).name, key, _settings)
+    if key in _plans:
+        return _plans[key]
+    try:
+        graph = new_graph(io_dtype)
+        built = Plan(graph, describe(graph))
+        _finish(graph)
+    except Exception as error:  # the caller's own path runs what cuDNN does not
+        built = None
+        _log_once(kind, key[1:3], error)
+    _plans[key] = built
+    return built
+
+
+def _log_once(kind, key, error):
+    """Say once per kind of operation that cuDNN does not run it: cuDNN's own "no engine"
+    (``cudnnGraphNotSupportedError``) as information, any other error as a warning."""
+    if kind in _declined_kinds:
+        return
+    _declined_kinds.add(kind)
+    declined = isinstance(error, _frontend.cudnnGraphNotSupportedError)
+    logger.log(logging.INFO if declined else logging.WARNING,
+               "cuDNN %s %s %s (%s: %s); such operations run without cuDNN",
+               "has no engine for" if declined else "could not build the graph of", kind, key,
+               type(error).__name__, error)
+
+
+def execute(built, buffers):
+    """Run ``built`` on ``buffers`` (graph tensor name -> array, host arrays for the values
+    passed by value) on CuPy's current stream."""
+    pack = {built.tensors[name]: array for name, array in buffers.items()}
+    _frontend.set_stream(_handle, _current_stream())
+    if _settings.cudnn_exhaustive_search and built.index is None:
+        built.index = _fastest(built, pack)
+    if built.index is None:
+        built.graph.execute(pack, built.workspace(), handle=_handle)
+    else:
+        built.graph.execute_plan_at_index(pack, built.workspace(built.index), built.index,
+                                          handle=_handle)
+
+
+def _current_stream():
+    return backend.array_module().cuda.get_current_stream().ptr
+
+
+def _elapsed_ms(run):
+    """The milliseconds ``run()`` takes on the device (CUDA events around it)."""
+    cuda = backend.array_module().cuda
+    start, end = cuda.Event(), cuda.Event()
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return cuda.get_elapsed_time(start, end)
+
+
+def _fastest(built, pack):
+    """Time every plan of ``built`` once on ``pack`` and return the fastest's index, None when
+    none runs (each plan writes the same outputs; the execution afterwards writes them
+    again)."""
+    timings = []
+    for index in range(built.graph.get_execution_plan_count()):
+        try:
+            workspace = built.workspace(index)
+            elapsed = _elapsed_ms(lambda: built.graph.execute_plan_at_index(
+                pack, workspace, index, handle=_handle))
+        except Exception:  # a plan that did not build or does not run is not a candidate
+            continue
+        timings.append((elapsed, index))
+    return min(timings)[1] if timings else None
+
+
+def contiguous(array, dtype=None):
+    """``array`` C-contiguous (and cast to ``dtype``), as the graphs here declare it."""
     return backend.array_module().ascontiguousarray(array, dtype=dtype)
-
-
-class CudnnConv2D(Function):
-    """``Conv2D`` through cuDNN: the same arguments (plus the output's spatial size, which
-    the caller has checked), the same fused bias and activation after the convolution
-    (``fuse_elewise_add_act_ops``), the same gradients."""
-
-    op_type = "conv2d"
-
-    def forward(self, x, weight, bias, stride, padding, out_shape, act=None):
-        xp = backend.array_module()
-        x, weight = _contiguous(x), _contiguous(weight)
-        needs = self.needs_input_grad
-        self.x = x if needs[1] else None
-        self.weight = weight if needs[0] else None
-        self.x_shape, self.weight_shape, self.dtype = x.shape, weight.shape, x.dtype
-        self.stride, self.padding, self.act = stride, padding, act
-        y = xp.empty((x.shape[0], weight.shape[0]) + tuple(out_shape), dtype=x.dtype)
-        _functions().convolution_forward(
-            x, weight, None if act is not None else bias, y, padding, stride, _NO_DILATION,
-            _ONE_GROUP, auto_tune=_settings.cudnn_exhaustive_search, tensor_core="auto")
-        if act is not None:
-            self.y, self.pre = kernels.bias_act_forward(y, bias, act)
-            return self.y
-        return y
-
-    def backward(self, dy):
-        if self.act is not None:
-            dy = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
-        xp = backend.array_module()
-        dy = _contiguous(dy, dtype=self.dtype)
-        functions = _functions()
-        tuning = dict(deterministic=False, auto_tune=_settings.cudnn_exhaustive_search,
-                      tensor_core="auto")
-        needs = self.needs_input_grad
-        dx = dweight = dbias = None
-        if needs[1]:
-            dweight = xp.empty(self.weight_shape, dtype=dy.dtype)
-            functions.convolution_backward_filter(self.x, dy, dweight, self.padding,
-                                                  self.stride, _NO_DILATION, _ONE_GROUP,
-                                                  **tuning)
-        if needs[2]:
-            dbias = dy.sum(axis=(0, 2, 3))
-        if needs[0]:
-            dx = xp.empty(self.x_shape, dtype=dy.dtype)
-            functions.convolution_backward_data(self.weight, dy, None, dx, self.padding,
-                                                self.stride, _NO_DILATION, _ONE_GROUP,
-                                                **tuning)
-        return dx, dweight, dbias, None, None, None, None
-
-
-class _CudnnPool2D(Function):
-    """Pooling through cuDNN in ``mode_name``'s mode: the arguments of ``conv.py``'s poolings
-    plus the output's spatial size, which the caller has checked."""
-
-    op_type = "pool2d"
-    mode_name = None
-
-    def forward(self, x, kernel, stride, padding, out_shape):
-        xp = backend.array_module()
-        self.mode = getattr(_constants(), self.mode_name)
-        self.x = _contiguous(x)
-        self.window = (kernel, stride, padding)
-        self.y = xp.empty(x.shape[:2] + tuple(out_shape), dtype=x.dtype)
-        _functions().pooling_forward(self.x, self.y, kernel, stride, padding, self.mode)
-        return self.y
-
-    def backward(self, dy):
-        dx = _functions().pooling_backward(self.x, self.y, _contiguous(dy, dtype=self.y.dtype),
-                                           *self.window, self.mode)
-        return dx, None, None, None, None
-
-
-class CudnnMaxPool2D(_CudnnPool2D):
-    """``MaxPool2D`` through cuDNN: padding takes no part in the maximum. Where a window holds
-    its maximum more than once, cuDNN decides which of them gets the gradient (``MaxPool2D``
-    gives it to the first)."""
-
-    mode_name = "CUDNN_POOLING_MAX"
-
-
-class CudnnAvgPool2D(_CudnnPool2D):
-    """``AvgPool2D`` through cuDNN: the mean over each window's real inputs, padding excluded
-    (Paddle's ``exclusive=True``, as ``AvgPool2D``)."""
-
-    mode_name = "CUDNN_POOLING_AVERAGE_COUNT_EXCLUDE_PADDING"
-
-
-def _as_4d(x):
-    """``x`` ``(N, C, ...)`` as the contiguous ``(N, C, rest, 1)`` cuDNN's spatial batch norm
-    takes: the same per-channel statistics over every axis but 1."""
-    return _contiguous(x).reshape(x.shape[0], x.shape[1], -1, 1)
-
-
-class CudnnBatchNorm(Function):
-    """``BatchNorm`` through cuDNN, without a communicator (``sync_batch_norm``'s global
-    statistics stay with ``BatchNorm``): the same arguments, running statistics, fused ReLU
-    and gradients.
-
-    The running statistics keep fleetmpi's convention, ``running = momentum * running + (1 -
-    momentum) * batch`` with the biased batch variance. cuDNN moves them itself with the
-    unbiased variance, so it is handed scratch running statistics and a factor of 1 (CuPy's
-    ``decay`` of 0), which leaves the batch mean and unbiased variance there; the variance is
-    made biased again (times ``(m - 1) / m`` over ``m`` values per channel) and the real
-    running statistics are moved from those."""
-
-    op_type = "batch_norm"
-
-    def forward(self, x, weight, bias, running_mean=None, running_var=None, training=True,
-                momentum=0.9, epsilon=1e-5, act=None):
-        if act is not None and act != "relu":
-            raise ValueError(f"fuse_bn_act_ops fuses batch norm with relu only, not {act!r}")
-        xp = backend.array_module()
-        constants = _constants()
-        self.x, self.weight, self.act = _as_4d(x), weight, act
-        self.training, self.epsilon = training, epsilon
-        if training:
-            self.mode = (constants.CUDNN_BATCHNORM_SPATIAL_PERSISTENT
-                         if _settings.cudnn_batchnorm_spatial_persistent
-                         else constants.CUDNN_BATCHNORM_SPATIAL)
-            statistics = np.float32 if x.dtype == np.float16 else x.dtype
-            channels = x.shape[1]
-            self.mean, self.invstd, batch_mean, batch_var = (
-                xp.zeros(channels, dtype=statistics) for _ in range(4))
-            y = _functions().batch_normalization_forward_training(
-                self.x, weight, bias, batch_mean, batch_var, self.mean, self.invstd, epsilon,
-                0.0, True, self.mode, False)
-            count = x.size // channels
-            if count > 1:
-                batch_var *= (count - 1) / count
-            else:  # one value: no unbiased variance, and a biased one of 0
-                batch_var.fill(0)
-            for running, batch in ((running_mean, batch_mean), (running_var, batch_var)):
-                if running is not None:
-                    reference.move_running(running, batch, momentum)
-        else:
-            self.mean = running_mean
-            self.invstd = 1.0 / xp.sqrt(running_var + epsilon)
-            y = _functions().batch_normalization_forward_inference(
-                self.x, weight, bias, running_mean, running_var, epsilon, True,
-                constants.CUDNN_BATCHNORM_SPATIAL)
-        y = y.reshape(x.shape)
-        if act is not None:
-            self.y = xp.maximum(y, 0, out=y)
-        return y
-
-    def backward(self, dz):
-        if self.act is not None:
-            dz = kernels.bn_act_backward_mask(dz, self.y)
-        shape = dz.shape
-        dz = _as_4d(dz.astype(self.x.dtype, copy=False))
-        if self.training:
-            dx, dweight, dbias = _functions().batch_normalization_backward(
-                self.x, self.weight, dz, self.mean, self.invstd, self.epsilon, True, self.mode,
-                False)
-        else:  # the running statistics are constants: the gradient of a per-channel affine map
-            axes = (0, 2, 3)
-            dx = dz * reference.per_channel(self.weight * self.invstd, 4)
-            dweight = (dz * reference.bn_xhat(self.x, self.mean, self.invstd)).sum(axis=axes)
-            dbias = dz.sum(axis=axes)
-        dx = dx.reshape(shape) if self.needs_input_grad[0] else None
-        dtype = self.weight.dtype
-        return dx, dweight.astype(dtype, copy=False), dbias.astype(dtype, copy=False)

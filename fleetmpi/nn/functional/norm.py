@@ -6,7 +6,7 @@ import numpy as np
 from ... import backend, kernels
 from ...autograd import Function
 from ...kernels import reference
-from . import cudnn
+from . import cudnn, cudnn_ops
 
 
 def sum_over_ranks(communicator, *vectors):
@@ -128,18 +128,24 @@ def batch_norm(x, running_mean, running_var, weight, bias, training=False, momen
     """Batch normalization over axis 1 (Paddle's ``F.batch_norm``); ``communicator`` makes the
     training statistics those of every rank's batch together. The running statistics are
     updated in place, so they must be arrays of the backend (a layer's buffers are). Through
-    cuDNN where it is usable (``cudnn.py``), except with a communicator in training."""
+    cuDNN where it has an engine for the shape (``cudnn_ops.py``), except with a communicator
+    in training."""
     array = backend.array_module().ndarray
     for name, running in (("running_mean", running_mean), ("running_var", running_var)):
         if running is not None and not isinstance(running, array):
             raise TypeError(f"batch_norm {name} must be a {array.__module__}.ndarray updated in "
                             f"place, not {type(running).__name__}; create it with "
                             "backend.asarray")
-    if (communicator is None or not training) and cudnn.handles(x) \
-            and cudnn.batch_norm_takes(epsilon):
-        return cudnn.CudnnBatchNorm.apply(x, weight, bias, running_mean=running_mean,
-                                          running_var=running_var, training=training,
-                                          momentum=momentum, epsilon=epsilon, act=act)
+    statistics = communicator is None if training else (running_mean is not None
+                                                         and running_var is not None)
+    affine = weight is not None and bias is not None
+    dtype = (cudnn.operation_dtype(BatchNorm.op_type, x, weight, bias) if statistics and affine
+             else None)
+    plans = None if dtype is None else cudnn_ops.batch_norm_plans(x.shape, dtype, training)
+    if plans is not None:
+        return cudnn_ops.CudnnBatchNorm.apply(x, weight, bias, plans, running_mean=running_mean,
+                                              running_var=running_var, training=training,
+                                              momentum=momentum, epsilon=epsilon, act=act)
     return BatchNorm.apply(x, weight, bias, running_mean=running_mean, running_var=running_var,
                            training=training, momentum=momentum, epsilon=epsilon,
                            communicator=communicator, act=act)
