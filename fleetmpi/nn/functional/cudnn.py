@@ -148,6 +148,19 @@ def strides(shape):
     return out[::-1]
 
 
+def declare(graph, name, shape, dtype):
+    """A graph input ``name``: a C-contiguous array of ``shape`` and ``dtype``."""
+    return graph.tensor(name=name, dim=list(shape), stride=strides(shape),
+                        data_type=data_type(dtype))
+
+
+def mark_output(tensor, shape, dtype):
+    """``tensor`` as a graph output: a C-contiguous array of ``shape`` and ``dtype``."""
+    tensor.set_output(True).set_dim(list(shape)).set_stride(strides(shape))
+    tensor.set_data_type(data_type(dtype))
+    return tensor
+
+
 class Plan:
     """A built graph: ``tensors`` names its graph tensors (the names ``execute`` takes),
     ``index`` is the plan chosen by timing (None: the heuristics' choice)."""

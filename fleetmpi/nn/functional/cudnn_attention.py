@@ -15,6 +15,7 @@ import numpy as np
 from ... import backend
 from ...autograd import Function
 from . import cudnn
+from .cudnn import declare, mark_output as output
 
 FUSED_DTYPES = frozenset({"float16", "bfloat16"})
 _STATS = np.float32
@@ -27,17 +28,6 @@ def _as_4d(shape):
     return (int(np.prod(shape[:-3], dtype=np.int64)),) + shape[-3:]
 
 
-def _tensor(graph, name, shape, dtype):
-    return graph.tensor(name=name, dim=list(shape), stride=cudnn.strides(shape),
-                        data_type=cudnn.data_type(dtype))
-
-
-def _output(tensor, shape, dtype):
-    tensor.set_output(True).set_dim(list(shape)).set_stride(cudnn.strides(shape))
-    tensor.set_data_type(cudnn.data_type(dtype))
-    return tensor
-
-
 def attention_plans(query_shape, key_shape, value_shape, dtype, is_causal):
     """The forward and backward plans of a fused attention in ``dtype`` (``FUSED_DTYPES``) on
     operands of these shapes, or None where cuDNN declines either."""
@@ -47,7 +37,7 @@ def attention_plans(query_shape, key_shape, value_shape, dtype, is_causal):
     scale = 1.0 / math.sqrt(query_shape[-1])
 
     def operands(graph):
-        return {name: _tensor(graph, name, shape, dtype)
+        return {name: declare(graph, name, shape, dtype)
                 for name, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape))}
 
     def forward(graph):
@@ -55,20 +45,20 @@ def attention_plans(query_shape, key_shape, value_shape, dtype, is_causal):
         out, stats = graph.sdpa(q=tensors["q"], k=tensors["k"], v=tensors["v"],
                                 generate_stats=True, attn_scale=scale,
                                 use_causal_mask=is_causal, name="sdpa")
-        tensors.update(o=_output(out, o_shape, dtype), stats=_output(stats, stats_shape, _STATS))
+        tensors.update(o=output(out, o_shape, dtype), stats=output(stats, stats_shape, _STATS))
         return tensors
 
     def backward(graph):
         tensors = operands(graph)
-        tensors.update(o=_tensor(graph, "o", o_shape, dtype),
-                       do=_tensor(graph, "do", o_shape, dtype),
-                       stats=_tensor(graph, "stats", stats_shape, _STATS))
+        tensors.update(o=declare(graph, "o", o_shape, dtype),
+                       do=declare(graph, "do", o_shape, dtype),
+                       stats=declare(graph, "stats", stats_shape, _STATS))
         dq, dk, dv = graph.sdpa_backward(q=tensors["q"], k=tensors["k"], v=tensors["v"],
                                          o=tensors["o"], dO=tensors["do"],
                                          stats=tensors["stats"], attn_scale=scale,
                                          use_causal_mask=is_causal, name="sdpa_backward")
-        tensors.update(dq=_output(dq, q_shape, dtype), dk=_output(dk, k_shape, dtype),
-                       dv=_output(dv, v_shape, dtype))
+        tensors.update(dq=output(dq, q_shape, dtype), dk=output(dk, k_shape, dtype),
+                       dv=output(dv, v_shape, dtype))
         return tensors
 
     key = (q_shape, k_shape, v_shape, bool(is_causal))

@@ -14,20 +14,10 @@ from ... import backend, kernels
 from ...autograd import Function
 from ...kernels import reference
 from . import cudnn
+from .cudnn import declare, mark_output as output
 
 _NO_DILATION = [1, 1]
 _STATISTICS = np.float32  # batch norm's scale, bias and statistics, as cuDNN takes them
-
-
-def _input(graph, name, shape, dtype):
-    return graph.tensor(name=name, dim=list(shape), stride=cudnn.strides(shape),
-                        data_type=cudnn.data_type(dtype))
-
-
-def _output(tensor, shape, dtype):
-    tensor.set_output(True).set_dim(list(shape)).set_stride(cudnn.strides(shape))
-    tensor.set_data_type(cudnn.data_type(dtype))
-    return tensor
 
 
 def conv_plans(x_shape, weight_shape, dtype, stride, padding, out_shape):
@@ -38,30 +28,26 @@ def conv_plans(x_shape, weight_shape, dtype, stride, padding, out_shape):
     geometry = dict(padding=list(padding), stride=list(stride), dilation=_NO_DILATION)
     compute = cudnn.data_type(np.float32)
 
-    def fprop(graph):
-        image, filters = _input(graph, "x", x_shape, dtype), _input(graph, "w", weight_shape,
-                                                                      dtype)
-        y = graph.conv_fprop(image=image, weight=filters, compute_data_type=compute,
-                             name="fprop", **geometry)
-        return {"x": image, "w": filters, "y": _output(y, y_shape, dtype)}
+    def describe(op, operands, result):
+        """The graph of convolution ``op``: ``operands`` ``(name, shape, port)``, ``result``
+        ``(name, shape)``."""
+        def build(graph):
+            tensors = {name: declare(graph, name, shape, dtype) for name, shape, _ in operands}
+            ports = {port: tensors[name] for name, _, port in operands}
+            out = getattr(graph, op)(compute_data_type=compute, name=op, **ports, **geometry)
+            tensors[result[0]] = output(out, result[1], dtype)
+            return tensors
+        return build
 
-    def dgrad(graph):
-        loss, filters = _input(graph, "dy", y_shape, dtype), _input(graph, "w", weight_shape,
-                                                                      dtype)
-        dx = graph.conv_dgrad(loss=loss, filter=filters, compute_data_type=compute,
-                              name="dgrad", **geometry)
-        return {"dy": loss, "w": filters, "dx": _output(dx, x_shape, dtype)}
-
-    def wgrad(graph):
-        image, loss = _input(graph, "x", x_shape, dtype), _input(graph, "dy", y_shape, dtype)
-        dw = graph.conv_wgrad(image=image, loss=loss, compute_data_type=compute, name="wgrad",
-                              **geometry)
-        return {"x": image, "dy": loss, "dw": _output(dw, weight_shape, dtype)}
-
+    x, w, y = ("x", x_shape), ("w", weight_shape), ("y", y_shape)
+    dy = ("dy", y_shape)
+    graphs = (("forward", describe("conv_fprop", [x + ("image",), w + ("weight",)], y)),
+              ("input gradient", describe("conv_dgrad", [dy + ("loss",), w + ("filter",)],
+                                          ("dx", x_shape))),
+              ("weight gradient", describe("conv_wgrad", [x + ("image",), dy + ("loss",)],
+                                           ("dw", weight_shape))))
     key = (tuple(x_shape), tuple(weight_shape), tuple(stride), tuple(padding))
-    plans = tuple(cudnn.plan("conv2d " + part, dtype, key, describe)
-                  for part, describe in (("forward", fprop), ("input gradient", dgrad),
-                                         ("weight gradient", wgrad)))
+    plans = tuple(cudnn.plan("conv2d " + part, dtype, key, build) for part, build in graphs)
     return None if None in plans else plans
 
 
@@ -133,36 +119,36 @@ def batch_norm_plans(x_shape, dtype, training):
     channel = (1, shape[1], 1, 1)
 
     def statistics(graph, *names):
-        return [_input(graph, name, channel, _STATISTICS) for name in names]
+        return [declare(graph, name, channel, _STATISTICS) for name in names]
 
     def forward(graph):
-        image = _input(graph, "x", shape, dtype)
+        image = declare(graph, "x", shape, dtype)
         scale, bias = statistics(graph, "scale", "bias")
         epsilon = _scalar(graph, "epsilon")
         y, mean, inv_var, _, _ = graph.batchnorm(input=image, scale=scale, bias=bias,
                                                  in_running_mean=None, in_running_var=None,
                                                  epsilon=epsilon, momentum=None, name="bn")
         return {"x": image, "scale": scale, "bias": bias, "epsilon": epsilon,
-                "y": _output(y, shape, dtype), "mean": _output(mean, channel, _STATISTICS),
-                "inv_var": _output(inv_var, channel, _STATISTICS)}
+                "y": output(y, shape, dtype), "mean": output(mean, channel, _STATISTICS),
+                "inv_var": output(inv_var, channel, _STATISTICS)}
 
     def backward(graph):
-        grad, image = _input(graph, "dy", shape, dtype), _input(graph, "x", shape, dtype)
+        grad, image = declare(graph, "dy", shape, dtype), declare(graph, "x", shape, dtype)
         scale, mean, inv_var = statistics(graph, "scale", "mean", "inv_var")
         dx, dscale, dbias = graph.batchnorm_backward(grad=grad, input=image, scale=scale,
                                                      mean=mean, inv_variance=inv_var,
                                                      name="bn_backward")
         return {"dy": grad, "x": image, "scale": scale, "mean": mean, "inv_var": inv_var,
-                "dx": _output(dx, shape, dtype), "dscale": _output(dscale, channel, _STATISTICS),
-                "dbias": _output(dbias, channel, _STATISTICS)}
+                "dx": output(dx, shape, dtype), "dscale": output(dscale, channel, _STATISTICS),
+                "dbias": output(dbias, channel, _STATISTICS)}
 
     def inference(graph):
-        image = _input(graph, "x", shape, dtype)
+        image = declare(graph, "x", shape, dtype)
         mean, inv_var, scale, bias = statistics(graph, "mean", "inv_var", "scale", "bias")
         y = graph.batchnorm_inference(input=image, mean=mean, inv_variance=inv_var, scale=scale,
                                       bias=bias, name="bn_inference")
         return {"x": image, "mean": mean, "inv_var": inv_var, "scale": scale, "bias": bias,
-                "y": _output(y, shape, dtype)}
+                "y": output(y, shape, dtype)}
 
     parts = ((("batch norm", forward), ("batch norm gradient", backward)) if training
              else (("batch norm inference", inference),))
