@@ -98,8 +98,7 @@ def auto_warnings(fleetmpi_warnings):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("cupy", ["absent", "installed without a device"])
-def test_auto_falls_back_to_mpi_with_one_warning_naming_every_rank(cupy, monkeypatch,
-                                                                   fleetmpi_warnings):
+def test_auto_fallback_to_mpi_warns_once_naming_every_rank(cupy, monkeypatch, fleetmpi_warnings):
     """Every rank reports a GPU of its own, but NCCL cannot start: auto runs on MPI and rank 0
     warns once, naming each rank's reason; an explicit ``nccl`` stays an error."""
     fleet.init()
@@ -130,9 +129,8 @@ def test_auto_falls_back_to_mpi_with_one_warning_naming_every_rank(cupy, monkeyp
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("step, failing", [("device", "last"), ("stream", "last"),
                                            ("unique id", 0), ("init", "last")])
-def test_auto_falls_back_on_every_rank_when_nccl_fails_to_start_on_one(step, failing,
-                                                                        monkeypatch,
-                                                                        fleetmpi_warnings):
+def test_auto_fallback_to_mpi_on_every_rank_when_nccl_fails_to_start_on_one(
+        step, failing, monkeypatch, fleetmpi_warnings):
     """Every rank has a GPU of its own, and one step of starting NCCL fails on one rank only
     (the unique id is rank 0's to make): every rank runs on MPI, rank 0 warns once naming that
     rank and its error, the others do not warn, NCCL communicators made on the other ranks are
