@@ -396,11 +396,13 @@ class Communicator:
         """Run ``call()`` (blocking collectives of this communicator only) on the background
         thread after the operations started before it; returns its ``Handle``, named
         ``collective``. ``arrays``: the arrays ``call`` reads, one is enough to tell whether
-        they live on a device. Device arrays: the operation runs on this
-        communicator's own stream, ordered after the work the caller's current stream has
-        queued so far by an event recorded now (the gradient's producer), and its handle gets
-        the event recorded after it (see ``Handle.wait``)."""
-        if not (arrays and is_device_array(arrays[0])):
+        they live on a device (none, as for a barrier: whether the transport moves device
+        arrays). Device arrays: the operation runs on this communicator's own stream, on the
+        caller's device, ordered after the work the caller's current stream has queued so far
+        by an event recorded now (the gradient's producer), and its handle gets the event
+        recorded after it (see ``Handle.wait``)."""
+        on_device = is_device_array(arrays[0]) if arrays else self.transports[0].device
+        if not on_device:
             return self._comm_thread.submit(collective, lambda handle: call())
         import cupy
 

@@ -2,11 +2,18 @@
 
 The NCCL unique id is made on rank 0 and broadcast over MPI. Each transport owns one NCCL
 communicator and one CUDA stream of the current device (the two levels of the hierarchical
-algorithm share their parent's stream); ``activate()`` makes that stream
-current and orders it after the caller's stream (and the caller's after it on exit), so the
-algorithms' local arithmetic and NCCL's transfers stay in stream order while several
-transports (``nccl_comm_num``) run buckets concurrently. Send and receive of one exchange are
-issued inside one NCCL group so neither side waits for the other.
+algorithm share their parent's stream); ``activate()`` makes that stream current and orders it
+after the caller's stream (and the caller's after it on exit), so the algorithms' local
+arithmetic and NCCL's transfers stay in stream order while several transports
+(``nccl_comm_num``) run buckets concurrently. Send and receive of one exchange are issued
+inside one NCCL group so neither side waits for the other.
+
+Starting is a collective decision. After each local step (the probe; the stream and rank 0's
+unique id; NCCL's own ``ncclCommInitRank``) every rank's outcome is shared over MPI, and where
+any rank failed, every rank raises ``NCCLUnavailableError`` naming each failed rank and why: so
+a communicator whose ``transport="auto"`` chose NCCL falls back to MPI on every rank alike. A
+rank that fails inside ``ncclCommInitRank`` while another rank's call waits for it cannot be
+helped here, since that call is NCCL's own collective.
 """
 import contextlib
 
@@ -18,7 +25,8 @@ UNIQUE_ID_BYTES = 128
 
 
 class NCCLUnavailableError(RuntimeError):
-    """The NCCL transport was selected where CuPy, NCCL or a CUDA device is missing."""
+    """The NCCL transport was selected where CuPy, NCCL or a CUDA device is missing, or where
+    CUDA or NCCL failed while it started (on any rank)."""
 
 
 def _probe():
@@ -40,6 +48,28 @@ def _probe():
     return None
 
 
+def _attempt(step, what):
+    """``(step(), None)``, or ``(None, why)`` where ``step`` raised: a CUDA or NCCL error while
+    starting, after which the job may still run over MPI."""
+    try:
+        return step(), None
+    except Exception as exc:  # whichever error CuPy or NCCL raise, it is reported by rank
+        return None, f"{what} failed ({type(exc).__name__}: {exc}); use transport='mpi'"
+
+
+def _agree(comm, reason, undo=None):
+    """Share this rank's outcome of a step of starting NCCL (``reason``: None where it worked)
+    over the MPI communicator ``comm``. Where any rank failed, every rank raises
+    ``NCCLUnavailableError`` naming each failed rank and its reason, after ``undo()`` on the
+    ranks where the step worked."""
+    reasons = comm.allgather(reason)
+    failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
+    if failed:
+        if reason is None and undo is not None:
+            undo()
+        raise NCCLUnavailableError("the NCCL transport cannot start: " + "; ".join(failed))
+
+
 def _nccl_dtypes(nccl):
     return {np.dtype(np.float16): nccl.NCCL_FLOAT16, np.dtype(np.float32): nccl.NCCL_FLOAT32,
             np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.int32): nccl.NCCL_INT32,
@@ -55,11 +85,7 @@ class NCCLTransport:
     def __init__(self, comm, stream=None):
         from mpi4py import MPI
 
-        reason = _probe()
-        reasons = comm.allgather(reason)
-        failed = [f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None]
-        if failed:
-            raise NCCLUnavailableError("the NCCL transport cannot start: " + "; ".join(failed))
+        _agree(comm, _probe())
         import cupy
         from cupy.cuda import nccl
 
@@ -68,12 +94,22 @@ class NCCLTransport:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        reason = None
+        if stream is None:
+            stream, reason = _attempt(lambda: cupy.cuda.Stream(non_blocking=True),
+                                      "creating a CUDA stream")
         uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)
-        if self.rank == 0:
-            uid[:] = nccl.get_unique_id()
+        if self.rank == 0 and reason is None:
+            made, reason = _attempt(nccl.get_unique_id, "ncclGetUniqueId")
+            if reason is None:
+                uid[:] = made
+        _agree(comm, reason)
         comm.Bcast([uid, MPI.INT64_T], root=0)
-        self.nccl = nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid), self.rank)
-        self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        self.nccl, reason = _attempt(
+            lambda: nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid), self.rank),
+            "ncclCommInitRank")
+        _agree(comm, reason, undo=lambda: self.nccl.destroy())
+        self.stream = stream
         self._dtypes = _nccl_dtypes(nccl)
         self._ops = {"sum": nccl.NCCL_SUM, "mean": nccl.NCCL_SUM, "max": nccl.NCCL_MAX,
                      "min": nccl.NCCL_MIN}

@@ -19,7 +19,7 @@ import numpy as np
 from . import job
 from .host_memory import keep_freed_memory
 from .knobs import DEVICE, NUM_THREADS
-from .launcher_env import RANKS_ON_NODE
+from .launcher_env import LOCAL_RANKS, RANKS_ON_NODE
 from .paddle_flags import memory_fraction
 
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -36,8 +36,20 @@ def requested_device():
     return DEVICE.value()
 
 
+def _from_launcher(names, least):
+    """The first of the launcher's variables ``names`` that holds a whole number of at least
+    ``least`` (what the launcher says before ``fleet.init()``), else ``least``."""
+    for name in names:
+        text = os.environ.get(name, "")
+        if text.isdigit() and int(text) >= least:
+            return int(text)
+    return least
+
+
 def _local_rank():
-    return job.local_rank() if job.joined() else 0
+    """This rank's index on its node: the job's, or before ``fleet.init()`` the launcher's, so
+    that ranks which choose the backend early still drive a device each."""
+    return job.local_rank() if job.joined() else _from_launcher(LOCAL_RANKS, 0)
 
 
 def _import_cupy(required):
@@ -61,13 +73,7 @@ def _import_cupy(required):
 
 
 def _ranks_on_node():
-    if job.joined():
-        return job.local_size()
-    for name in RANKS_ON_NODE:  # the launcher's, before fleet.init()
-        text = os.environ.get(name, "")
-        if text.isdigit() and int(text) > 0:
-            return int(text)
-    return 1
+    return job.local_size() if job.joined() else _from_launcher(RANKS_ON_NODE, 1)
 
 
 def cpu_threads():

@@ -2,7 +2,8 @@
 
 Three readers use it: ``launch/rank_main.py`` takes a rank's place from one launcher's rank, size
 and local rank together (before MPI starts), ``fleetmpi.backend`` counts the ranks on a node
-before ``fleet.init`` (to share the node's cores between their BLAS threads), and
+before ``fleet.init`` (to share the node's cores between their BLAS threads) and takes the local
+rank there (to drive the rank's own GPU when the backend is chosen before ``fleet.init``), and
 ``fleetmpi.launcher_check`` checks every family against what MPI says.
 
 This module imports nothing: ``launch/rank_main.py``, which must not import fleetmpi before the
@@ -43,3 +44,5 @@ MPI_LAUNCHERS = (HYDRA, OPEN_MPI, SLURM)
 FAMILIES = MPI_LAUNCHERS + (PADDLE,)
 # The number of ranks on this node, as each MPI launcher says it, in the order they are read.
 RANKS_ON_NODE = tuple(family.local_size or family.tasks_per_node for family in MPI_LAUNCHERS)
+# This rank's index on its node, as each MPI launcher says it, in the order they are read.
+LOCAL_RANKS = tuple(family.local_rank for family in MPI_LAUNCHERS)

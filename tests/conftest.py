@@ -1,6 +1,9 @@
 """Fixtures shared by the test modules."""
+import logging
+
 import pytest
 
+import fleetmpi as fleet
 from fleetmpi import backend, nn
 from fleetmpi.comm import hybrid_topology
 
@@ -21,3 +24,15 @@ def no_hybrid_layout_after():
     (layers built without a group would take its model-parallel group)."""
     yield
     hybrid_topology.set_current(None)
+
+
+@pytest.fixture
+def fleetmpi_warnings(caplog, monkeypatch):
+    """A function returning the messages of the warnings the ``fleetmpi`` logger wrote on this
+    rank during the test. ``fleet.init()`` (called here first) gives that logger a handler of
+    its own and stops it from propagating, so ``caplog`` alone would see none of them."""
+    fleet.init()
+    monkeypatch.setattr(logging.getLogger("fleetmpi"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="fleetmpi")
+    return lambda: [r.getMessage() for r in caplog.records
+                    if r.name.startswith("fleetmpi") and r.levelno >= logging.WARNING]

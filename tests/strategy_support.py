@@ -2,6 +2,7 @@
 strategy from keyword fields, and runs of N ranks (each on its shard of the global batch) or of
 one process alone (``local=True``: the same strategies, no communication)."""
 import numpy as np
+import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
@@ -42,23 +43,36 @@ def make_strategy(**fields):
     return strategy
 
 
+# Data parallel (None) and sharding's stages, as the test parameters of ``by_stage``.
+STAGES = [pytest.param(None, id="data parallel")] + [
+    pytest.param(stage, id=f"sharding stage {stage}") for stage in (1, 2, 3)]
+
+
+def by_stage(stage):
+    """The strategy of sharding ``stage`` (1 to 3), or of data parallel for None."""
+    if stage is None:
+        return make_strategy()
+    return make_strategy(sharding=True, sharding_configs={"stage": stage})
+
+
 def momentum(parameters):
     return optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=parameters)
 
 
 def train(strategy, make_optimizer=momentum, steps=4, make_model=make_mlp, batch=global_batch,
-          local=False, seed=0):
+          local=False, seed=0, communicator=None):
     """Train ``make_model()`` (built from ``seed`` on every rank) for ``steps`` steps under
     ``strategy``; each rank trains on its shard of ``batch(step)``, or on the whole batch when
-    ``local``. Returns ``(model, distributed optimizer, per-step losses)``."""
+    ``local``; over ``communicator`` when given (the world's by default). Returns ``(model,
+    distributed optimizer, per-step losses)``."""
     fleet.init(is_collective=True)
     size, rank = (1, 0) if local else (fleet.worker_num(), fleet.worker_index())
     backend.manual_seed(seed)
     model = make_model()
     if not local:
-        model = fleet.distributed_model(model)
+        model = fleet.distributed_model(model, communicator)
     opt = fleet.distributed_optimizer(make_optimizer(model.parameters()), strategy,
-                                      local=local)
+                                      communicator=communicator, local=local)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
     for step in range(steps):

@@ -143,23 +143,29 @@ def fake_cupy(log):
     return module
 
 
-def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
+@pytest.mark.parametrize("reads", ["a device array", "nothing, over a device transport"])
+def test_a_device_operation_is_ordered_by_events_on_its_own_stream(reads, monkeypatch):
     """What the NCCL path does (it cannot run without a GPU): the operation's stream waits on
     an event of the caller's stream recorded at the start, the work runs with that stream
     current on the communicator's thread, and ``wait()`` makes the caller's stream wait on the
-    event recorded after it; the host never waits for the device."""
+    event recorded after it; the host never waits for the device. An operation that reads no
+    array (a barrier) takes that path when the transport moves device arrays."""
     log = _Log()
     cupy = fake_cupy(log)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     fleet.init()
     comm = Communicator(fleet.world.topology())  # its stream will be a stand-in's
-    device_array = type("ndarray", (), {"__module__": "cupy._core.core"})()
+    if reads == "a device array":
+        arrays = [type("ndarray", (), {"__module__": "cupy._core.core"})()]
+    else:
+        arrays = []
+        monkeypatch.setattr(comm.transports[0], "device", True)
 
     def call():
         log.add("work on", cupy.cuda.get_current_stream().name,
                 threading.current_thread() is not threading.main_thread())
         return "done"
-    handle = comm.submit("allreduce", call, device_array)
+    handle = comm.submit("allreduce", call, *arrays)
     assert handle.wait() == "done"
     async_stream = [e[1] for e in log if e[0] == "work on"][0]
     assert async_stream != "caller"
@@ -168,7 +174,7 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(monkeypatch):
                    ("wait", "caller", async_stream)], log
     assert log[1][1] != threading.current_thread().name
     del log[:]
-    comm.submit("allreduce", call, device_array).wait()
+    comm.submit("allreduce", call, *arrays).wait()
     assert [e for e in log if e[0] == "work on"] == [("work on", async_stream, True)], \
         "the communicator's stream is made once and reused"
     comm.free()
