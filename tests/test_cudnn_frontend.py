@@ -23,7 +23,7 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, kernels, nn, optimizer
+from fleetmpi import backend, job, kernels, nn, optimizer
 from fleetmpi.autograd.autocast import autocast
 from fleetmpi.log import logger
 from fleetmpi.nn.functional import cudnn
@@ -425,6 +425,15 @@ def test_without_cudnn_the_own_path_runs_after_one_warning(gpu_branch, missing):
     assert warned[0].endswith(f": {cudnn.WITHOUT_CUDNN}; pip install 'fleetmpi[gpu]' (CUDA 12) "
                               "or 'fleetmpi[gpu-cuda13]' installs cuDNN 9 and the cuDNN "
                               "frontend")
+
+
+def test_only_the_first_worker_warns_the_other_ranks_log_it_as_information(gpu_branch):
+    gpu_branch.setitem(sys.modules, "cudnn", None)
+    gpu_branch.setattr(job, "joined", lambda: True)
+    gpu_branch.setattr(job, "is_first_worker", lambda: False)
+    with logged() as warned, logged(logging.INFO) as told:
+        assert cudnn.unusable_reason().startswith("cuDNN is not usable on this GPU")
+    assert warned == [] and len(told) == 1 and cudnn.WITHOUT_CUDNN in told[0]
 
 
 def test_on_the_cpu_the_frontend_is_never_loaded(monkeypatch):

@@ -6,8 +6,10 @@ CuPy 14 has no cuDNN bindings; its upgrade guide points to the frontend, whose P
 takes CuPy arrays (their device pointers and strides) in each execution's variant pack. The
 frontend finds cuDNN in NVIDIA's ``nvidia-cudnn-cu12`` / ``nvidia-cudnn-cu13`` wheel itself.
 Whether it is usable is decided once, on the first operation on a GPU (the module imports,
-cuDNN loads, a handle is created); when it is not, one warning says why and the operations run
-without it (``WITHOUT_CUDNN``). On the CPU there is no cuDNN and nothing is said.
+cuDNN loads, a handle is created); when it is not, one warning on the first worker says why (the
+other ranks log it as information, and ``applied_strategy().not_applied`` gives each rank's
+reason), and the operations run without it (``WITHOUT_CUDNN``). On the CPU there is no cuDNN
+and nothing is said.
 
 A graph is built once per key (the operation, its shapes, dtypes and parameters, and the
 settings below) and kept. Building is where cuDNN says whether it has an engine for the graph:
@@ -34,7 +36,7 @@ from typing import Optional
 
 import numpy as np
 
-from ... import backend
+from ... import backend, job
 from ...autograd.autocast import input_dtype
 from ...log import logger
 
@@ -100,9 +102,10 @@ def _decide():
         _handle = frontend.create_handle()
     except Exception as error:  # no frontend, no cuDNN library, no handle: all "no cuDNN"
         _unusable = f"{type(error).__name__}: {error}"
-        logger.warning("%s: %s; pip install 'fleetmpi[gpu]' (CUDA 12) or 'fleetmpi[gpu-cuda13]' "
-                       "installs cuDNN 9 and the cuDNN frontend", unusable_reason(),
-                       WITHOUT_CUDNN)
+        first = not job.joined() or job.is_first_worker()
+        logger.log(logging.WARNING if first else logging.INFO,
+                   "%s: %s; pip install 'fleetmpi[gpu]' (CUDA 12) or 'fleetmpi[gpu-cuda13]' "
+                   "installs cuDNN 9 and the cuDNN frontend", unusable_reason(), WITHOUT_CUDNN)
         return
     _frontend = frontend
     logger.info("cuDNN %s (frontend %s) runs convolution, batch norm and attention", version,
