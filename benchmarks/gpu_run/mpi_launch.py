@@ -1,0 +1,56 @@
+"""Which MPI launches the multi-rank stages: the first environment under which fleetmpi's own
+launcher starts 2 ranks that see each other (``probe_mpi.py``).
+
+The machine's mpi4py may be built against an MPI of its own, or find none. So two ways are
+tried in turn: the environment as installed (mpi4py's MPI with the ``mpiexec`` that
+``fleetmpi.launch.mpi_command.find_mpiexec`` finds), then the MPICH carried as a wheel (mpi4py
+pointed at its ``libmpi`` with ``MPI4PY_LIBMPI``, its ``mpiexec`` first on ``PATH``).
+"""
+import os
+import sys
+
+from .process import run_bounded
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe_mpi.py")
+CARRIED_LIBMPI = os.path.join("lib", "libmpi.so.12")
+
+
+def candidates(prefix, environ):
+    """``(name, variables to set)`` for each way to try; ``prefix``: the install's."""
+    ways = [("as installed", {})]
+    libmpi = os.path.join(prefix, CARRIED_LIBMPI) if prefix else None
+    if libmpi and os.path.exists(libmpi):
+        ways.append(("carried MPICH wheel", {
+            "MPI4PY_LIBMPI": libmpi,
+            "PATH": os.pathsep.join([os.path.join(prefix, "bin"), environ.get("PATH", "")]),
+        }))
+    return ways
+
+
+def _judge(name, done):
+    """The record of one try from its finished probe."""
+    found = done.result()
+    if found is None:
+        ended = "timed out" if done.timed_out else f"exited {done.returncode}"
+        return {"name": name, "ok": False,
+                "why": f"the probe {ended}: " + " | ".join(done.tail(5))}
+    hello = found.get("hello") or {}
+    record = {"name": name, "ok": bool(hello.get("ok")), "library": found.get("library"),
+              "command": " ".join(hello.get("command", []))}
+    if not record["ok"]:
+        record["why"] = found.get("error") or ("2 ranks did not see each other: "
+                                               + hello.get("output", "").strip()[-400:])
+    return record
+
+
+def choose(environ, prefix, cwd, timeout_s, log_dir):
+    """``(variables to set or None, record)``: the first way whose 2 ranks see each other, and
+    every try with why it failed."""
+    tries = []
+    for index, (name, extra) in enumerate(candidates(prefix, environ)):
+        done = run_bounded([sys.executable, PROBE], dict(environ, **extra), cwd,
+                           timeout_s / 2, os.path.join(log_dir, f"mpi-probe-{index}.log"))
+        tries.append(_judge(name, done))
+        if tries[-1]["ok"]:
+            return extra, {"chosen": name, "tries": tries}
+    return None, {"chosen": None, "tries": tries}
