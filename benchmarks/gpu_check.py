@@ -57,7 +57,7 @@ def commit(given):
     return lines[1], bool(changed.stdout.strip())
 
 
-def versions(ctx, timeout_s):
+def record_versions(ctx, timeout_s):
     done = ctx.run("versions", [sys.executable, PROBE_VERSIONS], ctx.env(), timeout_s)
     found = done.result()
     if found is None:
@@ -75,7 +75,7 @@ def setup(ctx, budget):
     """Choose the MPI launcher, then record the versions the stages will see."""
     setup_s = budget.take("setup")
     ctx.choose_mpi(setup_s / 2)
-    return versions(ctx, setup_s / 2)
+    return record_versions(ctx, setup_s / 2)
 
 
 def run_stages(args, ctx, budget, save):
@@ -89,12 +89,7 @@ def run_stages(args, ctx, budget, save):
             found = setup(ctx, budget)
         timeout_s = budget.take(name)
         print(f"gpu_check: {name} (at most {timeout_s:.0f} s)", flush=True)
-        if name == "install":
-            records.append(stages.install(ctx, timeout_s, args.wheels))
-        elif name == "gpu_tests":
-            records.append(stages.gpu_tests(ctx, timeout_s, args.tests))
-        else:
-            records.append(getattr(stages, name)(ctx, timeout_s))
+        records.append(stages.RUNNERS[name](ctx, timeout_s, args))
         print(f"gpu_check: {name} {records[-1]['status']}", flush=True)
         save(found or {}, records)
     return found or setup(ctx, budget), records
@@ -131,7 +126,7 @@ def main(argv=None):
 
     def save(found, records):
         """Write the results so far (what a run cut short from outside still leaves)."""
-        return report.write(out, report.record(
+        return report.write(out, report.check_record(
             dict(meta, device=device_name(found, args.dry_run), mpi=ctx.mpi,
                  seconds=round(time.perf_counter() - budget.start, 1)), found, records))
 

@@ -16,7 +16,7 @@ VERSION_KEYS = ("python", "numpy", "mpi4py", "mpi_library", "cupy", "cuda_runtim
                 "nccl", "cudnn", "cudnn_frontend", "torch", "fleetmpi")
 
 
-def load(name):
+def load_part(name):
     spec = importlib.util.spec_from_file_location(
         f"gpu_run_{name}", os.path.join(ROOT, "benchmarks", "gpu_run", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
@@ -67,7 +67,7 @@ def test_dry_run_runs_every_stage_and_records_it(tmp_path):
                                       "--budget-s", "240")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert installed() == before  # the install went to its own prefix, and took nothing away
-    plan = load("plan")
+    plan = load_part("plan")
     stages = {stage["name"]: stage for stage in result["stages"]}
     assert list(stages) == list(plan.STAGES)
     assert all(stage["status"] == "passed" for stage in stages.values())
@@ -124,7 +124,7 @@ def test_a_failing_test_is_reported_with_its_first_lines(tmp_path):
 
 
 def test_a_test_failed_on_one_rank_counts_once_as_failed(tmp_path):
-    junit = load("junit")
+    junit = load_part("junit")
     case = '<testcase classname="tests.test_x" name="{}">{}</testcase>'
     bad = '<failure message="AssertionError: rank 1 differs">E   assert 1 == 0</failure>'
     for rank, body in enumerate(("", bad)):

@@ -86,7 +86,7 @@ def choose_wheels(wheels):
     return chosen, left_out
 
 
-def install(wheels, repo, scratch, timeout_s, log_dir):
+def install_offline(wheels, repo, scratch, timeout_s, log_dir):
     """Install under the folder ``scratch/prefix``; returns the stage's record: ``status``,
     what was ``installed``, the wheels ``not_installed`` (with why), the ``prefix``, the
     ``site`` folder that holds the packages, and ``reason`` where something failed."""

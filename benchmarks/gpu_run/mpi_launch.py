@@ -43,7 +43,7 @@ def _judge(name, done):
     return record
 
 
-def choose(environ, prefix, cwd, timeout_s, log_dir):
+def choose_launcher(environ, prefix, cwd, timeout_s, log_dir):
     """``(variables to set or None, record)``: the first way whose 2 ranks see each other, and
     every try with why it failed."""
     tries = []

@@ -48,6 +48,6 @@ THROUGHPUT = {
 }
 
 
-def device(dry_run):
+def fleetmpi_device(dry_run):
     """``FLEETMPI_DEVICE`` of the run: the dry run is the same plan on the CPU."""
     return "cpu" if dry_run else "gpu"

@@ -37,7 +37,7 @@ def hello():
     return found
 
 
-def probe():
+def probe_launch():
     found = {}
     for key, part in (("library", library), ("hello", hello)):
         try:
@@ -50,4 +50,4 @@ def probe():
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(probe()))
+    print("RESULT " + json.dumps(probe_launch()))

@@ -23,7 +23,7 @@ def results_name(date, device, dry_run):
     return f"{date[:10]}-{re.sub(r'[^a-z0-9]+', '-', short.lower()).strip('-')}.json"
 
 
-def record(meta, versions, stages):
+def check_record(meta, versions, stages):
     """The JSON object: ``meta`` (device, date, commit, mode, budget), ``versions``, the test
     counts over the test stages, every stage's record and the throughput rows."""
     totals = {key: sum(s.get(key) or 0 for s in stages if s["name"] in TEST_STAGES)
@@ -38,7 +38,7 @@ def _cell(text, chars=160):
     return " ".join(str(text).split())[:chars]
 
 
-def _number(value):
+def _rate_cell(value):
     if value is None:
         return "-"
     return f"{value:,.2f}" if abs(value) < 10 else f"{value:,.0f}"
@@ -101,15 +101,15 @@ def _throughput_lines(rows, versions):
     for row in rows:
         ratio = f"{row['ratio']:.2f}x" if row.get("ratio") else "-"
         lines.append(f"| {row['model']} | {row['batch']} | {row['precision']} | "
-                     f"{'yes' if row['graphs'] else 'no'} | {_number(row['fleetmpi'])} | "
-                     f"{_number(row['pytorch'])} | {ratio} | {row['unit']} |")
+                     f"{'yes' if row['graphs'] else 'no'} | {_rate_cell(row['fleetmpi'])} | "
+                     f"{_rate_cell(row['pytorch'])} | {ratio} | {row['unit']} |")
     if rows and all(row["pytorch"] is None for row in rows):
         lines += ["", f"PyTorch: {versions.get('torch')}, so its column is empty."]
     return lines
 
 
-def summary(result):
-    """``summary.md`` of a ``record``."""
+def summary_markdown(result):
+    """``summary.md`` of a ``check_record``."""
     mode = ("dry run on the CPU (FLEETMPI_DEVICE=cpu)" if result["dry_run"]
             else "FLEETMPI_DEVICE=gpu")
     versions = result["versions"]
@@ -137,7 +137,7 @@ def write(out, result):
     """Write ``gpu_check.json`` and ``summary.md`` into ``out``; returns the summary."""
     with open(os.path.join(out, "gpu_check.json"), "w") as f:
         json.dump(result, f, indent=1)
-    text = summary(result)
+    text = summary_markdown(result)
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write(text)
     return text

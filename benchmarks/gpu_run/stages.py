@@ -8,8 +8,8 @@ import shutil
 import sys
 import time
 
-from . import install as offline_install
 from . import junit, mpi_launch, plan
+from .install import install_offline
 from .process import run_bounded
 
 # mpi_pytest.py's own job limit ends the ranks this many seconds before the stage's deadline,
@@ -36,7 +36,7 @@ class Context:
     def env(self, **extra):
         """The stages' environment: the installed copy first on ``PYTHONPATH``, the plan's
         ``FLEETMPI_DEVICE``, the MPI launcher's variables, then ``extra``."""
-        env = dict(os.environ, FLEETMPI_DEVICE=plan.device(self.dry_run), **self.mpi_variables)
+        env = dict(os.environ, FLEETMPI_DEVICE=plan.fleetmpi_device(self.dry_run), **self.mpi_variables)
         if self.site:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (self.site, os.environ.get("PYTHONPATH")) if p)
@@ -44,8 +44,8 @@ class Context:
         return env
 
     def choose_mpi(self, timeout_s):
-        variables, self.mpi = mpi_launch.choose(self.env(), self.prefix, self.scratch,
-                                                timeout_s, self.logs)
+        variables, self.mpi = mpi_launch.choose_launcher(self.env(), self.prefix,
+                                                         self.scratch, timeout_s, self.logs)
         self.mpi_variables = variables or {}
 
     def run(self, name, cmd, env, timeout_s):
@@ -71,9 +71,10 @@ def _tests_record(name, done, junit_paths, timeout_s, **extra):
     return record
 
 
-def install(ctx, timeout_s, wheels):
+def run_install(ctx, timeout_s, args):
+    """The carried wheels of ``args.wheels`` and fleetmpi (``install.py``)."""
     try:
-        record = offline_install.install(wheels, ctx.repo, ctx.scratch, timeout_s, ctx.logs)
+        record = install_offline(args.wheels, ctx.repo, ctx.scratch, timeout_s, ctx.logs)
     except (OSError, RuntimeError) as exc:
         record = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}", "seconds": 0.0}
     # what did install serves the later stages, even after a failure
@@ -81,10 +82,10 @@ def install(ctx, timeout_s, wheels):
     return dict(record, name="install", timeout_s=round(timeout_s))
 
 
-def gpu_tests(ctx, timeout_s, files):
-    """pytest on the plan's single-process test files (or ``files``); planned files that do
-    not exist are listed as missing."""
-    planned = files or [path for path, _ in plan.GPU_TEST_FILES]
+def run_gpu_tests(ctx, timeout_s, args):
+    """pytest on the plan's single-process test files (or ``args.tests``); planned files that
+    do not exist are listed as missing."""
+    planned = args.tests or [path for path, _ in plan.GPU_TEST_FILES]
     paths = [os.path.join(ctx.repo, path) for path in planned]
     present = [path for path in paths if os.path.exists(path)]
     missing = [name for name, path in zip(planned, paths) if not os.path.exists(path)]
@@ -102,7 +103,7 @@ def _since(start):
     return time.perf_counter() - start
 
 
-def multi_rank(ctx, timeout_s):
+def run_multi_rank(ctx, timeout_s, args):
     """The plan's data-parallel selection at ``plan.MULTI_RANK_RANKS`` ranks on one device over
     the MPI transport, through ``tests/mpi_pytest.py``."""
     if ctx.mpi["chosen"] is None:
@@ -124,7 +125,7 @@ def _throughput_run(ctx, model, steps, timeout_s):
     """``(rows, failure or None)`` of ``benchmarks/train_throughput.py`` on one model."""
     path = os.path.join(ctx.out, "throughput", f"{model}.json")
     cmd = [sys.executable, os.path.join(ctx.repo, "benchmarks", "train_throughput.py"),
-           "--device", plan.device(ctx.dry_run), "--ranks", "1", "--models", model,
+           "--device", plan.fleetmpi_device(ctx.dry_run), "--ranks", "1", "--models", model,
            "--steps", str(steps), "--no-tape", "--no-breakdown", "--json", path]
     done = ctx.run(f"throughput-{model}", cmd, ctx.env(), timeout_s)
     if done.returncode == 0 and not done.timed_out and os.path.exists(path):
@@ -135,11 +136,11 @@ def _throughput_run(ctx, model, steps, timeout_s):
                 "lines": done.tail(6)}
 
 
-def throughput(ctx, timeout_s):
+def run_throughput(ctx, timeout_s, args):
     """``benchmarks/train_throughput.py`` at one rank, one run per model of the plan, each
     with an equal share of what is left."""
     start = time.perf_counter()
-    config = plan.THROUGHPUT[plan.device(ctx.dry_run)]
+    config = plan.THROUGHPUT[plan.fleetmpi_device(ctx.dry_run)]
     rows, failures = [], []
     models = list(config["models"])
     for index, model in enumerate(models):
@@ -150,3 +151,8 @@ def throughput(ctx, timeout_s):
     return {"name": "throughput", "status": "failed" if failures else "passed",
             "seconds": round(_since(start), 1), "timeout_s": round(timeout_s),
             "rows": rows, "failures": failures}
+
+
+# Each stage of ``plan.STAGES``: ``run(context, timeout_s, command-line arguments)``.
+RUNNERS = {"install": run_install, "gpu_tests": run_gpu_tests, "multi_rank": run_multi_rank,
+           "throughput": run_throughput}
