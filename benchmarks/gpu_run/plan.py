@@ -14,7 +14,7 @@ and ``test_kernels_host`` put a stand-in for CuPy into ``sys.modules`` or patch
 STAGES = ("install", "gpu_tests", "multi_rank", "throughput")
 # Shares of the time budget; a stage that ends early leaves its time to the ones after it.
 # "setup" is the MPI launcher's choice and the version probe, between install and the tests.
-BUDGET_WEIGHTS = {"install": 1.0, "setup": 0.7, "gpu_tests": 4.5, "multi_rank": 1.5,
+BUDGET_WEIGHTS = {"install": 1.0, "setup": 1.0, "gpu_tests": 4.5, "multi_rank": 1.5,
                   "throughput": 2.5}
 
 GPU_TEST_FILES = (

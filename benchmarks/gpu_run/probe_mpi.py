@@ -3,17 +3,23 @@ as one JSON object on a line that starts with ``RESULT``: the MPI library mpi4py
 ``mpiexec`` command ``fleetmpi.launch.mpi_command.local_command`` builds (the one
 ``tests/mpi_pytest.py`` and ``benchmarks/train_throughput.py`` use) and what
 ``python -m mpi4py.bench helloworld`` said under it. Two ranks that each see a world of one
-mean that mpi4py's MPI is not the launcher's.
+mean that mpi4py's MPI is not the launcher's. Where the ranks fail as the environment is, they
+are started again with MPI's transports kept to shared memory
+(``fleetmpi.launch.mpi_command.LOCAL_TRANSPORT_ENV``, what ``fleetmpirun`` sets on one host),
+and the variables that made them start are reported.
 
-Run as a script in the environment to be judged; it never raises.
+    python probe_mpi.py SECONDS
+
+Run as a script in the environment to be judged, with the seconds it may take; it never
+raises.
 """
 import json
+import os
 import re
 import subprocess
 import sys
 
 RANKS = 2
-TIMEOUT_S = 60
 
 
 def library():
@@ -25,21 +31,30 @@ def library():
     return " ".join(MPI.Get_library_version().split("\n")[0].split())
 
 
-def hello():
-    from fleetmpi.launch.mpi_command import local_command
+def hello(seconds):
+    """``{"command", "ok", "variables"}`` (or ``"output"`` where no try started the ranks)."""
+    from fleetmpi.launch.mpi_command import LOCAL_TRANSPORT_ENV, local_command
 
     cmd = local_command(RANKS, [sys.executable, "-m", "mpi4py.bench", "helloworld"])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
-    sizes = [int(n) for n in re.findall(r"I am process \d+ of (\d+)", done.stdout)]
-    found = {"command": cmd, "ok": done.returncode == 0 and sizes == [RANKS] * RANKS}
-    if not found["ok"]:
-        found["output"] = (done.stdout + done.stderr)[-800:]
+    local = {name: value for name, value in LOCAL_TRANSPORT_ENV.items() if name not in os.environ}
+    found = {"command": cmd, "ok": False, "output": ""}
+    for variables in [{}, local] if local else [{}]:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds / 2,
+                                  env=dict(os.environ, **variables))
+        except subprocess.TimeoutExpired:
+            found["output"] += f"[{variables or 'as is'}: no answer in {seconds / 2:.0f} s] "
+            continue
+        sizes = [int(n) for n in re.findall(r"I am process \d+ of (\d+)", done.stdout)]
+        if done.returncode == 0 and sizes == [RANKS] * RANKS:
+            return {"command": cmd, "ok": True, "variables": variables}
+        found["output"] += f"[{variables or 'as is'}: {(done.stdout + done.stderr)[-400:]}] "
     return found
 
 
-def probe_launch():
+def probe_launch(seconds):
     found = {}
-    for key, part in (("library", library), ("hello", hello)):
+    for key, part in (("library", library), ("hello", lambda: hello(seconds))):
         try:
             found[key] = part()
         except Exception as exc:  # noqa: BLE001 - the probe reports every failure as text
@@ -50,4 +65,4 @@ def probe_launch():
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(probe_launch()))
+    print("RESULT " + json.dumps(probe_launch(float(sys.argv[1]))))

@@ -58,8 +58,10 @@ def _install_lines(stages):
 def _launcher_line(choice):
     """The MPI launcher the stages used, or that none started."""
     chosen = [t for t in choice["tries"] if t["ok"]]
-    said = (f"{chosen[0]['name']}: {chosen[0]['library']}, {chosen[0]['command']}"
-            if chosen else "none started 2 ranks that see each other")
+    said = "none started 2 ranks that see each other"
+    if chosen:
+        variables = " ".join(f"{k}={v}" for k, v in chosen[0]["variables"].items())
+        said = f"{chosen[0]['name']}: {chosen[0]['library']}, {variables} {chosen[0]['command']}"
     return f"| MPI launcher | {_cell(said, 300)} |"
 
 

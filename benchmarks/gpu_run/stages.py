@@ -25,7 +25,8 @@ class Context:
     def __init__(self, repo, out, scratch, dry_run):
         self.repo, self.out, self.scratch, self.dry_run = repo, out, scratch, dry_run
         self.logs = os.path.join(out, "logs")
-        for folder in ("junit", "throughput"):  # nothing of an earlier run is read as this one's
+        # no earlier run's file is read as this one's
+        for folder in ("junit", "throughput"):
             shutil.rmtree(os.path.join(out, folder), ignore_errors=True)
             os.makedirs(os.path.join(out, folder))
         os.makedirs(self.logs, exist_ok=True)
@@ -36,7 +37,8 @@ class Context:
     def env(self, **extra):
         """The stages' environment: the installed copy first on ``PYTHONPATH``, the plan's
         ``FLEETMPI_DEVICE``, the MPI launcher's variables, then ``extra``."""
-        env = dict(os.environ, FLEETMPI_DEVICE=plan.fleetmpi_device(self.dry_run), **self.mpi_variables)
+        env = dict(os.environ, FLEETMPI_DEVICE=plan.fleetmpi_device(self.dry_run),
+                   **self.mpi_variables)
         if self.site:
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (self.site, os.environ.get("PYTHONPATH")) if p)
