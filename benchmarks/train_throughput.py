@@ -4,6 +4,7 @@ where a ResNet-20 step's time goes, and the Python cost of fleetmpi's tape.
     python benchmarks/train_throughput.py [--steps 30] [--ranks 1 2]
                                           [--models mlp resnet20 gpt resnet50]
                                           [--device cpu|gpu] [--no-breakdown] [--no-tape]
+                                          [--json PATH]
 
 For each model (an MLP, ResNet-20, a small GPT, and ResNet-50 at 224x224 on one rank only),
 each rank count and each trainer, one ``mpiexec`` job trains on the same synthetic data with
@@ -521,27 +522,9 @@ def _rate(samples_per_s):
     return f"{samples_per_s:,.2f}" if samples_per_s < 10 else f"{samples_per_s:,.0f}"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="measured MLP steps "
-                        "(ResNet-20 runs a fifth of them, the GPT half, ResNet-50 a tenth)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
-                        help="gpu: both trainers on one GPU per rank")
-    parser.add_argument("--no-tape", action="store_true", help="skip the tape's cost")
-    parser.add_argument("--no-breakdown", action="store_true",
-                        help="skip the ResNet-20 step's time breakdown")
-    parser.add_argument("--worker", choices=["ours", "torch", "tape", "breakdown"],
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
-    parser.add_argument("--measured", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=29611, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args)
-
-    have_torch = torch_available()
+def measure(args, have_torch):
+    """``(model, ranks, fleetmpi samples/s, PyTorch samples/s or None, fleetmpi scaling
+    efficiency, PyTorch's or None)`` for each model and rank count of ``args``."""
     rows = []
     port = 29611
     for model in args.models:
@@ -559,6 +542,10 @@ def main():
                          ours[ranks] / (ranks * ours[first] / first),
                          theirs[ranks] / (ranks * theirs[first] / first)
                          if have_torch else None))
+    return rows
+
+
+def print_table(rows, device):
     gpt = GPT_SIZES
     print(f"samples/s over all ranks, per-rank batch MLP {MODELS['mlp'][0]} "
           f"({'-'.join(map(str, MLP_SIZES))}), ResNet-20 {MODELS['resnet20'][0]} (3x32x32), "
@@ -566,8 +553,8 @@ def main():
           f"GPT {MODELS['gpt'][0]} sequences of {gpt['block_size']} tokens (vocab "
           f"{gpt['vocab_size']}, {gpt['n_layer']} layers, {gpt['n_head']} heads, "
           f"{gpt['n_embd']} wide); float32, Momentum; "
-          + ("one GPU per rank" if args.device == "gpu" else "1 thread per rank"))
-    peer = "PyTorch DDP (NCCL)" if args.device == "gpu" else "PyTorch DDP (gloo)"
+          + ("one GPU per rank" if device == "gpu" else "1 thread per rank"))
+    peer = "PyTorch DDP (NCCL)" if device == "gpu" else "PyTorch DDP (gloo)"
     print(f"| model | ranks | fleetmpi samples/s | {peer} samples/s | ratio | "
           "fleetmpi scaling eff. | PyTorch scaling eff. |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -578,6 +565,53 @@ def main():
         else:
             print(f"| {model} | {ranks} | {_rate(mine)} | {_rate(torch_rate)} | "
                   f"{mine / torch_rate:.2f}x | {eff:.2f} | {torch_eff:.2f} |")
+
+
+# What a sample is, per model (the rates count samples over all ranks).
+UNITS = {"mlp": "samples/s", "resnet20": "samples/s", "resnet50": "samples/s",
+         "gpt": f"sequences/s ({GPT_SIZES['block_size']} tokens)"}
+
+
+def write_json(path, rows, device, steps):
+    """``rows`` as JSON objects, one per model and rank count: ``model``, ``ranks``,
+    per-rank ``batch``, ``precision`` (every model trains in float32), ``graphs`` (no CUDA
+    graph capture), ``fleetmpi`` and ``pytorch`` rates (``pytorch`` null without torch),
+    their ``ratio``, ``unit``, ``device`` and the MLP's measured ``steps``."""
+    found = [{"model": model, "ranks": ranks, "batch": MODELS[model][0], "precision": "fp32",
+              "graphs": False, "fleetmpi": mine, "pytorch": theirs,
+              "ratio": mine / theirs if theirs else None, "unit": UNITS[model],
+              "device": device, "steps": steps}
+             for model, ranks, mine, theirs, _, _ in rows]
+    with open(path, "w") as f:
+        json.dump(found, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="measured MLP steps "
+                        "(ResNet-20 runs a fifth of them, the GPT half, ResNet-50 a tenth)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="gpu: both trainers on one GPU per rank")
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the table's rows to PATH as JSON (write_json)")
+    parser.add_argument("--no-tape", action="store_true", help="skip the tape's cost")
+    parser.add_argument("--no-breakdown", action="store_true",
+                        help="skip the ResNet-20 step's time breakdown")
+    parser.add_argument("--worker", choices=["ours", "torch", "tape", "breakdown"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--measured", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=29611, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    rows = measure(args, torch_available())
+    print_table(rows, args.device)
+    if args.json:
+        write_json(args.json, rows, args.device, args.steps)
     if not args.no_breakdown and args.device == "cpu":
         ranks = max(args.ranks)
         print_breakdown(ranks, _result(local_command(ranks, [

@@ -4,9 +4,10 @@ Each rank's pytest output goes to its own log file; afterwards rank 0's log is p
 and any other rank's log is printed whole too if that rank failed or never finished, so a
 failure on one rank is never hidden. Failures are written as they happen (pytest-instafail), so
 they survive a hung test, which pytest-timeout ends by taking the job down with it; the whole run
-is bounded by ``--job-timeout`` seconds as a last resort.
+is bounded by ``--job-timeout`` seconds as a last resort. ``--junit-dir DIR`` has each rank
+write its JUnit XML to ``DIR/rank-<rank>.xml``.
 
-    python tests/mpi_pytest.py -n 4 [-- pytest args]
+    python tests/mpi_pytest.py -n 4 [--junit-dir DIR] [-- pytest args]
 """
 import argparse
 import os
@@ -20,7 +21,7 @@ from fleetmpi.launch.mpi_command import local_command
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def rank_main(log_dir, pytest_args):
+def rank_main(log_dir, pytest_args, junit_dir=None):
     """Inside mpiexec: run pytest on this rank with its output in its own log file."""
     from mpi4py import MPI
 
@@ -33,6 +34,8 @@ def rank_main(log_dir, pytest_args):
     sys.stderr = os.fdopen(2, "w", buffering=1)
     import pytest
 
+    if junit_dir:
+        pytest_args = pytest_args + [f"--junitxml={os.path.join(junit_dir, f'rank-{rank}.xml')}"]
     code = pytest.main(["--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider",
                         "--instafail", "--timeout=300", "--timeout-method=thread",
                         f"--basetemp={os.path.join(log_dir, f'rank-{rank}-tmp')}", HERE]
@@ -42,10 +45,11 @@ def rank_main(log_dir, pytest_args):
     return int(code)
 
 
-def launcher_main(n, job_timeout, pytest_args):
+def launcher_main(n, job_timeout, pytest_args, junit_dir=None):
     log_dir = tempfile.mkdtemp(prefix=f"fleetmpi-tests-{n}-")
+    junit = ["--junit-dir", os.path.abspath(junit_dir)] if junit_dir else []
     cmd = local_command(n) + [sys.executable, os.path.abspath(__file__),
-                                "--rank-log-dir", log_dir, "--"] + pytest_args
+                              "--rank-log-dir", log_dir] + junit + ["--"] + pytest_args
     try:
         launched = subprocess.run(cmd, timeout=job_timeout).returncode
     except subprocess.TimeoutExpired:
@@ -72,12 +76,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, help="number of ranks to launch")
     parser.add_argument("--job-timeout", type=int, default=1200)
+    parser.add_argument("--junit-dir", help="each rank writes its JUnit XML here")
     parser.add_argument("--rank-log-dir", help=argparse.SUPPRESS)
     parser.add_argument("pytest_args", nargs="*")
     args = parser.parse_args()
     if args.rank_log_dir:
-        return rank_main(args.rank_log_dir, args.pytest_args)
-    return launcher_main(args.n, args.job_timeout, args.pytest_args)
+        return rank_main(args.rank_log_dir, args.pytest_args, args.junit_dir)
+    return launcher_main(args.n, args.job_timeout, args.pytest_args, args.junit_dir)
 
 
 if __name__ == "__main__":

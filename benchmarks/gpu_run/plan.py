@@ -1,0 +1,53 @@
+"""What ``benchmarks/gpu_check.py`` runs: the one list of test files, the multi-rank selection,
+the throughput models, and how the time budget is shared between the stages.
+
+Single-process test files on the GPU: each one below has a branch that runs differently on
+CuPy, or exists for the GPU. Files with a ``FLEETMPI_DEVICE`` or ``cupy`` mention that are left
+out only make sense on the CPU: ``test_comm_async``, ``test_transport_choice``, ``test_cudnn``
+and ``test_kernels_host`` put a stand-in for CuPy into ``sys.modules`` or patch
+``backend.on_gpu``; ``test_elastic``, ``test_environment``, ``test_failure``,
+``test_host_memory``, ``test_stall`` and ``test_timeline`` start their jobs with
+``FLEETMPI_DEVICE=cpu``; ``test_knobs``, ``test_never_silent``, ``test_pserver_units`` and
+``test_comm_safety`` check names, refusals and imports, not device arithmetic.
+"""
+
+STAGES = ("install", "gpu_tests", "multi_rank", "throughput")
+# Shares of the time budget; a stage that ends early leaves its time to the ones after it.
+# "setup" is the MPI launcher's choice and the version probe, between install and the tests.
+BUDGET_WEIGHTS = {"install": 1.0, "setup": 1.0, "gpu_tests": 4.5, "multi_rank": 1.5,
+                  "throughput": 2.5}
+
+GPU_TEST_FILES = (
+    ("tests/test_gpu_device.py", "NCCL at world size 1, every collective, async handles, "
+     "streams and events, transport auto and its fallback warning, checkpoints, optimizers, "
+     "AMP, recompute and sharding stages 1-3 on one GPU"),
+    ("tests/test_cudnn_frontend.py", "cuDNN through nvidia-cudnn-frontend against im2col and "
+     "the attention reference"),
+    ("tests/test_kernels.py", "the fused RawKernels against the unfused layers"),
+    ("tests/test_amp.py", "float16 products through cuBLAS and the fused kernels"),
+    ("tests/test_auto.py", "recompute offload, which applies on a GPU only"),
+    ("tests/test_checkpoint.py", "CuPy's generator state saved and restored bit for bit"),
+    ("tests/test_gpt.py", "attention, and the embedding's scatter-add of atomic additions"),
+    ("tests/test_optim.py", "the fused optimizer kernel against CuPy's unfused update"),
+    ("tests/test_paddle_flags.py", "GPU memory flags, read on a GPU only"),
+    ("tests/test_recompute.py", "recompute bit for bit on CuPy"),
+    ("tests/test_sync_batch_norm.py", "batch statistics against CuPy's own reductions"),
+)
+# Per-test limit inside the single-process stage (pytest-timeout).
+TEST_TIMEOUT_S = 120
+
+# Data parallel at 2 ranks on the one GPU over the MPI transport equals one process on the
+# global batch: the data-parallel part of tests/run's 8-rank selection.
+MULTI_RANK_RANKS = 2
+MULTI_RANK_SELECTION = "test_n_ranks_match_one_process and (default or overlapped)"
+
+# benchmarks/train_throughput.py, one run per model; --steps is the MLP's measured steps.
+THROUGHPUT = {
+    "gpu": {"models": ("mlp", "resnet20", "gpt", "resnet50"), "steps": 50},
+    "cpu": {"models": ("mlp", "resnet20", "gpt"), "steps": 2},
+}
+
+
+def fleetmpi_device(dry_run):
+    """``FLEETMPI_DEVICE`` of the run: the dry run is the same plan on the CPU."""
+    return "cpu" if dry_run else "gpu"

@@ -1,0 +1,68 @@
+"""Print whether fleetmpi's launcher starts 2 ranks that see each other in this environment,
+as one JSON object on a line that starts with ``RESULT``: the MPI library mpi4py loads, the
+``mpiexec`` command ``fleetmpi.launch.mpi_command.local_command`` builds (the one
+``tests/mpi_pytest.py`` and ``benchmarks/train_throughput.py`` use) and what
+``python -m mpi4py.bench helloworld`` said under it. Two ranks that each see a world of one
+mean that mpi4py's MPI is not the launcher's. Where the ranks fail as the environment is, they
+are started again with MPI's transports kept to shared memory
+(``fleetmpi.launch.mpi_command.LOCAL_TRANSPORT_ENV``, what ``fleetmpirun`` sets on one host),
+and the variables that made them start are reported.
+
+    python probe_mpi.py SECONDS
+
+Run as a script in the environment to be judged, with the seconds it may take; it never
+raises.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+RANKS = 2
+
+
+def library():
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    from mpi4py import MPI
+
+    return " ".join(MPI.Get_library_version().split("\n")[0].split())
+
+
+def hello(seconds):
+    """``{"command", "ok", "variables"}`` (or ``"output"`` where no try started the ranks)."""
+    from fleetmpi.launch.mpi_command import LOCAL_TRANSPORT_ENV, local_command
+
+    cmd = local_command(RANKS, [sys.executable, "-m", "mpi4py.bench", "helloworld"])
+    local = {name: value for name, value in LOCAL_TRANSPORT_ENV.items() if name not in os.environ}
+    found = {"command": cmd, "ok": False, "output": ""}
+    for variables in [{}, local] if local else [{}]:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds / 2,
+                                  env=dict(os.environ, **variables))
+        except subprocess.TimeoutExpired:
+            found["output"] += f"[{variables or 'as is'}: no answer in {seconds / 2:.0f} s] "
+            continue
+        sizes = [int(n) for n in re.findall(r"I am process \d+ of (\d+)", done.stdout)]
+        if done.returncode == 0 and sizes == [RANKS] * RANKS:
+            return {"command": cmd, "ok": True, "variables": variables}
+        found["output"] += f"[{variables or 'as is'}: {(done.stdout + done.stderr)[-400:]}] "
+    return found
+
+
+def probe_launch(seconds):
+    found = {}
+    for key, part in (("library", library), ("hello", lambda: hello(seconds))):
+        try:
+            found[key] = part()
+        except Exception as exc:  # noqa: BLE001 - the probe reports every failure as text
+            found[key] = None
+            found["error"] = f"{key}: {type(exc).__name__}: {exc}"[:800]
+            break
+    return found
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(probe_launch(float(sys.argv[1]))))

@@ -1,0 +1,153 @@
+"""benchmarks/gpu_check.py, the command run on a lent GPU machine, in its dry run on the CPU:
+every stage runs and lands in gpu_check.json and summary.md, and a failing test is reported
+with its first lines."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMAND = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+VERSION_KEYS = ("python", "numpy", "mpi4py", "mpi_library", "cupy", "cuda_runtime", "driver",
+                "nccl", "cudnn", "cudnn_frontend", "torch", "fleetmpi")
+
+
+def load_part(name):
+    spec = importlib.util.spec_from_file_location(
+        f"gpu_run_{name}", os.path.join(ROOT, "benchmarks", "gpu_run", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_wheel(folder, name, tag):
+    """A wheel of one empty module ``name``, tagged ``tag`` (``py3-none-any``); its file
+    name."""
+    info = f"{name}-0.1.dist-info"
+    files = {f"{name}.py": "",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    files[f"{info}/RECORD"] = "".join(f"{member},,\n" for member in [*files, f"{info}/RECORD"])
+    wheel = f"{name}-0.1-{tag}.whl"
+    with zipfile.ZipFile(os.path.join(folder, wheel), "w") as archive:
+        for member, text in files.items():
+            archive.writestr(member, text)
+    return wheel
+
+
+def installed():
+    """What this Python's environment holds, as pip lists it."""
+    return subprocess.run([sys.executable, "-m", "pip", "list", "--format=freeze",
+                           "--disable-pip-version-check"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def gpu_check(out, *args):
+    done = subprocess.run([sys.executable, COMMAND, "--dry-run", "--out", str(out), *args],
+                          capture_output=True, text=True, cwd=ROOT)
+    with open(os.path.join(out, "gpu_check.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(out, "summary.md")) as f:
+        summary = f.read()
+    return done, result, summary
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_runs_every_stage_and_records_it(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    ours = write_wheel(str(wheels), "gpu_check_carried", "py3-none-any")
+    foreign = write_wheel(str(wheels), "gpu_check_foreign", "cp27-cp27mu-manylinux1_x86_64")
+    before = installed()
+    done, result, summary = gpu_check(tmp_path / "out", "--wheels", str(wheels),
+                                      "--budget-s", "240")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert installed() == before  # the install went to its own prefix, and took nothing away
+    plan = load_part("plan")
+    stages = {stage["name"]: stage for stage in result["stages"]}
+    assert list(stages) == list(plan.STAGES)
+    assert all(stage["status"] == "passed" for stage in stages.values())
+    for key in ("device", "date", "commit", "versions", "tests", "throughput", "mpi"):
+        assert key in result, key
+    assert result["dry_run"] and result["device"].startswith("CPU (dry run)")
+    assert all(isinstance(result["versions"][key], str) for key in VERSION_KEYS)
+    assert "/prefix/" in result["versions"]["fleetmpi"]  # the installed copy ran, not the tree
+    install = stages["install"]
+    assert ours in install["installed"] and "fleetmpi (this tree)" in install["installed"]
+    assert foreign in [w["wheel"] for w in install["not_installed"]]
+
+    tests = result["tests"]
+    assert all(isinstance(tests[key], int) for key in ("passed", "failed", "skipped"))
+    assert tests["failed"] == 0 and tests["passed"] > 0
+    assert tests["passed"] == stages["gpu_tests"]["passed"] + stages["multi_rank"]["passed"]
+    assert stages["multi_rank"]["passed"] >= 2
+    missing = [path for path, _ in plan.GPU_TEST_FILES
+               if not os.path.exists(os.path.join(ROOT, path))]
+    assert stages["gpu_tests"]["missing"] == missing
+
+    rows = result["throughput"]
+    assert [row["model"] for row in rows] == list(plan.THROUGHPUT["cpu"]["models"])
+    for row in rows:
+        assert row["fleetmpi"] > 0 and row["precision"] == "fp32" and row["graphs"] is False
+        assert set(row) >= {"model", "batch", "precision", "graphs", "fleetmpi", "pytorch",
+                            "ratio", "unit"}
+    assert summary.startswith(f"# GPU check: {result['device']}")
+    assert f"commit {result['commit']}" in summary
+    for name in plan.STAGES:
+        assert f"| {name} | passed |" in summary
+    for path in missing:
+        assert path in summary
+    assert "| mlp | 128 | fp32 | no |" in summary
+    assert summary in done.stdout
+
+
+def test_a_failing_test_is_reported_with_its_first_lines(tmp_path):
+    tests = tmp_path / "test_planted.py"
+    tests.write_text("import pytest\n\n"
+                     "def test_passes():\n    assert True\n\n"
+                     "def test_fails():\n    assert 41 == 42, 'planted failure'\n\n"
+                     "def test_skips():\n    pytest.skip('not here')\n")
+    out = tmp_path / "out"
+    done, result, summary = gpu_check(out, "--stages", "gpu_tests", "--tests", str(tests))
+    assert done.returncode == 1
+    assert result["tests"] == {"passed": 1, "failed": 1, "skipped": 1}
+    [stage] = result["stages"]
+    assert stage["status"] == "failed"
+    [failure] = stage["failures"]
+    assert failure["test"].endswith("::test_fails")
+    assert any("planted failure" in line for line in failure["lines"])
+    assert "FAILED " + failure["test"] in summary and "planted failure" in summary
+
+
+def test_a_test_failed_on_one_rank_counts_once_as_failed(tmp_path):
+    junit = load_part("junit")
+    case = '<testcase classname="tests.test_x" name="{}">{}</testcase>'
+    bad = '<failure message="AssertionError: rank 1 differs">E   assert 1 == 0</failure>'
+    for rank, body in enumerate(("", bad)):
+        (tmp_path / f"rank-{rank}.xml").write_text(
+            "<testsuites><testsuite>" + case.format("test_a", body)
+            + case.format("test_b", "<skipped/>") + "</testsuite></testsuites>")
+    paths = [str(tmp_path / f"rank-{rank}.xml") for rank in range(3)]  # rank 2 never wrote
+    found = junit.summarize(paths)
+    assert (found["passed"], found["failed"], found["skipped"]) == (0, 1, 1)
+    assert found["failures"] == [{"test": "tests.test_x::test_a (rank 1)", "lines": [
+        "AssertionError: rank 1 differs", "E   assert 1 == 0"]}]
+
+
+def test_a_stage_out_of_time_keeps_what_ran_and_the_next_stage_runs(tmp_path):
+    tests = tmp_path / "test_slow.py"
+    tests.write_text("import time\n\n"
+                     "def test_quick():\n    assert True\n\n"
+                     "def test_slow():\n    time.sleep(600)\n")
+    done, result, summary = gpu_check(tmp_path / "out", "--stages", "gpu_tests", "throughput",
+                                      "--tests", str(tests), "--budget-s", "30")
+    assert done.returncode == 1
+    gpu_tests, throughput = result["stages"]
+    assert gpu_tests["status"] == "timed out"
+    assert (gpu_tests["passed"], gpu_tests["failed"]) == (1, 0)  # pytest's XML survived
+    assert throughput["name"] == "throughput" and throughput["seconds"] > 0
+    assert "| gpu_tests | timed out |" in summary
