@@ -1,6 +1,12 @@
 """Allreduce benchmark: fleetmpi's algorithms next to native MPI (and torch.distributed's gloo).
 
     mpiexec -n 2 python benchmarks/allreduce.py [--min-bytes 4096] [--max-bytes 67108864]
+                                                [--device cpu|gpu]
+
+``--device gpu`` (one GPU per rank) gives the NCCL rows instead: the buffers are CuPy arrays on
+each rank's GPU, fleetmpi's communicator runs over its NCCL transport, the baseline is NCCL's
+own ``ncclAllReduce`` (``cupy.cuda.nccl``) and the peer torch.distributed's ``nccl`` backend;
+every run of calls ends with the device synchronized before the clock is read.
 
 Prints, for float32 buffers from 4 KB to 64 MB: time per call, algorithm bandwidth
 (``bytes / time``) and bus bandwidth (``algbw * 2 * (n - 1) / n``, nccl-tests' definition) of
@@ -37,6 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 import fleetmpi as fleet
+from fleetmpi import backend, knobs
 from fleetmpi.comm import get_communicator
 
 
@@ -44,12 +51,14 @@ RUN_SECONDS = 20e-3
 MIN_RUNS = 3
 
 
-def timed(fn, comm, budget_s):
+def timed(fn, comm, budget_s, sync=lambda: None):
     """Median seconds per call of ``fn`` (slowest rank) over runs of back-to-back calls, after
-    a warm-up call; at least ``MIN_RUNS`` runs, more while ``budget_s`` lasts. The ranks decide
-    together when to stop (module docstring)."""
+    a warm-up call, each run ended by ``sync()`` (the device's queue drained); at least
+    ``MIN_RUNS`` runs, more while ``budget_s`` lasts. The ranks decide together when to stop
+    (module docstring)."""
     start = time.perf_counter()
     fn()
+    sync()
     once = np.array([time.perf_counter() - start])
     comm.Allreduce(MPI.IN_PLACE, once, op=MPI.MAX)
     calls = max(1, min(1000, int(RUN_SECONDS / max(once[0], 1e-7))))
@@ -60,6 +69,7 @@ def timed(fn, comm, budget_s):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
+        sync()
         times.append((time.perf_counter() - t0) / calls)
         stop = np.array([time.perf_counter() - start > budget_s or len(times) >= 200],
                         dtype=np.int32)
@@ -71,10 +81,10 @@ def timed(fn, comm, budget_s):
     return float(local[0])
 
 
-def gloo_group(world, timeout_s):
-    """torch.distributed's gloo process group over the same ranks, or a reason it is absent.
-    Its collectives raise after ``timeout_s`` seconds instead of waiting for ever; torch runs
-    one intra-op thread per rank, as the MPI side has one BLAS thread."""
+def torch_group(world, device, timeout_s):
+    """torch.distributed over the same ranks (gloo on the CPU, nccl on each rank's GPU), or a
+    reason it is absent. Its collectives raise after ``timeout_s`` seconds instead of waiting
+    for ever; torch runs one intra-op thread per rank, as the MPI side has one BLAS thread."""
     try:
         import torch
         import torch.distributed as dist
@@ -89,9 +99,35 @@ def gloo_group(world, timeout_s):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # one thread per rank, as fleetmpi's ranks on this machine
-    dist.init_process_group("gloo", rank=world.Get_rank(), world_size=world.Get_size(),
+    if device == "gpu":
+        import cupy
+
+        torch.cuda.set_device(cupy.cuda.Device().id)
+    dist.init_process_group("nccl" if device == "gpu" else "gloo", rank=world.Get_rank(),
+                            world_size=world.Get_size(),
                             timeout=datetime.timedelta(seconds=timeout_s))
     return (torch, dist), None
+
+
+def nccl_allreduce(world):
+    """NCCL's own ``ncclAllReduce`` of float32 sums over the ranks of ``world``, as
+    ``fn(x, recv)`` on CuPy arrays (a ``cupy.cuda.nccl`` communicator from a unique id that
+    rank 0 makes and MPI broadcasts)."""
+    import cupy
+    from cupy.cuda import nccl
+
+    uid = world.bcast(nccl.get_unique_id() if world.Get_rank() == 0 else None, root=0)
+    raw = nccl.NcclCommunicator(world.Get_size(), uid, world.Get_rank())
+
+    def allreduce(x, recv):
+        raw.allReduce(x.data.ptr, recv.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                      cupy.cuda.get_current_stream().ptr)
+    return allreduce
+
+
+def mpi_allreduce(world):
+    """MPI_Allreduce (mpi4py's ``Allreduce``) of float32 sums, as ``fn(x, recv)``."""
+    return lambda x, recv: world.Allreduce(x, recv, op=MPI.SUM)
 
 
 def human(nbytes):
@@ -101,30 +137,76 @@ def human(nbytes):
         nbytes /= 1024
 
 
+def time_size(nbytes, comm, peers, budget):
+    """``{contestant: seconds per call}`` for one size: the baseline, fleetmpi's default pick
+    and ``peers["algorithms"]``, and the torch peer when present, each checked first."""
+    world, n, rank = MPI.COMM_WORLD, comm.size, comm.rank
+    count = nbytes // 4
+    host = (np.arange(count, dtype=np.float32) % 97) * (rank + 1)
+    exact = (np.arange(count, dtype=np.float32) % 97) * (n * (n + 1) // 2)
+    x = backend.asarray(host)
+    recv = backend.array_module().empty_like(x)
+    baseline_name, baseline = peers["baseline"]
+    results = {}
+
+    def check(got, what):
+        assert np.array_equal(backend.to_numpy(got), exact), f"{what} gave a wrong sum"
+
+    baseline(x, recv)
+    backend.synchronize()
+    check(recv, baseline_name)
+    results[baseline_name] = timed(lambda: baseline(x, recv), world, budget,
+                                   backend.synchronize)
+    for name in [None] + peers["algorithms"]:
+        check(comm.allreduce(x, algorithm=name, out=recv), name or "the default")
+        label = name or f"default ({comm.allreduce_algorithm(nbytes)})"
+        results[label] = timed(lambda: comm.allreduce(x, algorithm=name, out=recv), world,
+                               budget, backend.synchronize)
+    if peers["torch"] is not None:
+        torch, dist = peers["torch"]
+        source = torch.from_numpy(host).to("cuda" if backend.on_gpu() else "cpu")
+        tensor = source.clone()
+
+        def torch_call():
+            tensor.copy_(source)
+            dist.all_reduce(tensor)
+        torch_call()
+        check(tensor.cpu().numpy(), peers["torch_name"])
+        sync = torch.cuda.synchronize if backend.on_gpu() else (lambda: None)
+        results[peers["torch_name"]] = timed(torch_call, world, budget, sync)
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min-bytes", type=int, default=4 << 10)
     parser.add_argument("--max-bytes", type=int, default=64 << 20)
     parser.add_argument("--budget", type=float, default=1.0,
                         help="seconds of timed runs per size and algorithm")
-    parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="gpu: CuPy buffers over NCCL, one GPU per rank")
+    parser.add_argument("--no-gloo", action="store_true", help="leave out the torch peer")
     parser.add_argument("--gloo-timeout", type=float, default=60.0,
-                        help="seconds after which a gloo collective raises")
+                        help="seconds after which a torch collective raises")
     parser.add_argument("--max-seconds", type=float, default=300.0,
                         help="bound on the whole benchmark (the sizes share it)")
     args = parser.parse_args()
     began = time.perf_counter()
 
+    os.environ[knobs.DEVICE.name] = args.device
     fleet.init()
     comm = get_communicator()
     world = MPI.COMM_WORLD
-    n, rank = comm.size, comm.rank
-    gloo, why = ((None, "skipped (--no-gloo)") if args.no_gloo
-                 else gloo_group(world, args.gloo_timeout))
-
-    algorithms = ["ring", "hierarchical"]
-    if comm.topology.local_size == n:
-        algorithms.append("shm")
+    n = comm.size
+    gpu = args.device == "gpu"
+    torch_peer, why = ((None, "skipped (--no-gloo)") if args.no_gloo
+                       else torch_group(world, args.device, args.gloo_timeout))
+    peers = {"baseline": (("native NCCL", nccl_allreduce(world)) if gpu
+                          else ("native MPI", mpi_allreduce(world))),
+             "algorithms": ["ring", "hierarchical"], "torch": torch_peer,
+             "torch_name": "torch nccl" if gpu else "gloo"}
+    if comm.topology.local_size == n and not gpu:
+        peers["algorithms"].append("shm")
     rows = []
     sizes = []
     nbytes = args.min_bytes
@@ -138,55 +220,34 @@ def main():
             rows.append((human(nbytes), "not timed: the --max-seconds bound was reached",
                          None, None, None, None))
             continue
-        contestants = 2 + len(algorithms) + (gloo is not None)
+        contestants = 2 + len(peers["algorithms"]) + (torch_peer is not None)
         budget = min(args.budget, left[0] / (len(sizes) - i) / contestants)
-        count = nbytes // 4
-        x = (np.arange(count, dtype=np.float32) % 97) * (rank + 1)
-        exact = (np.arange(count, dtype=np.float32) % 97) * (n * (n + 1) // 2)
-        results = {}
-        recv = np.empty_like(x)
-
-        def native():
-            world.Allreduce(x, recv, op=MPI.SUM)
-        native()
-        assert np.array_equal(recv, exact), "native allreduce gave a wrong sum"
-        results["native MPI"] = timed(native, world, budget)
-        for name in [None] + algorithms:
-            assert np.array_equal(comm.allreduce(x, algorithm=name, out=recv), exact), name
-            label = name or f"default ({comm.allreduce_algorithm(nbytes)})"
-            results[label] = timed(lambda: comm.allreduce(x, algorithm=name, out=recv), world,
-                                   budget)
-        if gloo is not None:
-            torch, dist = gloo
-            tensor = torch.from_numpy(x.copy())
-
-            def gloo_call():
-                tensor.copy_(torch.from_numpy(x))
-                dist.all_reduce(tensor)
-            gloo_call()
-            assert np.array_equal(tensor.numpy(), exact), "gloo gave a wrong sum"
-            results["gloo"] = timed(gloo_call, world, budget)
+        results = time_size(nbytes, comm, peers, budget)
+        base = results[peers["baseline"][0]]
         for name, seconds in results.items():
             algbw = nbytes / seconds / 1e9
             busbw = algbw * 2 * (n - 1) / n
-            rows.append((human(nbytes), name, seconds, algbw, busbw,
-                         results["native MPI"] / seconds))
+            rows.append((human(nbytes), name, seconds, algbw, busbw, base / seconds))
+    if comm.rank == 0:
+        print_table(rows, comm, peers, why)
+    if torch_peer is not None:
+        torch_peer[1].destroy_process_group()
 
-    if rank == 0:
-        print(f"allreduce of float32, {n} rank(s) on {comm.topology.num_nodes} node(s), "
-              f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}"
-              + ("" if gloo else f"; gloo: {why}"))
-        print()
-        print("| size | algorithm | time | algbw (GB/s) | busbw (GB/s) | speed vs native MPI |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: |")
-        for size, name, seconds, algbw, busbw, ratio in rows:
-            if seconds is None:
-                print(f"| {size} | {name} | | | | |")
-                continue
-            shown = f"{seconds * 1e6:.0f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
-            print(f"| {size} | {name} | {shown} | {algbw:.2f} | {busbw:.2f} | {ratio:.2f}x |")
-    if gloo is not None:
-        gloo[1].destroy_process_group()
+
+def print_table(rows, comm, peers, why):
+    baseline = peers["baseline"][0]
+    print(f"allreduce of float32, {comm.size} rank(s) on {comm.topology.num_nodes} node(s), "
+          f"MPI: {MPI.Get_library_version().splitlines()[0].strip()}"
+          + ("" if peers["torch"] else f"; {peers['torch_name']}: {why}"))
+    print()
+    print(f"| size | algorithm | time | algbw (GB/s) | busbw (GB/s) | speed vs {baseline} |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for size, name, seconds, algbw, busbw, ratio in rows:
+        if seconds is None:
+            print(f"| {size} | {name} | | | | |")
+            continue
+        shown = f"{seconds * 1e6:.0f} us" if seconds < 1e-2 else f"{seconds * 1e3:.1f} ms"
+        print(f"| {size} | {name} | {shown} | {algbw:.2f} | {busbw:.2f} | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":

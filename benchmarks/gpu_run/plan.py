@@ -3,8 +3,8 @@ the throughput models, and how the time budget is shared between the stages.
 
 Single-process test files on the GPU: each one below has a branch that runs differently on
 CuPy, or exists for the GPU. Files with a ``FLEETMPI_DEVICE`` or ``cupy`` mention that are left
-out only make sense on the CPU: ``test_comm_async``, ``test_transport_choice``, ``test_cudnn``
-and ``test_kernels_host`` put a stand-in for CuPy into ``sys.modules`` or patch
+out only make sense on the CPU: ``test_comm_async``, ``test_transport_choice`` and
+``test_kernels_host`` put a stand-in for CuPy into ``sys.modules`` or patch
 ``backend.on_gpu``; ``test_elastic``, ``test_environment``, ``test_failure``,
 ``test_host_memory``, ``test_stall`` and ``test_timeline`` start their jobs with
 ``FLEETMPI_DEVICE=cpu``; ``test_knobs``, ``test_never_silent``, ``test_pserver_units`` and
@@ -31,6 +31,7 @@ GPU_TEST_FILES = (
     ("tests/test_optim.py", "the fused optimizer kernel against CuPy's unfused update"),
     ("tests/test_paddle_flags.py", "GPU memory flags, read on a GPU only"),
     ("tests/test_recompute.py", "recompute bit for bit on CuPy"),
+    ("tests/test_sharding_stages.py", "sharding stages 1-3 at world size 1 on CuPy"),
     ("tests/test_sync_batch_norm.py", "batch statistics against CuPy's own reductions"),
 )
 # Per-test limit inside the single-process stage (pytest-timeout).
