@@ -56,15 +56,14 @@ def gpu_check(out, *args):
     return done, result, summary
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_dry_run_runs_every_stage_and_records_it(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     ours = write_wheel(str(wheels), "gpu_check_carried", "py3-none-any")
     foreign = write_wheel(str(wheels), "gpu_check_foreign", "cp27-cp27mu-manylinux1_x86_64")
     before = installed()
-    done, result, summary = gpu_check(tmp_path / "out", "--wheels", str(wheels),
-                                      "--budget-s", "240")
+    done, result, summary = gpu_check(tmp_path / "out", "--wheels", str(wheels))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert installed() == before  # the install went to its own prefix, and took nothing away
     plan = load_part("plan")
