@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import backend
 from . import reference
-from .loader import KERNEL_DTYPES, launch
+from .loader import instance_suffix, instances, launch
 
 ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
 # The optimizer updates' references are chains of elementwise passes over whole arrays. On the
@@ -20,8 +20,21 @@ ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
 HOST_BLOCK = 1 << 16
 
 
-def _use_kernel(*arrays):
-    return backend.on_gpu() and all(a.dtype.name in KERNEL_DTYPES for a in arrays)
+def _use_kernel(filename, *groups):
+    """On a GPU, the suffix of the instance of ``filename``'s kernels for these arguments: each
+    group holds the arrays (or dtypes) one type parameter of the kernel takes, in order. None on
+    the CPU, for a group of several dtypes, or where the file has no such instance: the
+    reference runs then."""
+    if not backend.on_gpu():
+        return None
+    dtypes = []
+    for group in groups:
+        kinds = {a if isinstance(a, np.dtype) else a.dtype for a in group}
+        if len(kinds) != 1:
+            return None
+        dtypes.append(kinds.pop())
+    suffix = instance_suffix(*dtypes)
+    return suffix if suffix in instances(filename) else None
 
 
 def _host_blocks(update, arrays, *args):
@@ -46,25 +59,28 @@ def _layout(x):
 def bias_act_forward(z, bias, act):
     reference.check_activation(act)
     xp = backend.array_module()
-    if not _use_kernel(z, bias):
+    suffix = _use_kernel("bias_act.cu", (z, bias))
+    if suffix is None:
         return reference.bias_act_forward(z, bias, act, xp)
     z = xp.ascontiguousarray(z)
     y = xp.empty_like(z)
     pre = xp.empty_like(z) if act == "gelu" else y
     n, channels, inner = _layout(z)
-    launch("bias_act.cu", "bias_act_forward", z.dtype, n,
+    launch("bias_act.cu", "bias_act_forward", suffix, n,
            (z, bias, y, pre, n, channels, inner, np.int32(ACT_CODES[act])))
     return y, (pre if act == "gelu" else None)
 
 
 def bias_act_backward(dy, y, pre, act):
     xp = backend.array_module()
-    if not _use_kernel(dy, y):
+    pre_or_y = pre if pre is not None else y
+    suffix = _use_kernel("bias_act.cu", (dy, y, pre_or_y))
+    if suffix is None:
         return reference.bias_act_backward(dy, y, pre, act, xp)
     dy = xp.ascontiguousarray(dy)
     dz = xp.empty_like(dy)
-    launch("bias_act.cu", "bias_act_backward", dy.dtype, dy.size,
-           (dy, y, pre if pre is not None else y, dz, np.int64(dy.size),
+    launch("bias_act.cu", "bias_act_backward", suffix, dy.size,
+           (dy, y, pre_or_y, dz, np.int64(dy.size),
             np.int32(ACT_CODES[act])))
     return dz
 
@@ -73,61 +89,67 @@ def bn_act_forward(x, mean, invstd, gamma, beta):
     """``(y, xhat)``: the normalized input ``xhat`` where it was formed on the way (the
     reference), None from the device kernel, which never stores it."""
     xp = backend.array_module()
-    if not _use_kernel(x, gamma):
+    suffix = _use_kernel("bn_act.cu", (x, mean, invstd, gamma, beta))
+    if suffix is None:
         return reference.bn_act_forward(x, mean, invstd, gamma, beta, xp)
     x = xp.ascontiguousarray(x)
     y = xp.empty_like(x)
     n, channels, inner = _layout(x)
-    launch("bn_act.cu", "bn_act_forward", x.dtype, n,
+    launch("bn_act.cu", "bn_act_forward", suffix, n,
            (x, mean, invstd, gamma, beta, y, n, channels, inner))
     return y, None
 
 
 def bn_act_backward_mask(dy, y):
     xp = backend.array_module()
-    if not _use_kernel(dy, y):
+    suffix = _use_kernel("bn_act.cu", (dy, y))
+    if suffix is None:
         return reference.bn_act_backward_mask(dy, y)
     dy = xp.ascontiguousarray(dy)
     dz = xp.empty_like(dy)
-    launch("bn_act.cu", "bn_act_backward_mask", dy.dtype, dy.size,
+    launch("bn_act.cu", "bn_act_backward_mask", suffix, dy.size,
            (dy, y, dz, np.int64(dy.size)))
     return dz
 
 
 def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
     xp = backend.array_module()
-    if not _use_kernel(dz, xhat):
+    suffix = _use_kernel("bn_act.cu", (dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat))
+    if suffix is None:
         return reference.bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count)
     dz = xp.ascontiguousarray(dz)
     dx = xp.empty_like(dz)
     n, channels, inner = _layout(dz)
-    launch("bn_act.cu", "bn_input_grad", dz.dtype, n,
+    launch("bn_act.cu", "bn_input_grad", suffix, n,
            (dz, xp.ascontiguousarray(xhat), invstd, gamma, sum_dz, sum_dz_xhat, dx, n,
             channels, inner, dz.dtype.type(count)))
     return dx
 
 
 def sgd_update(param, grad, lr, weight_decay):
-    if not _use_kernel(param):
+    suffix = _use_kernel("optimizer.cu", (param, grad))
+    if suffix is None:
         return _host_blocks(reference.sgd_update, (param, grad), lr, weight_decay)
     t = param.dtype.type
-    launch("optimizer.cu", "sgd_update", param.dtype, param.size,
+    launch("optimizer.cu", "sgd_update", suffix, param.size,
            (param, grad, np.int64(param.size), t(lr), t(weight_decay)))
 
 
 def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov):
-    if not _use_kernel(param):
+    suffix = _use_kernel("optimizer.cu", (param, grad, velocity))
+    if suffix is None:
         return _host_blocks(reference.momentum_update, (param, grad, velocity), lr, momentum,
                             weight_decay, nesterov)
     t = param.dtype.type
-    launch("optimizer.cu", "momentum_update", param.dtype, param.size,
+    launch("optimizer.cu", "momentum_update", suffix, param.size,
            (param, grad, velocity, np.int64(param.size), t(lr), t(momentum), t(weight_decay),
             np.int32(bool(nesterov))))
 
 
 def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
                 weight_decay, decoupled):
-    if not _use_kernel(param):
+    suffix = _use_kernel("optimizer.cu", (param, grad, moment1, moment2))
+    if suffix is None:
         return _host_blocks(reference.adam_update, (param, grad, moment1, moment2), lr, beta1,
                             beta2, epsilon, step_count, weight_decay, decoupled,
                             backend.array_module())
@@ -136,6 +158,7 @@ def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_c
     lr_t = lr * correction2 / (1 - beta1 ** step_count)
     l2 = 0.0 if decoupled else weight_decay
     scale = 1 - lr * weight_decay if decoupled else 1.0
-    launch("optimizer.cu", "adam_update", param.dtype, param.size,
+    launch("optimizer.cu", "adam_update", suffix, param.size,
            (param, grad, moment1, moment2, np.int64(param.size), t(lr_t), t(beta1), t(beta2),
             t(epsilon * correction2), t(l2), t(scale)))
+
