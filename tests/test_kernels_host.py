@@ -1,6 +1,7 @@
-"""The trainer's fused kernels of batch norm, bias + activation and the optimizers
-(``fleetmpi/kernels/*.cu``): signatures, device compilation, and runs on the host against their
-NumPy references through their GPU branch (``kernel_harness``)."""
+"""Every fused kernel file's signatures and device compilation; the kernels of batch norm,
+bias + activation and the optimizers (``fleetmpi/kernels/*.cu``) run on the host against their
+NumPy references, through their GPU branch (``kernel_harness``; the transformer step's:
+``test_fused_kernels.py``)."""
 import numpy as np
 import pytest
 
@@ -15,6 +16,10 @@ FILES = {
     "bias_act.cu": ("bias_act_forward", "bias_act_backward"),
     "bn_act.cu": ("bn_act_forward", "bn_act_backward_mask", "bn_input_grad"),
     "optimizer.cu": ("sgd_update", "momentum_update", "adam_update"),
+    "layer_norm.cu": ("layer_norm_forward", "layer_norm_backward"),
+    "softmax_cross_entropy.cu": ("softmax_cross_entropy_forward",
+                                 "softmax_cross_entropy_backward"),
+    "dropout_add.cu": ("dropout_add_forward", "dropout_add_backward"),
 }
 DTYPES = [("float64", 1e-12), ("float32", 1e-5)]
 # bias_act computes float16 in float32 and rounds once; NumPy rounds every operation of GELU
