@@ -1,15 +1,16 @@
 """The transformer step's fused kernels (``layer_norm.cu``, ``softmax_cross_entropy.cu``,
 ``dropout_add.cu``): run on the host through their GPU branch against their references
-(``kernel_harness``), and the operations built on them against the unfused operations they
-replace and against finite differences through the kernels. (The files' signatures and device
-compilation: ``test_kernels_host.py``.)"""
+(``kernel_harness``), the operations built on them against the unfused operations they replace
+and against finite differences through the kernels, and a ``nn.GPT`` step through the kernels
+against the CPU. (The files' signatures and device compilation: ``test_kernels_host.py``.)"""
 import numpy as np
 import pytest
 
 import fleetmpi.nn.functional as F
-from fleetmpi import Tensor, backend, kernels
+from fleetmpi import Tensor, backend, kernels, nn
 from fleetmpi.autograd import autocast
 from fleetmpi.kernels import transformer_reference as reference
+from fleetmpi.nn.functional import cudnn
 from fleetmpi.nn.gradcheck import check_gradients
 from fleetmpi.strategies.amp import CastPolicy, DEFAULT_BLACK_LIST, DEFAULT_WHITE_LIST
 
@@ -239,3 +240,38 @@ def test_kernel_gradients_match_finite_differences(gpu_path, name):
     assert max(errors.values()) < 1e-7, errors
     assert {kernel.rsplit("_", 1)[1] for kernel in gpu_path} == {"forward", "backward"}
 
+
+# -- nn.GPT through the kernels -----------------------------------------------------------------
+
+def _gpt_step(fuse, dropout=0.1):
+    """Loss and parameter gradients of one tiny float64 GPT step, dropout masks from one fixed
+    generator on either branch."""
+    backend.manual_seed(0)
+    model = nn.GPT(vocab_size=23, block_size=5, n_layer=2, n_head=2, n_embd=8, dropout=dropout,
+                   dtype="float64")
+    model.configure_fusion(fuse_elewise_add_act_ops=fuse)
+    tokens = np.random.default_rng(8).integers(0, 23, (2, 6))
+    generator = np.random.default_rng(9)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "rank_rng", lambda: generator)
+        loss = F.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    return [loss.numpy()] + [backend.to_numpy(p.grad) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("gpu_path", [None], indirect=True)
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse_elewise_add_act_ops"])
+def test_gpt_step_through_the_kernels_equals_the_cpu(gpu_path, fuse, monkeypatch):
+    monkeypatch.setattr(cudnn, "_unusable", "the kernels run on the host in this test")
+    on_device = _gpt_step(fuse)
+    kinds = ["layer_norm", "softmax_cross_entropy", "dropout_add"] + ["bias_act"] * fuse
+    assert {f"{kind}_{way}" for kind in kinds for way in ("forward", "backward")} == \
+        set(gpu_path)
+    gpu_path.clear()
+    with pytest.MonkeyPatch.context() as host:
+        host.setattr(backend, "on_gpu", lambda: False)
+        host.setattr(backend, "array_module", lambda: np)
+        on_host = _gpt_step(fuse)
+    assert gpu_path == []
+    for got, want in zip(on_device, on_host):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)

@@ -46,20 +46,21 @@ class Linear(Function):
 
 
 class LinearActivation(Function):
-    """``act(x @ weight + bias)`` with the bias and activation in one fused kernel
-    (``fuse_elewise_add_act_ops``); ``x`` is 2-d. Runs in the dtype of the matmul, as the
-    operator it is fused into."""
+    """``act(x @ weight + bias)`` over the last axis of ``x`` with the bias and activation in
+    one fused kernel (``fuse_elewise_add_act_ops``), which sees the product as rows of
+    features. Runs in the dtype of the matmul, as the operator it is fused into."""
 
     op_type = "matmul"
 
     def forward(self, x, weight, bias, act):
         self.x, self.weight, self.act = x, weight, act
-        self.y, self.pre = kernels.bias_act_forward(matmul_arrays(x, weight), bias, act)
-        return self.y
+        z = matmul_arrays(x, weight)
+        self.y, self.pre = kernels.bias_act_forward(z.reshape(-1, z.shape[-1]), bias, act)
+        return self.y.reshape(z.shape)
 
     def backward(self, dy):
-        dz = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
-        return _weight_grads(self, self.x, self.weight, dz) + (None,)
+        dz = kernels.bias_act_backward(dy.reshape(self.y.shape), self.y, self.pre, self.act)
+        return _weight_grads(self, self.x, self.weight, dz.reshape(dy.shape)) + (None,)
 
 
 def linear(x, weight, bias=None):
