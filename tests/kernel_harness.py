@@ -28,8 +28,8 @@ from cuda_host import load_on_host
 
 C_TYPES = {"float": "float32", "double": "float64", "__half": "float16", "bool": "bool",
            "long long": "int64", "int": "int32"}
-# (grid, block): None is the loader's own geometry; the others are smaller than every tensor
-# the tests use with more than one work item, so each thread walks several.
+# (grid, block): None is the loader's own geometry; the others have fewer threads than the
+# larger cases of each test have work items (elements, or rows), so each thread walks several.
 GEOMETRIES = [None, (1, 1), (3, 7), (2, 64)]
 GEOMETRY_IDS = ["loader", "1x1", "3x7", "2x64"]
 # Work items of kernels whose first count argument is not their number: {kernel: counts -> n}.
