@@ -12,7 +12,8 @@ dygraph idiom. The casts are recorded operations: the parameters stay float32 (t
 weights), a float16 operator computes with a float16 copy of them, and the gradient of that copy
 comes back through the cast as float32 into the float32 gradient buffer. A fused activation
 (``fuse_elewise_add_act_ops``, ``fuse_bn_act_ops``) runs in the dtype of the operator it is fused
-into.
+into. ``softmax_with_cross_entropy`` takes float16 logits without the cast: it computes in float32
+whatever it is given, so the cast would only copy the logits (``F.cross_entropy``).
 
 Loss scaling: the loss gradient is ``loss_scaling`` instead of 1 (``StepContext.loss_scale``) so
 that small gradients do not flush to zero in float16, and each parameter's gradient is divided by

@@ -11,7 +11,8 @@ Contract for a kernel source (``*.cu``) that these helpers can check:
   result depends on their interleaving is outside this contract.
 * Helpers are ``__device__`` functions; templates are fine. ``__half`` comes from
   ``cuda_fp16.h`` (found through ``nvcc``'s include directory), with its conversion and
-  arithmetic functions working on the host too.
+  arithmetic functions working on the host too. Headers included with quotes are found beside
+  the file. Without ``nvcc`` a file that needs the toolkit's ``cuda_*.h`` headers is skipped.
 
 Helpers:
 
@@ -34,8 +35,10 @@ grid-stride loop is exercised.
 """
 import atexit
 import ctypes
+import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -61,13 +64,30 @@ def nvcc():
     return shutil.which("nvcc")
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_include_dir():
-    """CUDA's include directory next to ``nvcc`` (for ``cuda_fp16.h``), or None."""
+    """CUDA's include directory (for ``cuda_fp16.h``) as ``nvcc`` itself passes it to the host
+    compiler (the ``INCLUDES`` of its ``--dryrun``: ``nvcc`` may be a wrapper script away from
+    the toolkit), or None."""
     path = nvcc()
     if path is None:
         return None
-    include = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(path))), "include")
-    return include if os.path.isdir(include) else None
+    done = subprocess.run([path, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                          capture_output=True, text=True)
+    match = re.search(r'INCLUDES="-I([^"]+?)"', done.stdout + done.stderr)
+    return match.group(1) if match and os.path.isdir(match.group(1)) else None
+
+
+def _includes_toolkit_headers(cu_path):
+    """Whether ``cu_path``, or a header it includes with quotes from beside it, includes one of
+    the toolkit's ``cuda_*.h`` headers."""
+    with open(cu_path) as f:
+        text = f.read()
+    if re.search(r"#include\s*<cuda_\w+\.h>", text):
+        return True
+    local = re.findall(r'#include\s*"([^"]+)"', text)
+    return any(_includes_toolkit_headers(os.path.join(os.path.dirname(cu_path), name))
+               for name in local)
 
 
 def _run(cmd, what):
@@ -129,12 +149,15 @@ def load_on_host(cu_path, compiler=None):
     compiler = compiler or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         pytest.skip("no host C++ compiler on PATH")
+    include = cuda_include_dir()
+    if include is None and _includes_toolkit_headers(cu_path):
+        pytest.skip(f"nvcc is not on PATH: the host build of {os.path.basename(cu_path)} takes "
+                    "cuda_fp16.h from the CUDA toolkit")
     library = _build_path(cu_path, ".so")
     if not os.path.exists(library):
         wrapper = library + ".cpp"
         with open(wrapper, "w") as f:
             f.write(f'#include "{SHIM}"\n#include "{os.path.abspath(cu_path)}"\n')
-        include = cuda_include_dir()
         _run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall",
               *(["-I", include] if include else []), "-o", library, wrapper],
              f"host build of {os.path.basename(cu_path)}")

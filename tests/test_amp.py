@@ -745,6 +745,7 @@ def run_every_operator():
     linear = nn.Linear(6, 4)
     F.linear_activation(x, linear.weight, linear.bias, "relu")
     F.log_softmax(x)
+    F.dropout_add(x, x, 0.5)
     F.scaled_dot_product_attention(heads, heads, heads)
     nn.CrossEntropyLoss()(x, np.arange(4))
     F.mse_loss(x, np.zeros((4, 6), F32))

@@ -110,6 +110,7 @@ FUNCTIONAL = {
     "mse_loss_none": (lambda x, y: F.mse_loss(x, y, reduction="none"),
                       (rand(3, 4), rand(3, 4, seed=1))),
     "dropout": (lambda x: F.dropout(x, 0.4), (rand(6, 5),)),
+    "dropout_add": (lambda x, r: F.dropout_add(x, r, 0.4), (rand(6, 5), rand(6, 5, seed=1))),
     "embedding": (lambda w: F.embedding(IDS, w), (rand(6, 3),)),
     "embedding_ids_as_input": (F.embedding, (IDS, rand(6, 3))),
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1),

@@ -1,7 +1,9 @@
 """The fused scaled dot-product attention (finite differences in float64, the same math composed
 from Tensor operations, float16 inputs, masks), ``nn.GPT`` (names, tied embedding, causality,
-gradients, recompute per block), the character-level example, and data parallel GPT at N ranks
-equal to one process on the global batch."""
+gradients, its fused operations against the unfused ones, recompute per block), the
+character-level example, and data parallel GPT at N ranks equal to one process on the global
+batch."""
+import functools
 import os
 import subprocess
 import sys
@@ -184,6 +186,44 @@ def test_gpt_gradients_match_finite_differences():
     errors = check_gradients(model, idx)
     assert len(errors) == len(model.parameters())
     assert max(errors.values()) < 1e-6, errors
+
+
+def _unfused_block_forward(block, x):
+    """A ``TransformerBlock``'s forward as unfused operations: dropout then the residual add,
+    Linear then GELU."""
+    x = x + F.dropout(block.attn(block.ln1(x)), block.dropout, block.training)
+    mlp = block.mlp
+    return x + F.dropout(mlp.proj(F.gelu(mlp.fc(block.ln2(x)))), block.dropout, block.training)
+
+
+def _gpt_loss_and_gradients(dtype, unfused=False, fuse=False):
+    backend.manual_seed(0)
+    model = tiny_gpt(dtype, dropout=0.1)
+    model.configure_fusion(fuse_elewise_add_act_ops=fuse)
+    if unfused:
+        for block in model.blocks:
+            block.forward = functools.partial(_unfused_block_forward, block)
+    tokens = np.random.default_rng(4).integers(0, 11, (3, 7))
+    loss = F.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    return [loss.numpy()] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse_elewise_add_act_ops"])
+def test_gpt_with_fused_operations_equals_the_unfused_ones_bit_for_bit(dtype, fuse):
+    """The blocks' residual dropouts fused with their adds (always) and the MLP's bias with its
+    GELU (``fuse_elewise_add_act_ops``) give the loss and gradients of the unfused operations
+    bit for bit on the CPU, dropout masks included."""
+    fused = _gpt_loss_and_gradients(dtype, fuse=fuse)
+    unfused = _gpt_loss_and_gradients(dtype, unfused=True)
+    assert len(fused) == len(unfused) == 1 + len(tiny_gpt().parameters())
+    for got, want in zip(fused, unfused):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got, want)
+    model = tiny_gpt(dtype)
+    model.configure_fusion(fuse_elewise_add_act_ops=fuse)
+    assert sum(block.mlp.fused_steps() for block in model.blocks) == (2 if fuse else 0)
 
 
 def token_batch(step, batch=12, seq=6, vocab=11):

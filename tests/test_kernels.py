@@ -97,8 +97,8 @@ def test_kernel_sources_compile(filename, tmp_path):
                "bn_act.cu": ["bn_act_forward", "bn_act_backward_mask", "bn_input_grad"],
                "optimizer.cu": ["sgd_update", "momentum_update", "adam_update"]}[filename]
     for kernel in kernels:
-        for dtype in loader.KERNEL_DTYPES:
-            assert f".entry {kernel}_{dtype}(" in ptx
+        for suffix in loader.instances(filename):
+            assert f".entry {kernel}_{suffix}(" in ptx
 
 
 UPDATES = {

@@ -1,20 +1,7 @@
-"""The trainer's fused kernels (``fleetmpi/kernels/*.cu``) run on the host against their NumPy
-references.
-
-Each test calls the public function of ``fleetmpi.kernels`` with the GPU path switched on, so the
-arguments the kernel receives are built by exactly the code that launches it on a GPU; only the
-final ``launch`` is replaced by one that
-
-* checks the arguments against the kernel's C signature in the ``.cu`` file (count, pointer
-  dtypes, contiguity, scalar C types) and that ``n`` sizes the launch,
-* runs ``<kernel>_<dtype>`` through ``cuda_host.load_on_host`` on a chosen grid x block (the
-  loader's own geometry, or smaller ones so the grid-stride loop wraps),
-
-and the outputs, whose fresh buffers start out as NaN so an element the kernel skips fails the
-comparison, are compared with the reference to a tolerance that fits the dtype.
-"""
-import re
-
+"""Every fused kernel file's signatures and device compilation; the kernels of batch norm,
+bias + activation and the optimizers (``fleetmpi/kernels/*.cu``) run on the host against their
+NumPy references, through their GPU branch (``kernel_harness``; the transformer step's:
+``test_fused_kernels.py``)."""
 import numpy as np
 import pytest
 
@@ -22,131 +9,44 @@ import fleetmpi.nn.functional as F
 from fleetmpi import Tensor, backend, kernels
 from fleetmpi.kernels import loader, reference
 
-from cuda_host import compile_for_device, load_on_host
+from cuda_host import compile_for_device
+from kernel_harness import close, gpu_geometries, gpu_path, random, signatures  # noqa: F401
 
 FILES = {
     "bias_act.cu": ("bias_act_forward", "bias_act_backward"),
     "bn_act.cu": ("bn_act_forward", "bn_act_backward_mask", "bn_input_grad"),
     "optimizer.cu": ("sgd_update", "momentum_update", "adam_update"),
+    "layer_norm.cu": ("layer_norm_forward", "layer_norm_backward"),
+    "softmax_cross_entropy.cu": ("softmax_cross_entropy_forward",
+                                 "softmax_cross_entropy_backward"),
+    "dropout_add.cu": ("dropout_add_forward", "dropout_add_backward"),
 }
 DTYPES = [("float64", 1e-12), ("float32", 1e-5)]
-# (grid, block): None is the loader's own geometry; the others are smaller than every tensor
-# below with more than one element, so each thread walks several elements.
-GEOMETRIES = [None, (1, 1), (3, 7), (2, 64)]
-GEOMETRY_IDS = ["loader", "1x1", "3x7", "2x64"]
+# bias_act computes float16 in float32 and rounds once; NumPy rounds every operation of GELU
+# to float16: the two stay within a few float16 rounding units (2**-11 relative).
+FLOAT16 = ("float16", 4e-3)
 SHAPES = [(37, 13), (3, 5, 19), (5, 7, 3, 11), (1, 1)]
 EMPTY = (0, 4)  # bias_act only: batch norm of no values has no statistics
-C_TYPES = {"float": "float32", "double": "float64"}
 
 
-def _signatures(filename):
-    """``{kernel_dtype: [(kind, dtype), ...]}`` from the ``DEFINE_*`` macro of ``filename``;
-    kind is ``const*``, ``*`` or ``scalar``."""
-    text = open(loader.source_path(filename)).read().replace("\\\n", "\n")
-    instances = re.findall(r"^DEFINE_\w+\((\w+),\s*(\w+)\)", text, re.M)
-    assert instances, f"{filename}: no DEFINE_* instantiations"
-    found = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)_##SUFFIX\(([^)]*)\)', text):
-        for c_type, suffix in instances:
-            assert C_TYPES[c_type] == suffix, f"{filename}: {c_type} instantiated as {suffix}"
-            args = []
-            for param in params.split(","):
-                decl = " ".join(param.split()[:-1])  # drop the parameter's name
-                pointer = decl.endswith("*")
-                base = decl.rstrip("*").replace("const", "").strip()
-                dtype = {"T": suffix, "long long": "int64", "int": "int32"}[base]
-                kind = ("const*" if "const" in decl else "*") if pointer else "scalar"
-                args.append((kind, dtype))
-            found[f"{name}_{suffix}"] = args
-    return found
-
-
-SIGNATURES = {f: _signatures(f) for f in FILES}
-
-
-def test_signatures_cover_every_kernel_and_dtype():
+def test_signatures_cover_every_kernel_and_instance():
     for filename, names in FILES.items():
-        want = {f"{k}_{d}" for k in names for d in loader.KERNEL_DTYPES}
-        assert set(SIGNATURES[filename]) == want
+        want = {f"{k}_{s}" for k in names for s in loader.instances(filename)}
+        assert set(signatures(filename)) == want
+        assert {"float32", "float64"} <= loader.instances(filename)
+    assert all(any(s.startswith("float16") for s in loader.instances(filename))
+               for filename in FILES if filename not in ("bn_act.cu", "optimizer.cu"))
 
 
 @pytest.mark.parametrize("filename", sorted(FILES))
 def test_kernels_compile_for_the_device(filename):
     ptx = open(compile_for_device(loader.source_path(filename))).read()
-    for name in SIGNATURES[filename]:
+    for name in signatures(filename):
         assert f".entry {name}(" in ptx
 
 
-class _NanNumpy:
-    """NumPy whose ``empty_like`` fills with NaN, so a kernel output the kernel leaves unwritten
-    cannot pass for a computed one."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-    @staticmethod
-    def empty_like(a, *args, **kwargs):
-        out = np.empty_like(a, *args, **kwargs)
-        out.fill(np.nan)
-        return out
-
-
-@pytest.fixture
-def gpu_path(monkeypatch, request):
-    """Route ``fleetmpi.kernels`` through its GPU branch with kernels run on the host; the
-    fixture's value is the list of kernels launched."""
-    geometry = request.param
-    launched = []
-
-    def launch(filename, kernel, dtype, n, args):
-        name = f"{kernel}_{dtype.name}"
-        signature = SIGNATURES[filename][name]
-        assert isinstance(args, tuple) and len(args) == len(signature), name
-        for index, (value, (kind, want)) in enumerate(zip(args, signature)):
-            where = f"{name} argument {index}"
-            if kind == "scalar":
-                assert isinstance(value, np.generic), f"{where}: {type(value).__name__}"
-                assert value.dtype == np.dtype(want), f"{where}: {value.dtype} for {want}"
-            else:
-                assert isinstance(value, np.ndarray), f"{where}: {type(value).__name__}"
-                assert value.dtype == np.dtype(want), f"{where}: {value.dtype} for {want}"
-                assert value.flags.c_contiguous, f"{where}: not contiguous"
-        counts = [int(v) for v, (kind, dt) in zip(args, signature) if dt == "int64"]
-        assert int(n) == counts[0], f"{name}: launched over {n}, kernel told n={counts[0]}"
-        if geometry is None:
-            block = loader.THREADS_PER_BLOCK
-            grid = max(1, min(loader.MAX_BLOCKS, (int(n) + block - 1) // block))
-        else:
-            grid, block = geometry
-        before = {i: v.copy() for i, (v, (kind, _)) in enumerate(zip(args, signature))
-                  if kind == "const*"}
-        load_on_host(loader.source_path(filename)).launch(name, grid, block, *args)
-        for i, copy in before.items():
-            np.testing.assert_array_equal(args[i], copy, err_msg=f"{name} wrote argument {i}")
-        launched.append(kernel)
-
-    monkeypatch.setattr(backend, "on_gpu", lambda: True)
-    monkeypatch.setattr(backend, "array_module", lambda: _NanNumpy())
-    monkeypatch.setattr(kernels, "launch", launch)
-    return launched
-
-
-def gpu_geometries(function):
-    return pytest.mark.parametrize("gpu_path", GEOMETRIES, ids=GEOMETRY_IDS,
-                                   indirect=True)(function)
-
-
-def close(got, want, tolerance):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
-
-
-def random(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(dtype)
-
-
 @gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+@pytest.mark.parametrize("dtype, tolerance", DTYPES + [FLOAT16])
 @pytest.mark.parametrize("shape", SHAPES + [EMPTY], ids=str)
 @pytest.mark.parametrize("act", reference.ACTIVATIONS)
 def test_bias_act_matches_the_reference(gpu_path, act, shape, dtype, tolerance):

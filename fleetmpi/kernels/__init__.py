@@ -1,5 +1,6 @@
 """Fused kernels: CuPy ``RawKernel``s compiled from the ``.cu`` files beside this module on a GPU,
-their NumPy references (``reference.py``) on CPU and for dtypes the kernels do not cover.
+their NumPy references (``reference.py``, and ``transformer_reference.py`` for the transformer
+step's kernels) on CPU and for dtypes the kernels do not cover.
 
 Each function here takes backend arrays and returns backend arrays; what it computes is defined
 by the reference function of the same name.
@@ -9,8 +10,8 @@ import math
 import numpy as np
 
 from .. import backend
-from . import reference
-from .loader import KERNEL_DTYPES, launch
+from . import reference, transformer_reference
+from .loader import instance_suffix, instances, launch
 
 ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
 # The optimizer updates' references are chains of elementwise passes over whole arrays. On the
@@ -20,8 +21,21 @@ ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
 HOST_BLOCK = 1 << 16
 
 
-def _use_kernel(*arrays):
-    return backend.on_gpu() and all(a.dtype.name in KERNEL_DTYPES for a in arrays)
+def _use_kernel(filename, *groups):
+    """On a GPU, the suffix of the instance of ``filename``'s kernels for these arguments: each
+    group holds the arrays (or dtypes) one type parameter of the kernel takes, in order. None on
+    the CPU, for a group of several dtypes, or where the file has no such instance: the
+    reference runs then."""
+    if not backend.on_gpu():
+        return None
+    dtypes = []
+    for group in groups:
+        kinds = {a if isinstance(a, np.dtype) else a.dtype for a in group}
+        if len(kinds) != 1:
+            return None
+        dtypes.append(kinds.pop())
+    suffix = instance_suffix(*dtypes)
+    return suffix if suffix in instances(filename) else None
 
 
 def _host_blocks(update, arrays, *args):
@@ -46,25 +60,28 @@ def _layout(x):
 def bias_act_forward(z, bias, act):
     reference.check_activation(act)
     xp = backend.array_module()
-    if not _use_kernel(z, bias):
+    suffix = _use_kernel("bias_act.cu", (z, bias))
+    if suffix is None:
         return reference.bias_act_forward(z, bias, act, xp)
     z = xp.ascontiguousarray(z)
     y = xp.empty_like(z)
     pre = xp.empty_like(z) if act == "gelu" else y
     n, channels, inner = _layout(z)
-    launch("bias_act.cu", "bias_act_forward", z.dtype, n,
+    launch("bias_act.cu", "bias_act_forward", suffix, n,
            (z, bias, y, pre, n, channels, inner, np.int32(ACT_CODES[act])))
     return y, (pre if act == "gelu" else None)
 
 
 def bias_act_backward(dy, y, pre, act):
     xp = backend.array_module()
-    if not _use_kernel(dy, y):
+    pre_or_y = pre if pre is not None else y
+    suffix = _use_kernel("bias_act.cu", (dy, y, pre_or_y))
+    if suffix is None:
         return reference.bias_act_backward(dy, y, pre, act, xp)
     dy = xp.ascontiguousarray(dy)
     dz = xp.empty_like(dy)
-    launch("bias_act.cu", "bias_act_backward", dy.dtype, dy.size,
-           (dy, y, pre if pre is not None else y, dz, np.int64(dy.size),
+    launch("bias_act.cu", "bias_act_backward", suffix, dy.size,
+           (dy, y, pre_or_y, dz, np.int64(dy.size),
             np.int32(ACT_CODES[act])))
     return dz
 
@@ -73,61 +90,67 @@ def bn_act_forward(x, mean, invstd, gamma, beta):
     """``(y, xhat)``: the normalized input ``xhat`` where it was formed on the way (the
     reference), None from the device kernel, which never stores it."""
     xp = backend.array_module()
-    if not _use_kernel(x, gamma):
+    suffix = _use_kernel("bn_act.cu", (x, mean, invstd, gamma, beta))
+    if suffix is None:
         return reference.bn_act_forward(x, mean, invstd, gamma, beta, xp)
     x = xp.ascontiguousarray(x)
     y = xp.empty_like(x)
     n, channels, inner = _layout(x)
-    launch("bn_act.cu", "bn_act_forward", x.dtype, n,
+    launch("bn_act.cu", "bn_act_forward", suffix, n,
            (x, mean, invstd, gamma, beta, y, n, channels, inner))
     return y, None
 
 
 def bn_act_backward_mask(dy, y):
     xp = backend.array_module()
-    if not _use_kernel(dy, y):
+    suffix = _use_kernel("bn_act.cu", (dy, y))
+    if suffix is None:
         return reference.bn_act_backward_mask(dy, y)
     dy = xp.ascontiguousarray(dy)
     dz = xp.empty_like(dy)
-    launch("bn_act.cu", "bn_act_backward_mask", dy.dtype, dy.size,
+    launch("bn_act.cu", "bn_act_backward_mask", suffix, dy.size,
            (dy, y, dz, np.int64(dy.size)))
     return dz
 
 
 def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
     xp = backend.array_module()
-    if not _use_kernel(dz, xhat):
+    suffix = _use_kernel("bn_act.cu", (dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat))
+    if suffix is None:
         return reference.bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count)
     dz = xp.ascontiguousarray(dz)
     dx = xp.empty_like(dz)
     n, channels, inner = _layout(dz)
-    launch("bn_act.cu", "bn_input_grad", dz.dtype, n,
+    launch("bn_act.cu", "bn_input_grad", suffix, n,
            (dz, xp.ascontiguousarray(xhat), invstd, gamma, sum_dz, sum_dz_xhat, dx, n,
             channels, inner, dz.dtype.type(count)))
     return dx
 
 
 def sgd_update(param, grad, lr, weight_decay):
-    if not _use_kernel(param):
+    suffix = _use_kernel("optimizer.cu", (param, grad))
+    if suffix is None:
         return _host_blocks(reference.sgd_update, (param, grad), lr, weight_decay)
     t = param.dtype.type
-    launch("optimizer.cu", "sgd_update", param.dtype, param.size,
+    launch("optimizer.cu", "sgd_update", suffix, param.size,
            (param, grad, np.int64(param.size), t(lr), t(weight_decay)))
 
 
 def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov):
-    if not _use_kernel(param):
+    suffix = _use_kernel("optimizer.cu", (param, grad, velocity))
+    if suffix is None:
         return _host_blocks(reference.momentum_update, (param, grad, velocity), lr, momentum,
                             weight_decay, nesterov)
     t = param.dtype.type
-    launch("optimizer.cu", "momentum_update", param.dtype, param.size,
+    launch("optimizer.cu", "momentum_update", suffix, param.size,
            (param, grad, velocity, np.int64(param.size), t(lr), t(momentum), t(weight_decay),
             np.int32(bool(nesterov))))
 
 
 def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
                 weight_decay, decoupled):
-    if not _use_kernel(param):
+    suffix = _use_kernel("optimizer.cu", (param, grad, moment1, moment2))
+    if suffix is None:
         return _host_blocks(reference.adam_update, (param, grad, moment1, moment2), lr, beta1,
                             beta2, epsilon, step_count, weight_decay, decoupled,
                             backend.array_module())
@@ -136,6 +159,115 @@ def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_c
     lr_t = lr * correction2 / (1 - beta1 ** step_count)
     l2 = 0.0 if decoupled else weight_decay
     scale = 1 - lr * weight_decay if decoupled else 1.0
-    launch("optimizer.cu", "adam_update", param.dtype, param.size,
+    launch("optimizer.cu", "adam_update", suffix, param.size,
            (param, grad, moment1, moment2, np.int64(param.size), t(lr_t), t(beta1), t(beta2),
             t(epsilon * correction2), t(l2), t(scale)))
+
+
+def layer_norm_forward(x, weight, bias, epsilon):
+    """``(y, mean, rstd, xhat)``: the normalized input ``xhat`` where it was formed on the way
+    (the reference), None from the device kernel, which never stores it."""
+    xp = backend.array_module()
+    compute = transformer_reference.compute_dtype(x.dtype)
+    suffix = _use_kernel("layer_norm.cu", (x,), (compute, weight, bias))
+    if suffix is None:
+        return transformer_reference.layer_norm_forward(x, weight, bias, epsilon, xp)
+    x = xp.ascontiguousarray(x)
+    rows = x.size // weight.size
+    y = xp.empty_like(x)
+    statistics = x.shape[:x.ndim - weight.ndim] + (1,) * weight.ndim
+    mean, rstd = xp.empty(statistics, compute), xp.empty(statistics, compute)
+    launch("layer_norm.cu", "layer_norm_forward", suffix, rows,
+           (x, xp.ascontiguousarray(weight), xp.ascontiguousarray(bias), y, mean, rstd,
+            np.int64(rows), np.int64(weight.size), compute.type(epsilon)))
+    return y, mean, rstd, None
+
+
+def layer_norm_backward(dy, x, mean, rstd, xhat, weight):
+    """``(dx, dweight, dbias)`` from the normalized input ``xhat`` where forward kept it, else
+    from ``x`` and the statistics (the device kernel forms ``xhat`` again as it goes)."""
+    xp = backend.array_module()
+    suffix = None if xhat is not None else _use_kernel("layer_norm.cu", (dy, x),
+                                                       (mean, rstd, weight))
+    if suffix is None:
+        if xhat is None:
+            xhat = transformer_reference.layer_norm_xhat(x, mean, rstd)
+        return transformer_reference.layer_norm_backward(dy, xhat, rstd, weight)
+    dy = xp.ascontiguousarray(dy)
+    rows, cols = dy.size // weight.size, weight.size
+    dx = xp.empty_like(dy)
+    dweight, dbias = xp.empty(weight.shape, mean.dtype), xp.empty(weight.shape, mean.dtype)
+    launch("layer_norm.cu", "layer_norm_backward", suffix, rows + cols,
+           (dy, xp.ascontiguousarray(x), mean, rstd, xp.ascontiguousarray(weight), dx, dweight,
+            dbias, np.int64(rows), np.int64(cols)))
+    return dx, dweight, dbias
+
+
+def softmax_cross_entropy_forward(logits, labels):
+    """``(loss, log_probs, row_max, row_logsum)`` of 2-d ``logits``: ``log_probs`` from the
+    reference, which backward uses; None from the device kernel, which keeps only the row
+    statistics (backward forms the softmax again from the logits)."""
+    xp = backend.array_module()
+    compute = transformer_reference.compute_dtype(logits.dtype)
+    suffix = _use_kernel("softmax_cross_entropy.cu", (logits,), (compute,))
+    if suffix is None:
+        return transformer_reference.softmax_cross_entropy_forward(logits, labels, xp)
+    logits = xp.ascontiguousarray(logits)
+    rows, classes = logits.shape
+    loss, row_max, row_logsum = (xp.empty(rows, compute) for _ in range(3))
+    launch("softmax_cross_entropy.cu", "softmax_cross_entropy_forward", suffix, rows,
+           (logits, xp.ascontiguousarray(labels, dtype=np.int64), loss, row_max, row_logsum,
+            np.int64(rows), np.int64(classes)))
+    return loss, None, row_max.reshape(rows, 1), row_logsum.reshape(rows, 1)
+
+
+def softmax_cross_entropy_backward(logits, labels, log_probs, row_max, row_logsum, scale,
+                                   dtype):
+    """The logits' gradient in ``dtype``, ``(softmax - onehot) * scale``: from ``log_probs``
+    where forward kept them (``logits`` may be None then), else by the device kernel from
+    ``logits`` and the row statistics."""
+    xp = backend.array_module()
+    if log_probs is None:
+        suffix = _use_kernel("softmax_cross_entropy.cu", (logits,), (row_max, row_logsum))
+        if suffix is not None:
+            logits = xp.ascontiguousarray(logits)
+            rows, classes = logits.shape
+            scale = xp.ascontiguousarray(scale, dtype=row_max.dtype).reshape(-1)
+            grad = xp.empty_like(logits)
+            launch("softmax_cross_entropy.cu", "softmax_cross_entropy_backward", suffix,
+                   logits.size, (logits, xp.ascontiguousarray(labels, dtype=np.int64),
+                                 row_max, row_logsum, scale, grad, np.int64(logits.size),
+                                 np.int64(classes), np.int64(scale.size > 1)))
+            return grad
+        log_probs = transformer_reference.log_probs(logits, row_max, row_logsum)
+    return transformer_reference.softmax_cross_entropy_backward(log_probs, labels, scale, dtype,
+                                                                xp)
+
+
+def dropout_add_forward(x, residual, draws, p):
+    """``(residual + dropout(x), keep)`` with ``keep = draws >= p``."""
+    xp = backend.array_module()
+    suffix = _use_kernel("dropout_add.cu", (x,), (residual,))
+    if suffix is None:
+        return transformer_reference.dropout_add_forward(x, residual, draws, p)
+    x, residual = xp.ascontiguousarray(x), xp.ascontiguousarray(residual)
+    y = xp.empty_like(residual)
+    keep = xp.empty(x.shape, dtype=np.bool_)
+    launch("dropout_add.cu", "dropout_add_forward", suffix, x.size,
+           (x, residual, xp.ascontiguousarray(draws), y, keep, np.int64(x.size), np.float64(p),
+            np.float64(x.dtype.type(1.0 / (1.0 - p)))))
+    return y, keep
+
+
+def dropout_add_backward(dy, keep, p, dtype):
+    """The gradient of ``x`` in its ``dtype``; the residual's is ``dy``."""
+    xp = backend.array_module()
+    dtype = np.dtype(dtype)
+    suffix = _use_kernel("dropout_add.cu", (dtype,), (dy,))
+    if suffix is None:
+        return transformer_reference.dropout_add_backward(dy, keep, p, dtype)
+    dy = xp.ascontiguousarray(dy)
+    dx = xp.empty(dy.shape, dtype=dtype)
+    launch("dropout_add.cu", "dropout_add_backward", suffix, dy.size,
+           (dy, keep, dx, np.int64(dy.size), np.float64(dtype.type(1.0 / (1.0 - p)))))
+    return dx

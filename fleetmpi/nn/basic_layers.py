@@ -48,7 +48,7 @@ class Linear(Layer):
 
     def forward_act(self, x, act):
         """Fused ``act(x @ weight + bias)`` (``fuse_elewise_add_act_ops``)."""
-        check_input(self, x, 2, self.in_features)
+        check_input(self, x, (), self.in_features, axis=-1)
         return F.linear_activation(x, self.weight, self.bias, act)
 
 

@@ -1,12 +1,17 @@
 """``GPT``: a small GPT-style decoder (Radford et al. 2018/2019), written only with the public
 Layer API, as a user would write one.
 
-Token and position embeddings, ``n_layer`` pre-norm blocks (``x + attn(ln1(x))``, then
-``x + mlp(ln2(x))``) of causal multi-head self-attention and a Linear-GELU-Linear MLP, a final
-LayerNorm, and logits through the token embedding's own weight (tied input and output
-embeddings). The blocks are ``blocks.0``, ``blocks.1``..., the names recompute checkpoints
-take. Weights start as GPT-2's: normal(0, 0.02), the projections back into the residual
-stream scaled by ``1 / sqrt(2 * n_layer)``, biases zero.
+Token and position embeddings, ``n_layer`` pre-norm blocks (``x + dropout(attn(ln1(x)))``,
+then ``x + dropout(mlp(ln2(x)))``) of causal multi-head self-attention and a Linear-GELU-Linear
+MLP, a final LayerNorm, and logits through the token embedding's own weight (tied input and
+output embeddings). The blocks are ``blocks.0``, ``blocks.1``..., the names recompute
+checkpoints take. Weights start as GPT-2's: normal(0, 0.02), the projections back into the
+residual stream scaled by ``1 / sqrt(2 * n_layer)``, biases zero.
+
+On a GPU the step's elementwise work runs as fused kernels (``fleetmpi.kernels``): the
+LayerNorms, each residual dropout with its add (``F.dropout_add``), the MLP's bias with its GELU
+(under ``fuse_elewise_add_act_ops``: the MLP is an ``nn.Sequential``) and the loss
+(``F.cross_entropy``).
 
 Tensor-parallel (Megatron-LM's split) over a model-parallel group of more than one rank
 (``mp_group``, by default that of the hybrid layout ``fleet.init`` built from
@@ -25,9 +30,9 @@ from .. import backend
 from ..autograd import matmul
 from . import functional as F
 from . import initializer
-from .containers import LayerList
+from .containers import LayerList, Sequential
 from .layer import Layer
-from .basic_layers import Dropout, Embedding, Linear, check_positive_int
+from .basic_layers import GELU, Dropout, Embedding, Linear, check_positive_int
 from .norm import LayerNorm
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               initialize_weight, model_parallel_group)
@@ -55,7 +60,8 @@ def _heads_part(n_head, mp_group):
 
 class CausalSelfAttention(Layer):
     """``n_head`` heads of causal attention: one Linear makes queries, keys and values, one
-    projects the heads' outputs back."""
+    projects the heads' outputs back (the dropout after it is the block's, fused with its
+    residual add)."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, dtype=None, mp_group=None):
         super().__init__(dtype)
@@ -72,7 +78,6 @@ class CausalSelfAttention(Layer):
                                             mp_group=mp_group, dtype=dtype, output_blocks=3)
             self.proj = RowParallelLinear(n_embd, n_embd, input_is_parallel=True,
                                           mp_group=mp_group, dtype=dtype)
-        self.resid_drop = Dropout(dropout)
 
     def forward(self, x):
         batch, seq, _ = x.shape
@@ -81,41 +86,42 @@ class CausalSelfAttention(Layer):
         y = F.scaled_dot_product_attention(*heads, dropout_p=self.dropout, is_causal=True,
                                            training=self.training)
         y = y.transpose([0, 2, 1, 3]).reshape([batch, seq, self.n_head * self.head_size])
-        return self.resid_drop(self.proj(y))
+        return self.proj(y)
 
 
-class FeedForward(Layer):
-    """Linear to ``4 * n_embd``, GELU, Linear back."""
+class FeedForward(Sequential):
+    """Linear to ``4 * n_embd``, GELU, Linear back: a Sequential, so that
+    ``fuse_elewise_add_act_ops`` runs the first Linear's bias and the GELU as one kernel
+    (serial layers only; the dropout after it is the block's, fused with its residual add)."""
 
-    def __init__(self, n_embd, dropout=0.0, dtype=None, mp_group=None):
-        super().__init__(dtype)
+    def __init__(self, n_embd, dtype=None, mp_group=None):
         if mp_group is None:
-            self.fc = Linear(n_embd, 4 * n_embd, dtype=dtype)
-            self.proj = Linear(4 * n_embd, n_embd, dtype=dtype)
+            fc = Linear(n_embd, 4 * n_embd, dtype=dtype)
+            proj = Linear(4 * n_embd, n_embd, dtype=dtype)
         else:
-            self.fc = ColumnParallelLinear(n_embd, 4 * n_embd, gather_output=False,
-                                           mp_group=mp_group, dtype=dtype)
-            self.proj = RowParallelLinear(4 * n_embd, n_embd, input_is_parallel=True,
-                                          mp_group=mp_group, dtype=dtype)
-        self.drop = Dropout(dropout)
-
-    def forward(self, x):
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+            fc = ColumnParallelLinear(n_embd, 4 * n_embd, gather_output=False,
+                                      mp_group=mp_group, dtype=dtype)
+            proj = RowParallelLinear(4 * n_embd, n_embd, input_is_parallel=True,
+                                     mp_group=mp_group, dtype=dtype)
+        super().__init__(("fc", fc), ("act", GELU()), ("proj", proj))
 
 
 class TransformerBlock(Layer):
-    """A pre-norm transformer block."""
+    """A pre-norm transformer block: ``x + dropout(attn(ln1(x)))``, then
+    ``x + dropout(mlp(ln2(x)))``, each residual dropout and its add one operation
+    (``F.dropout_add``)."""
 
     def __init__(self, n_embd, n_head, dropout=0.0, dtype=None, mp_group=None):
         super().__init__(dtype)
         self.ln1 = LayerNorm(n_embd, dtype=dtype)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout, dtype, mp_group)
         self.ln2 = LayerNorm(n_embd, dtype=dtype)
-        self.mlp = FeedForward(n_embd, dropout, dtype, mp_group)
+        self.mlp = FeedForward(n_embd, dtype, mp_group)
+        self.dropout = dropout
 
     def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = F.dropout_add(self.attn(self.ln1(x)), x, self.dropout, self.training)
+        return F.dropout_add(self.mlp(self.ln2(x)), x, self.dropout, self.training)
 
 
 class GPT(Layer):

@@ -1,7 +1,9 @@
-"""Linear (plain and with a fused bias+activation), dropout and embedding."""
+"""Linear (plain and with a fused bias+activation), dropout (plain and fused with a residual
+add) and embedding."""
 from ... import backend, kernels
 from ...autograd import Function, Tensor
 from ...autograd.operations import matmul_arrays
+from ...kernels import transformer_reference
 
 
 def _weight_grads(node, x, weight, dz):
@@ -44,20 +46,21 @@ class Linear(Function):
 
 
 class LinearActivation(Function):
-    """``act(x @ weight + bias)`` with the bias and activation in one fused kernel
-    (``fuse_elewise_add_act_ops``); ``x`` is 2-d. Runs in the dtype of the matmul, as the
-    operator it is fused into."""
+    """``act(x @ weight + bias)`` over the last axis of ``x`` with the bias and activation in
+    one fused kernel (``fuse_elewise_add_act_ops``), which sees the product as rows of
+    features. Runs in the dtype of the matmul, as the operator it is fused into."""
 
     op_type = "matmul"
 
     def forward(self, x, weight, bias, act):
         self.x, self.weight, self.act = x, weight, act
-        self.y, self.pre = kernels.bias_act_forward(matmul_arrays(x, weight), bias, act)
-        return self.y
+        z = matmul_arrays(x, weight)
+        self.y, self.pre = kernels.bias_act_forward(z.reshape(-1, z.shape[-1]), bias, act)
+        return self.y.reshape(z.shape)
 
     def backward(self, dy):
-        dz = kernels.bias_act_backward(dy, self.y, self.pre, self.act)
-        return _weight_grads(self, self.x, self.weight, dz) + (None,)
+        dz = kernels.bias_act_backward(dy.reshape(self.y.shape), self.y, self.pre, self.act)
+        return _weight_grads(self, self.x, self.weight, dz.reshape(dy.shape)) + (None,)
 
 
 def linear(x, weight, bias=None):
@@ -77,7 +80,7 @@ class Dropout(Function):
 
     def forward(self, x, p):
         keep = backend.rank_rng().random(x.shape) >= p
-        self.scale = keep.astype(x.dtype) * (1.0 / (1.0 - p))
+        self.scale = transformer_reference.dropout_scale(keep, x.dtype, p)
         return x * self.scale
 
     def backward(self, dy):
@@ -96,6 +99,38 @@ def dropout(x, p=0.5, training=True):
     if not training or p == 0:
         return x if isinstance(x, Tensor) else Tensor(backend.asarray(x))
     return Dropout.apply(x, p)
+
+
+class DropoutAdd(Function):
+    """``residual + dropout(x)`` in one pass (Paddle's ``fused_dropout_add``), one fused kernel
+    per direction on a GPU. The mask comes from the same draws of the rank generator as
+    ``Dropout``'s, and the values equal those of ``Dropout`` followed by the add bit for bit;
+    only the mask (one byte a value) is kept for backward."""
+
+    op_type = "fused_dropout_add"
+
+    def forward(self, x, residual, p):
+        draws = backend.rank_rng().random(x.shape)
+        y, self.keep = kernels.dropout_add_forward(x, residual, draws, p)
+        self.p, self.dtype = p, x.dtype
+        return y
+
+    def backward(self, dy):
+        return kernels.dropout_add_backward(dy, self.keep, self.p, self.dtype), dy, None
+
+
+def dropout_add(x, residual, p=0.5, training=True):
+    """``residual + dropout(x)`` (``x`` and ``residual`` of one shape) with dropout at rate
+    ``p`` while ``training``; ``residual + x`` otherwise."""
+    p = check_dropout_rate(p)
+    if tuple(x.shape) != tuple(residual.shape):
+        raise ValueError(f"dropout_add expects x and residual of one shape, got "
+                         f"{tuple(x.shape)} and {tuple(residual.shape)}")
+    if not isinstance(residual, Tensor):
+        residual = Tensor(backend.asarray(residual))
+    if not training or p == 0:
+        return residual + x
+    return DropoutAdd.apply(x, residual, p)
 
 
 def check_indices(ids, num_embeddings, what="Embedding"):

@@ -1,6 +1,9 @@
 """Losses: softmax cross entropy and mean squared error."""
-from ... import backend
+import numpy as np
+
+from ... import backend, kernels
 from ...autograd import Function, Tensor
+from ...autograd.autocast import autocast, input_dtype
 
 
 def _labels_2d(logits, labels):
@@ -23,36 +26,51 @@ def _labels_2d(logits, labels):
 
 
 class SoftmaxCrossEntropy(Function):
-    """``mean_i(-log softmax(logits_i)[label_i])`` over the rows of 2-d ``logits``."""
+    """``mean_i(-log softmax(logits_i)[label_i])`` over the rows of 2-d ``logits``, computed in
+    at least float32 (``fleetmpi.kernels.softmax_cross_entropy_forward``; one fused kernel per
+    direction on a GPU). The loss comes in ``loss_dtype`` (by default the logits'), the logits'
+    gradient in their dtype."""
 
     op_type = "softmax_with_cross_entropy"
 
-    def forward(self, logits, labels, reduction):
+    def forward(self, logits, labels, reduction, loss_dtype=None):
         xp = backend.array_module()
         if logits.ndim != 2:
             raise ValueError(f"cross_entropy expects 2-d logits (rows, classes), got shape "
                              f"{tuple(logits.shape)}")
         _check_not_empty("cross_entropy", logits, reduction)
-        labels = xp.asarray(_labels_2d(logits, labels))
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_probs = shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))
-        self.rows = xp.arange(logits.shape[0])
-        self.labels, self.log_probs, self.reduction = labels, log_probs, reduction
-        picked = -log_probs[self.rows, labels]
-        if reduction == "none":
-            return picked
-        return picked.sum() if reduction == "sum" else picked.mean()
+        self.labels = xp.asarray(_labels_2d(logits, labels))
+        picked, self.log_probs, self.row_max, self.row_logsum = \
+            kernels.softmax_cross_entropy_forward(logits, self.labels)
+        # the device kernel keeps no log-probabilities; backward forms them from the logits
+        self.logits = logits if self.log_probs is None else None
+        self.reduction, self.dtype = reduction, logits.dtype
+        if reduction != "none":
+            picked = picked.sum() if reduction == "sum" else picked.mean()
+        return picked.astype(loss_dtype or logits.dtype, copy=False)
 
     def backward(self, dloss):
-        xp = backend.array_module()
-        grad = xp.exp(self.log_probs)
-        grad[self.rows, self.labels] -= 1
         if self.reduction == "none":
-            grad *= dloss[:, None]
+            scale = dloss[:, None]
         else:
-            scale = dloss if self.reduction == "sum" else dloss / self.log_probs.shape[0]
-            grad *= scale
+            scale = dloss if self.reduction == "sum" else dloss / self.labels.shape[0]
+        grad = kernels.softmax_cross_entropy_backward(self.logits, self.labels, self.log_probs,
+                                                      self.row_max, self.row_logsum, scale,
+                                                      self.dtype)
         return grad, None, None
+
+
+def _softmax_cross_entropy(logits, labels, reduction):
+    """``SoftmaxCrossEntropy`` of 2-d logits. Where amp computes this operator in float32 (its
+    default black list) and the logits are float16, they go in as they are, with the policy
+    set aside for the call: the operator computes in float32 whatever it is given, with the
+    same results as on a float32 cast of the logits (float16 converts to float32 exactly), so
+    the cast would only add a float32 copy of the logits."""
+    wanted = input_dtype(SoftmaxCrossEntropy.op_type, logits.dtype)
+    if logits.dtype == np.float16 and wanted == np.float32:
+        with autocast(None):
+            return SoftmaxCrossEntropy.apply(logits, labels, reduction, loss_dtype=wanted)
+    return SoftmaxCrossEntropy.apply(logits, labels, reduction)
 
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -77,15 +95,15 @@ def cross_entropy(input, label, reduction="mean"):  # noqa: A002 - Paddle's argu
     ``(..., C)`` with labels of shape ``(...)`` or ``(..., 1)``."""
     _check_reduction(reduction)
     if input.ndim <= 2:
-        return SoftmaxCrossEntropy.apply(input, label, reduction)
+        return _softmax_cross_entropy(input, label, reduction)
     if not isinstance(input, Tensor):
         input = Tensor(backend.asarray(input))
     label_array = label.data if isinstance(label, Tensor) else label
     if label_array.ndim == input.ndim:
         label_array = label_array.reshape(label_array.shape[:-1])
     lead = input.shape[:-1]
-    loss = SoftmaxCrossEntropy.apply(input.reshape(-1, input.shape[-1]),
-                                     label_array.reshape(-1), reduction)
+    loss = _softmax_cross_entropy(input.reshape(-1, input.shape[-1]), label_array.reshape(-1),
+                                  reduction)
     return loss.reshape(lead) if reduction == "none" else loss
 
 
