@@ -277,3 +277,19 @@ def test_gpt_step_through_the_kernels_equals_the_cpu(gpu_path, fuse, monkeypatch
     assert gpu_path == []
     for got, want in zip(on_device, on_host):
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.skipif(not backend.on_gpu(),
+                    reason="needs a CUDA GPU through CuPy (FLEETMPI_DEVICE=gpu)")
+@pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse_elewise_add_act_ops"])
+def test_gpt_step_on_the_gpu_equals_the_host(fuse, monkeypatch):
+    """The real kernels on a GPU (LayerNorm, cross-entropy, dropout + add with p = 0, bias +
+    GELU when fused) against the NumPy references on the host, float64."""
+    monkeypatch.setattr(cudnn, "_unusable", "fleetmpi's own attention in this test")
+    on_device = _gpt_step(fuse, dropout=0.0)
+    with pytest.MonkeyPatch.context() as host:
+        host.setattr(backend, "on_gpu", lambda: False)
+        host.setattr(backend, "array_module", lambda: np)
+        on_host = _gpt_step(fuse, dropout=0.0)
+    for got, want in zip(on_device, on_host):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
