@@ -84,6 +84,9 @@ class GraphedStep:
                 or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be an integer >= 1: what the "
                              "step creates lazily must exist before the capture")
+        if not isinstance(example_inputs, (tuple, list)):
+            raise TypeError(f"example_inputs must be a tuple or list of the step's inputs, not "
+                            f"{type(example_inputs).__name__} (for one input: (x,))")
         examples = [_array_of(value, f"example input {index}")
                     for index, value in enumerate(example_inputs)]
         xp = backend.array_module()

@@ -364,6 +364,8 @@ def test_switched_off_every_call_runs_eagerly(how, monkeypatch):
     ({"example_inputs": ([1.0, 2.0],)}, TypeError, "example input 0 must be a Tensor or an "
                                                     "array, not list"),
     ({"train_step": None}, TypeError, "train_step must be callable"),
+    ({"example_inputs": np.zeros(3)}, TypeError, "example_inputs must be a tuple or list of "
+                                                 "the step's inputs, not ndarray"),
 ])
 def test_bad_arguments_are_refused(kwargs, error, message):
     arguments = {"train_step": lambda x: x, "example_inputs": (np.zeros(3, np.float32),)}
