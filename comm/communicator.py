@@ -29,7 +29,7 @@ import weakref
 
 import numpy as np
 
-from .. import timeline
+from .. import capture_checks, timeline
 from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
 from ..log import logger
 from . import call_checks, dispatch
@@ -87,6 +87,18 @@ def check_mode(check, environ=os.environ):
     return check
 
 
+def _refuse_host_transport_in_capture(comm, collective):
+    """Inside a CUDA graph capture, raise ``CaptureError`` for ``collective`` over the MPI
+    transport: at the call, or for an asynchronous one when it is submitted, so that nothing
+    is left queued to run after the capture has ended on one rank and not on another."""
+    if capture_checks.current is not None and not comm.transports[0].device:
+        capture_checks.refuse(
+            f"the collective {collective!r} over the {comm.transport_name} transport",
+            "MPI moves host memory through blocking host calls, which a CUDA graph cannot "
+            "record (NCCL collectives can); use transport='nccl' (FLEETMPI_TRANSPORT=nccl) "
+            "with the arrays on the GPU, or run this step without a graph")
+
+
 def _recorded(collective, nbytes=False):
     """Wrap a collective so that, while the timeline records, it is one ``comm`` event named
     ``collective`` with the algorithm(s) its flat operations noted and its bytes: the payload
@@ -94,6 +106,7 @@ def _recorded(collective, nbytes=False):
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
+            _refuse_host_transport_in_capture(self, collective)
             if self._comm_thread.blocks_caller():
                 self._comm_thread.drain()  # keep the order of the operations already started
             event = timeline.span(collective, "comm")
@@ -287,7 +300,7 @@ class Communicator:
                 self._same_arrays[self._previous] = (weakref.ref(x), weakref.ref(out), op,
                                                      algorithm, compression, x.dtype,
                                                      repeat)
-        if (timeline.active_recorder is not None
+        if (timeline.active_recorder is not None or capture_checks.current is not None
                 or self._comm_thread.pending_count and self._comm_thread.blocks_caller()):
             return self._allreduce_checked(x, op, algorithm, compression, out, None)
         code, payload, run = repeat
@@ -401,6 +414,7 @@ class Communicator:
         caller's device, ordered after the work the caller's current stream has queued so far
         by an event recorded now (the gradient's producer), and its handle gets the event
         recorded after it (see ``Handle.wait``)."""
+        _refuse_host_transport_in_capture(self, collective)
         on_device = is_device_array(arrays[0]) if arrays else self.transports[0].device
         if not on_device:
             return self._comm_thread.submit(collective, lambda handle: call())

@@ -31,14 +31,16 @@ if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     # process of its own, whose transport listens on the network (docs/launch.md, "Network")
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
 
-from . import autograd, nn, optimizer, utils
+from . import autograd, device, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
+from .capture_checks import CaptureError
 from .schema_view import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .fleet_util import UtilBase
+from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
@@ -52,11 +54,11 @@ util = UtilBase()
 __version__ = "0.1.0"
 
 __all__ = [
-    "BuildStrategy", "ConfigError", "DistributedStrategy", "ExecutionStrategy", "Function",
-    "ModeError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
-    "applied_strategy", "autograd", "barrier_worker", "concat", "device_guard",
+    "BuildStrategy", "CaptureError", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
+    "Function", "GraphedStep", "ModeError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
+    "applied_strategy", "autograd", "barrier_worker", "concat", "device", "device_guard",
     "distributed_model", "distributed_optimizer", "enable_grad",
-    "get_hybrid_communicate_group", "init", "init_server",
+    "get_hybrid_communicate_group", "graphed_step", "init", "init_server",
     "init_worker", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "local_rank",
     "local_size", "matmul", "nn", "no_grad", "node_index", "node_num", "optimizer", "reshape",
     "run_server", "save_persistables", "seed", "server_endpoints", "server_index", "server_num",

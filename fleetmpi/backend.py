@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from . import job
+from .capture_checks import check_host_read
 from .host_memory import keep_freed_memory
 from .knobs import DEVICE, NUM_THREADS
 from .launcher_env import LOCAL_RANKS, RANKS_ON_NODE
@@ -125,12 +126,14 @@ def on_gpu():
 def synchronize():
     """Wait for the device to finish what was queued (timings of GPU work need it; nothing to
     wait for on the host)."""
+    check_host_read("backend.synchronize()")
     if on_gpu():
         array_module().cuda.get_current_stream().synchronize()
 
 
 def to_numpy(array):
     """A host NumPy copy (or the array itself when it already lives on the host)."""
+    check_host_read("backend.to_numpy()")
     if isinstance(array, np.ndarray) or np.isscalar(array):
         return np.asarray(array)
     return array.get()

@@ -258,6 +258,12 @@ AUTO_MEMORY_MB = Knob(
     "`strategy.auto`: the activation memory one rank may hold before auto enables recompute; "
     "unset: the device's free memory on a GPU, half the available host memory shared by the "
     "ranks of the node on CPU (argument `auto_memory_MB` wins).")
+CUDA_GRAPH = Knob(
+    "FLEETMPI_CUDA_GRAPH", True,
+    flag("every call runs eagerly", "capture after the warm-up calls, then replay"), "`0`, `1`",
+    "`fleetmpi.graphed_step`: `1` captures the step after its warm-up calls and replays the "
+    "graph (on NumPy a host stand-in); `0` runs every call eagerly through the same static "
+    "inputs, to compare or debug (argument `enabled` wins).")
 RESTART_COUNT = Knob(
     "FLEETMPI_RESTART_COUNT", 0, whole_number, "a whole number >= 0",
     "Set by `fleetmpirun --elastic`: 0, then 1 after the first restart, ...")
@@ -269,4 +275,4 @@ ELASTIC_PROGRESS = Knob(
 KNOBS = (DEVICE, NUM_THREADS, KEEP_HOST_MEMORY, LOG_LEVEL, LOCAL_SIZE, CHECK_ENVIRONMENT,
          TRANSPORT, CHECK_COLLECTIVES, OVERLAP_ALLREDUCE, STALL_TIMEOUT, ABORT_ON_ERROR,
          TIMELINE, PROGRESS, PS_TIMEOUT, AUTO_SECONDS, AUTO_ALLOW, AUTO_MEMORY_MB,
-         RESTART_COUNT, ELASTIC_PROGRESS)
+         CUDA_GRAPH, RESTART_COUNT, ELASTIC_PROGRESS)

@@ -35,6 +35,7 @@ import numpy as np
 
 from .. import backend
 from ..autograd import Function, autocast
+from ..capture_checks import check_host_read
 from .base import Strategy
 
 # Paddle's other names of the operators this trainer computes.
@@ -201,6 +202,8 @@ class AMP(Strategy):
         flag = xp.logical_not(finite.all(keepdims=True)).astype(xp.float32)
         if self.world_size > 1:
             flag = self.communicator.allreduce(flag, op="max")
+        check_host_read("amp's inf/nan check (its verdict skips the step on the host and, "
+                        "with use_dynamic_loss_scaling, changes the loss scale there)")
         return bool(flag[0])
 
     def update_loss_scaling(self, found_inf):

@@ -80,6 +80,9 @@ class DGC(Strategy):
 
     name = "dgc"
     optimizers = (Momentum,)
+    capture_refusal = ("its rampup (dense, then ever sparser exchanges) is decided on the host "
+                       "from the update count, and a graph would replay the exchange it "
+                       "captured")
 
     @classmethod
     def check(cls, strategy, optimizer):

@@ -18,6 +18,8 @@ from .base import Strategy
 
 class GradientMerge(Strategy):
     name = "gradient_merge"
+    capture_refusal = ("whether a step of the k_steps window updates is decided on the host "
+                       "step by step, and a graph would replay the one step it captured")
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)

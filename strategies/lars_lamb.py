@@ -26,7 +26,7 @@ outside the trust ratio and on the excluded parameters too, which is neither pub
 """
 from .. import backend
 from ..log import logger
-from ..optimizer import Adam, Momentum
+from ..optimizer import Adam, Momentum, graph_guard
 from .base import Strategy
 
 
@@ -80,6 +80,7 @@ class _LayerwiseUpdate(Strategy):
         optimizer = self.optimizer
         optimizer.step_count += 1
         lr = optimizer.get_lr()
+        graph_guard.enter_update(optimizer, lr)
         xp = backend.array_module()
         for run, grad, state in zip(optimizer.runs, optimizer.clipped_grads(),
                                     optimizer.run_states):
@@ -161,6 +162,8 @@ class LAMB(_LayerwiseUpdate):
 
     name = "lamb"
     optimizers = (Adam,)
+    capture_refusal = ("its bias correction takes step_count from the host, which a graph "
+                       "would keep at its captured value")
     decay_key = "lamb_weight_decay"
 
     def _update_parameter(self, param, grad, state, lr, weight_decay, xp):

@@ -35,6 +35,9 @@ class LocalSGD(Strategy):
     """Fixed period: ``k_steps`` local steps between parameter averagings."""
 
     name = "localsgd"
+    capture_refusal = ("when to average the parameters (every k_steps after begin_step) is "
+                       "decided on the host step by step, and a graph would replay the one "
+                       "step it captured")
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)

@@ -123,6 +123,8 @@ class Pipeline(Strategy):
     after it), so ``1 - compute_seconds / schedule_seconds`` is the step's bubble."""
 
     name = "pipeline"
+    capture_refusal = ("its micro-batch schedule exchanges shapes between the stages on the "
+                       "host, which a graph cannot replay")
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)

@@ -32,6 +32,7 @@ import numpy as np
 
 from .. import backend
 from ..autograd import Tensor
+from ..capture_checks import check_host_read
 from ..autograd.recompute import ActivationMeter, held_activation_bytes, run_recomputed
 from ..nn import Sequential
 from .base import Strategy
@@ -144,6 +145,7 @@ class HostCheckpoints:
             buffer = self._allocate(array.dtype)
             pool.append(buffer)
         self._busy.add(id(buffer))
+        check_host_read("recompute's offload of a checkpoint to host memory")
         if backend.on_gpu():
             array.get(out=buffer)
         else:

@@ -29,6 +29,8 @@ GPU_TEST_FILES = (
     ("tests/test_amp.py", "float16 products through cuBLAS and the fused kernels"),
     ("tests/test_auto.py", "recompute offload, which applies on a GPU only"),
     ("tests/test_checkpoint.py", "CuPy's generator state saved and restored bit for bit"),
+    ("tests/test_cuda_graphs.py", "whole steps captured as CUDA graphs through CuPy and "
+     "replayed bit for bit as eager ones; the graph's memory pool and its refusals"),
     ("tests/test_gpt.py", "attention, and the embedding's scatter-add of atomic additions"),
     ("tests/test_optim.py", "the fused optimizer kernel against CuPy's unfused update"),
     ("tests/test_paddle_flags.py", "GPU memory flags, read on a GPU only"),

@@ -15,6 +15,7 @@ values elsewhere (sharding stage 3) binds itself with ``Parameter.bind_keeper`` 
 import numpy as np
 
 from .. import backend
+from ..capture_checks import check_host_read
 from . import engine
 
 
@@ -74,18 +75,25 @@ class Tensor:
     # -- values -----------------------------------------------------------------------------
     def numpy(self):
         """The values as a host NumPy array (a copy from the GPU; the array itself on CPU)."""
+        check_host_read("Tensor.numpy()")
         return backend.to_numpy(self.data)
 
+    # Each read of the values on the host is refused inside a CUDA graph capture
+    # (fleetmpi.capture_checks), a Python branch on a tensor (bool) among them.
     def item(self):
+        check_host_read("Tensor.item()")
         return self.data.item()
 
     def __float__(self):
+        check_host_read("float(tensor)")
         return float(self.data)
 
     def __int__(self):
+        check_host_read("int(tensor)")
         return int(self.data)
 
     def __bool__(self):
+        check_host_read("a Python branch on a tensor (bool(tensor))")
         return bool(self.data)
 
     def __array__(self, dtype=None, copy=None):

@@ -29,7 +29,8 @@ The interface strategies use (besides the public methods of any optimizer: ``par
 * ``shard(...)``, ``space_size``, ``shard_range``, ``shard_gradient``, ``shard_parameters``:
   the sharded update (the sharding strategy).
 * ``step_count``, ``grad_clip``, ``weight_decay``, ``fuse_all_optimizer_ops``: plain
-  attributes; a strategy whose update replaces ``step`` counts the step in ``step_count``.
+  attributes; a strategy whose update replaces ``step`` counts the step in ``step_count``, and
+  passes its learning rate to ``graph_guard.enter_update`` as ``step`` does.
 """
 import copy
 import numbers
@@ -38,6 +39,7 @@ import numpy as np
 
 from .. import backend, kernels
 from ..kernels import reference
+from . import graph_guard
 from .clip import check_grad_clip
 from .lr import LRScheduler
 from .step import StepContext, minimize_loss, run_step
@@ -132,9 +134,12 @@ def _check_rate(name, value, low, high, high_inclusive=True):
 class Optimizer:
     """Base of the optimizers: learning rate (a number or an ``lr.LRScheduler``), weight decay
     (a number: L2 regularisation added to the gradient, or None), gradient clipping
-    (``grad_clip``: None, ``ClipGradByNorm`` or ``ClipGradByGlobalNorm``), ``state_dict``."""
+    (``grad_clip``: None, ``ClipGradByNorm`` or ``ClipGradByGlobalNorm``), ``state_dict``.
+    ``capture_refusal``: None, or why the update cannot be captured in a CUDA graph
+    (``graph_guard``)."""
 
     state_names = ()
+    capture_refusal = None
 
     def __init__(self, learning_rate, parameters, weight_decay, grad_clip=None):
         self._hold(parameters)
@@ -209,6 +214,7 @@ class Optimizer:
         if isinstance(self._learning_rate, LRScheduler):
             raise RuntimeError("this optimizer's learning rate is an LRScheduler; step the "
                                "scheduler instead of calling set_lr")
+        graph_guard.check_new_lr(self, value)
         self._learning_rate = _check_rate("learning_rate", value, 0, np.inf)
 
     # -- steps ------------------------------------------------------------------------------
@@ -283,6 +289,7 @@ class Optimizer:
         self.settle_grads()
         self.step_count += 1
         lr = self.get_lr()
+        graph_guard.enter_update(self, lr)
         for run, grad, state in zip(self._update_runs, self.clipped_grads(), self.run_states):
             if self.fuse_all_optimizer_ops:
                 self._fused_update(run.data, grad, state, lr)
@@ -483,6 +490,8 @@ class Adam(Optimizer):
 
     state_names = ("moment1", "moment2")
     decoupled = False
+    capture_refusal = ("its bias correction is computed on the host from step_count, which a "
+                       "graph would keep at its captured value; use SGD or Momentum")
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
                  parameters=None, weight_decay=None, grad_clip=None):

@@ -9,7 +9,7 @@ where a reducer can start on a bucket before backward has finished.
 Forward, backward and update (with every hook's part in them) are events of the timeline
 (``fleetmpi.timeline``, lane ``compute``), each with the step's index.
 """
-from .. import backend, timeline
+from .. import backend, capture_checks, timeline
 from ..autograd import as_array, run_backward
 
 
@@ -56,7 +56,13 @@ class StepContext:
 
 
 class StepHook:
-    """Base of anything that takes part in a step; every method passes straight through."""
+    """Base of anything that takes part in a step; every method passes straight through.
+
+    ``capture_refusal``: None, or why the hook's part of a step cannot be captured in a CUDA
+    graph (it decides on the host from step to step); a step run inside a capture with such a
+    hook raises ``CaptureError`` with the reason (``fleetmpi.capture_checks``)."""
+
+    capture_refusal = None
 
     def forward(self, ctx, proceed):
         return proceed(ctx)
@@ -142,7 +148,19 @@ def _chain(hooks, stage, innermost):
     return call
 
 
+def _refuse_uncapturable(hooks):
+    """Inside a CUDA graph capture, raise ``CaptureError`` for the first hook with a
+    ``capture_refusal``."""
+    if capture_checks.current is None:
+        return
+    for hook in hooks:
+        if hook.capture_refusal is not None:
+            capture_checks.refuse(f"strategy {getattr(hook, 'name', type(hook).__name__)}",
+                                  hook.capture_refusal)
+
+
 def run_forward(hooks, ctx, forward=_forward):
+    _refuse_uncapturable(hooks)
     with timeline.span("forward", step=ctx.step):
         _chain(hooks, "forward", forward)(ctx)
 
@@ -154,6 +172,7 @@ def run_backward_stage(hooks, ctx, backward=None):
 
 def finish_step(hooks, ctx):
     """The stages after backward: gradient reduction, update, after-step."""
+    _refuse_uncapturable(hooks)
     _chain(hooks, "reduce", _nothing)(ctx)
     with timeline.span("update", step=ctx.step) as event:
         _chain(hooks, "update", _update)(ctx)
