@@ -3,6 +3,11 @@
 (``kernel_harness``), the operations built on them against the unfused operations they replace
 and against finite differences through the kernels, and a ``nn.GPT`` step through the kernels
 against the CPU. (The files' signatures and device compilation: ``test_kernels_host.py``.)"""
+import configparser
+import fnmatch
+import os
+import re
+
 import numpy as np
 import pytest
 
@@ -15,6 +20,8 @@ from fleetmpi.nn.gradcheck import check_gradients
 from fleetmpi.strategies.amp import CastPolicy, DEFAULT_BLACK_LIST, DEFAULT_WHITE_LIST
 
 from kernel_harness import close, gpu_geometries, gpu_path, random  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Kernel against reference. float32 and float64: the kernels sum a row in order, NumPy
 # pairwise. float16: both compute in float32 and round the result to float16 once, so they
@@ -293,3 +300,20 @@ def test_gpt_step_on_the_gpu_equals_the_host(fuse, monkeypatch):
         on_host = _gpt_step(fuse, dropout=0.0)
     for got, want in zip(on_device, on_host):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_every_kernel_source_and_what_it_includes_is_installed_with_the_package():
+    """A wheel carries only the files setup.cfg's package_data names: a header a kernel
+    includes but the wheel lacks would fail to compile on a GPU only."""
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    patterns = [p.strip() for p in config["options.package_data"]["fleetmpi.kernels"].split(",")]
+    folder = os.path.dirname(kernels.__file__)
+    sources = [name for name in os.listdir(folder) if name.endswith(".cu")]
+    included = set()
+    for name in sources:
+        with open(os.path.join(folder, name)) as f:
+            included.update(re.findall(r'^#include "([^"]+)"', f.read(), re.M))
+    assert included, "no kernel includes a local header any more: drop this test"
+    for name in sources + sorted(included):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), (name, patterns)
