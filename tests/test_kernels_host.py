@@ -11,7 +11,9 @@ final ``launch`` is replaced by one that
   loader's own geometry, or smaller ones so the grid-stride loop wraps),
 
 and the outputs, whose fresh buffers start out as NaN so an element the kernel skips fails the
-comparison, are compared with the reference to a tolerance that fits the dtype.
+comparison, are compared with the reference to a tolerance that fits the dtype. The
+multi-tensor optimizer kernels (``optimizer.cu``), whose arrays come as a table of addresses,
+are checked the same way in ``tests/test_multi_tensor.py``.
 """
 import re
 
@@ -27,7 +29,6 @@ from cuda_host import compile_for_device, load_on_host
 FILES = {
     "bias_act.cu": ("bias_act_forward", "bias_act_backward"),
     "bn_act.cu": ("bn_act_forward", "bn_act_backward_mask", "bn_input_grad"),
-    "optimizer.cu": ("sgd_update", "momentum_update", "adam_update"),
 }
 DTYPES = [("float64", 1e-12), ("float32", 1e-5)]
 # (grid, block): None is the loader's own geometry; the others are smaller than every tensor
@@ -238,60 +239,3 @@ def test_fused_batch_norm_on_the_device_branch_equals_the_host(gpu_path):
     for got, want in zip(on_device, on_host):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
 
-
-OPTIMIZER_SIZES = [1, 97, 1001]
-STEPS = 3
-
-
-def _optimizer_run(update, size, dtype, tolerance, kernel_args, reference_args):
-    """``STEPS`` in-place updates by the kernel and by the reference from the same start;
-    parameter and every state buffer compared after each."""
-    rng = np.random.default_rng([size, update[2], len(update[0])])
-    got = [random(rng, size, dtype)] + [np.zeros(size, dtype) for _ in range(update[2])]
-    want = [a.copy() for a in got]
-    start = got[0].copy()
-    for step in range(1, STEPS + 1):
-        grad = random(rng, size, dtype)
-        getattr(kernels, update[0])(got[0], grad, *got[1:], *kernel_args(step))
-        update[1](want[0], grad, *want[1:], *reference_args(step))
-        for g, w in zip(got, want):
-            close(g, w, tolerance)
-    assert np.abs(got[0] - start).min() > 0  # every parameter moved
-
-
-@gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("size", OPTIMIZER_SIZES)
-@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-def test_sgd_matches_the_reference(gpu_path, size, weight_decay, dtype, tolerance):
-    args = lambda step: (0.1 / step, weight_decay)  # noqa: E731
-    _optimizer_run(("sgd_update", reference.sgd_update, 0), size, dtype, tolerance, args, args)
-    assert gpu_path == ["sgd_update"] * STEPS
-
-
-@gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("size", OPTIMIZER_SIZES)
-@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_momentum_matches_the_reference(gpu_path, size, weight_decay, nesterov, dtype,
-                                        tolerance):
-    args = lambda step: (0.1, 0.9, weight_decay, nesterov)  # noqa: E731
-    _optimizer_run(("momentum_update", reference.momentum_update, 1), size, dtype, tolerance,
-                   args, args)
-    assert gpu_path == ["momentum_update"] * STEPS
-
-
-@gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("size", OPTIMIZER_SIZES)
-@pytest.mark.parametrize("weight_decay, decoupled", [(0.0, False), (0.05, False),
-                                                     (0.0, True), (0.05, True)])
-def test_adam_matches_the_reference(gpu_path, size, weight_decay, decoupled, dtype, tolerance):
-    def args(step):
-        return (0.01, 0.9, 0.999, 1e-8, step, weight_decay, decoupled)
-
-    _optimizer_run(("adam_update", lambda p, g, m1, m2, *a: reference.adam_update(
-                        p, g, m1, m2, *a, np), 2),
-                   size, dtype, tolerance, args, args)
-    assert gpu_path == ["adam_update"] * STEPS
