@@ -15,24 +15,29 @@ comes back through the cast as float32 into the float32 gradient buffer. A fused
 into.
 
 Loss scaling: the loss gradient is ``loss_scaling`` instead of 1 (``StepContext.loss_scale``) so
-that small gradients do not flush to zero in float16, and each parameter's gradient is divided by
-it as backward reports it, before gradient_merge and the allreduce see it. After the gradient
-reduction, on a step that would update, the gradients are checked for inf and NaN; the verdict is
-combined over the ranks (so every rank agrees even when gradients were not averaged this step),
-and a step that overflowed anywhere is skipped everywhere: gradients zeroed, no optimizer update,
-parameters and optimizer state untouched, and the layers' buffers (batch-norm running statistics)
-set back to what they were before the forward passes that led to it, so an overflowing forward
-leaves no inf or NaN in them. The scale then follows Paddle's ``update_loss_scaling`` rule, in
-float32 like Paddle's: after ``decr_every_n_nan_or_inf`` consecutive overflowing steps it is
-multiplied by ``decr_ratio`` (never below 1), after ``incr_every_n_steps`` consecutive finite
-steps by ``incr_ratio`` (kept only while finite), each counter restarting from zero when the
-other kind of step comes or the scale changes. ``use_dynamic_loss_scaling=False`` keeps
-``init_loss_scaling`` fixed; overflowing steps are still skipped. Steps that do not update
-(gradient_merge's steps between its updates) are not checked and leave the scale alone.
+that small gradients do not flush to zero in float16. The gradients stay scaled through
+backward, gradient_merge and the reduction, as with Paddle's GradScaler (a power-of-two scale,
+which the defaults keep, gives the same bits as unscaling before the reduction). After the
+gradient reduction, on a step that would update, one pass over the gradients the update uses
+divides them by the scale and checks them for inf and NaN (``kernels.multi_tensor_unscale``:
+one launch per dtype on a GPU, writing a device flag); the flag is combined over the ranks (so
+every rank agrees even when gradients were not averaged this step) and read once, the step's
+one host sync. The update cannot share that pass: whether to skip it depends on every gradient
+element of every rank. A step that overflowed anywhere is skipped everywhere: gradients zeroed,
+no optimizer update, parameters and optimizer state untouched, and the layers' buffers
+(batch-norm running statistics) set back to what they were before the forward passes that led
+to it, so an overflowing forward leaves no inf or NaN in them. The scale then follows Paddle's
+``update_loss_scaling`` rule, in float32 like Paddle's: after ``decr_every_n_nan_or_inf``
+consecutive overflowing steps it is multiplied by ``decr_ratio`` (never below 1), after
+``incr_every_n_steps`` consecutive finite steps by ``incr_ratio`` (kept only while finite), each
+counter restarting from zero when the other kind of step comes or the scale changes.
+``use_dynamic_loss_scaling=False`` keeps ``init_loss_scaling`` fixed; overflowing steps are
+still skipped. Steps that do not update (gradient_merge's steps between its updates) are not
+checked and leave the scale alone.
 """
 import numpy as np
 
-from .. import backend
+from .. import backend, kernels
 from ..autograd import Function, autocast
 from .base import Strategy
 
@@ -114,6 +119,10 @@ class AMP(Strategy):
         self._inverse = np.float32(1)
         self._autocast = None
         self._saved_buffers = None
+        # The overflow flag the unscale pass writes (a device array on a GPU) and the token
+        # that marks this step's finding in it.
+        self._found = backend.array_module().zeros(1, dtype=np.int32)
+        self._token = 0
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -163,15 +172,10 @@ class AMP(Strategy):
         finally:
             self._leave()
 
-    def on_gradient(self, ctx, parameters):
-        if self._inverse != 1:
-            for p in parameters:
-                p.grad *= self._inverse
-
     def reduce(self, ctx, proceed):
         result = proceed(ctx)
         if ctx.apply_update:
-            found_inf = self._found_inf()
+            found_inf = self._unscale_and_check()
             if found_inf:
                 for _, grad in self.optimizer.flat_runs():
                     grad[...] = 0
@@ -192,15 +196,17 @@ class AMP(Strategy):
         for buffer, saved in self._saved_buffers or ():
             buffer[...] = saved
 
-    def _found_inf(self):
-        """Whether any rank's gradients hold an inf or NaN (one device sync, and one tiny
-        allreduce with more than one rank)."""
-        xp = backend.array_module()
-        finite = xp.stack([xp.isfinite(grad).all() for _, grad in self.optimizer.flat_runs()])
-        flag = xp.logical_not(finite.all(keepdims=True)).astype(xp.float32)
+    def _unscale_and_check(self):
+        """Divide the gradients the update uses by the loss scale and check them for inf and
+        NaN in one pass; whether any rank's hold one (one tiny allreduce with more than one
+        rank, then one read of the flag: the step's one host sync)."""
+        self._token += 1
+        grads = [grad for _, grad in self.optimizer.flat_runs()]
+        kernels.multi_tensor_unscale(grads, self._inverse, self._found, self._token)
+        flag = self._found
         if self.world_size > 1:
             flag = self.communicator.allreduce(flag, op="max")
-        return bool(flag[0])
+        return int(flag[0]) == self._token
 
     def update_loss_scaling(self, found_inf):
         """Paddle's ``update_loss_scaling`` rule."""

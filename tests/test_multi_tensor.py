@@ -4,18 +4,22 @@ flat array of a step, with amp's unscale and overflow check in one pass of its o
 On the host, through ``cuda_host``'s shim: each kernel against the NumPy reference that
 defines it, on geometries whose grid x block is smaller than the arrays, and one launch over
 every array against one launch per array, bit for bit. On the CPU: the optimizer's
-multi-tensor update against the per-buffer update, bit for bit.
+multi-tensor update against the per-buffer update, bit for bit. On the device branch (the
+launcher replaced by the host run): how many launches a training step makes. In an amp step:
+the step is skipped exactly when a gradient is not finite, and otherwise gives what unscaling
+and then updating gives.
 """
 import re
 
 import numpy as np
 import pytest
 
-from fleetmpi import backend, kernels, optimizer
+import fleetmpi as fleet
+from fleetmpi import backend, kernels, nn, optimizer
 from fleetmpi.kernels import loader, reference
 
 from cuda_host import compile_for_device, load_on_host
-from strategy_support import make_mlp
+from strategy_support import global_batch, make_mlp, make_strategy
 
 SOURCE = loader.source_path("optimizer.cu")
 KERNELS = ("sgd", "momentum", "adam", "unscale")
@@ -265,6 +269,52 @@ def test_multi_tensor_update_equals_the_per_buffer_update_bit_for_bit(name, dtyp
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+# -- launches per step -----------------------------------------------------------------------
+
+def _step_on_the_device_branch(device_branch, strategy, batch):
+    """One dygraph step of an MLP with 8 parameters, the optimizer over 4 of them (4 runs):
+    forward and backward on the host, then ``opt.step()`` (gradient reduction with amp's
+    unscale, and the update) through the device branch. Returns the optimizer and the
+    kernels it launched."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "on_gpu", lambda: False)
+        fleet.init(is_collective=True)
+        model, params = _every_other_parameter("float32")
+        model = fleet.distributed_model(model)
+        opt = fleet.distributed_optimizer(
+            optimizer.Momentum(learning_rate=0.1, momentum=0.9, parameters=params), strategy,
+            local=True)
+        x, y = batch
+        nn.CrossEntropyLoss()(model(x), y).backward()
+    opt.step()
+    return opt, list(device_branch)
+
+
+FUSED = {"build_strategy": {"fuse_all_optimizer_ops": True}}
+AMP = {"amp": True, "amp_configs": {"init_loss_scaling": 1024.0, "decr_every_n_nan_or_inf": 1}}
+
+
+@pytest.mark.parametrize("device_branch", [None], indirect=True)
+@pytest.mark.parametrize("case", ["plain", "amp", "amp_overflow"])
+def test_a_step_launches_one_kernel_per_pass_however_many_parameters(device_branch, case):
+    """Four runs of one dtype: one update launch; with amp one unscale launch before it; a
+    step amp skips launches the unscale alone."""
+    fields = dict(FUSED, **(AMP if case.startswith("amp") else {}))
+    x, y = global_batch(0)
+    if case == "amp_overflow":
+        x = x * 1e6
+    opt, launched = _step_on_the_device_branch(device_branch, make_strategy(**fields), (x, y))
+    assert len(opt.inner.runs) == 4
+    want = {"plain": [("multi_tensor_momentum", 4)],
+            "amp": [("multi_tensor_unscale", 4), ("multi_tensor_momentum", 4)],
+            "amp_overflow": [("multi_tensor_unscale", 4)]}[case]
+    assert launched == want
+    if case.startswith("amp"):
+        amp = opt.strategies["amp"]
+        assert amp.skipped_steps == (case == "amp_overflow")
+        assert amp.loss_scaling == {"amp": 1024.0, "amp_overflow": 512.0}[case]
+
+
 @pytest.mark.parametrize("block", [0, 1, 2])
 def test_unscale_on_the_host_finds_a_value_in_any_block(block):
     """On the host the unscale runs over ``HOST_BLOCK`` elements at a time: an inf in any
@@ -279,3 +329,57 @@ def test_unscale_on_the_host_finds_a_value_in_any_block(block):
     np.testing.assert_array_equal(grad, want)
     assert found[0] == 1
 
+
+# -- amp's fused unscale and overflow check in a step ----------------------------------------
+
+SCALE = 1024.0
+
+
+def _snapshot(params, opt):
+    state = [backend.to_numpy(p.data).copy() for p in params]
+    return state + [backend.to_numpy(flat).copy() for run in opt.run_states
+                    for flat in run.values()]
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan], ids=str)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_amp_skips_a_step_exactly_when_a_gradient_is_not_finite(name, bad, where):
+    """A non-finite value anywhere (the first element of the first run, the last of the last)
+    skips the step: parameters and state untouched, gradients zeroed, the scale halved.
+    Otherwise the step gives what dividing the gradients by the scale and then updating
+    gives, bit for bit on the host."""
+    fleet.init(is_collective=True)
+    model, params = _every_other_parameter("float32")
+    model = fleet.distributed_model(model)
+    opt = fleet.distributed_optimizer(
+        OPTIMIZERS[name](params),
+        make_strategy(amp=True, build_strategy={"fuse_all_optimizer_ops": True},
+                      amp_configs={"init_loss_scaling": SCALE, "decr_every_n_nan_or_inf": 1}),
+        local=True)
+    _, twin_params = _every_other_parameter("float32")
+    twin = OPTIMIZERS[name](twin_params)
+    x, y = global_batch(0)
+    nn.CrossEntropyLoss()(model(backend.asarray(x)), backend.asarray(y)).backward()
+    if bad is not None:
+        flat = params[0 if where == "first" else -1].grad.reshape(-1)
+        flat[0 if where == "first" else -1] = bad
+    scaled = [backend.to_numpy(p.grad).copy() for p in params]
+    before = _snapshot(params, opt.inner)
+    opt.step()
+    amp = opt.strategies["amp"]
+    if bad is not None:
+        for got, want in zip(_snapshot(params, opt.inner), before):
+            np.testing.assert_array_equal(got, want)
+        assert all(not backend.to_numpy(p.grad).any() for p in params)
+        assert (amp.skipped_steps, amp.loss_scaling, opt.inner.step_count) == (1, SCALE / 2, 0)
+        return
+    for p, g in zip(twin_params, scaled):
+        p.grad[...] = backend.asarray(g * (np.float32(1) / np.float32(SCALE)))
+    twin.step()
+    for got, want in zip(_snapshot(params, opt.inner), _snapshot(twin_params, twin)):
+        if backend.on_gpu():                      # the kernel rounds as the GPU does
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        else:
+            np.testing.assert_array_equal(got, want)
+    assert (amp.skipped_steps, amp.loss_scaling, amp.good_steps) == (0, SCALE, 1)
