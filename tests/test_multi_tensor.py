@@ -295,11 +295,13 @@ AMP = {"amp": True, "amp_configs": {"init_loss_scaling": 1024.0, "decr_every_n_n
 
 
 @pytest.mark.parametrize("device_branch", [None], indirect=True)
-@pytest.mark.parametrize("case", ["plain", "amp", "amp_overflow"])
+@pytest.mark.parametrize("case", ["plain", "amp", "amp_overflow", "amp_bf16"])
 def test_a_step_launches_one_kernel_per_pass_however_many_parameters(device_branch, case):
     """Four runs of one dtype: one update launch; with amp one unscale launch before it; a
-    step amp skips launches the unscale alone."""
+    step amp skips launches the unscale alone; bfloat16, which scales nothing, no unscale."""
     fields = dict(FUSED, **(AMP if case.startswith("amp") else {}))
+    if case == "amp_bf16":
+        fields["amp_configs"] = {"use_pure_bf16": True}
     x, y = global_batch(0)
     if case == "amp_overflow":
         x = x * 1e6
@@ -307,12 +309,13 @@ def test_a_step_launches_one_kernel_per_pass_however_many_parameters(device_bran
     assert len(opt.inner.runs) == 4
     want = {"plain": [("multi_tensor_momentum", 4)],
             "amp": [("multi_tensor_unscale", 4), ("multi_tensor_momentum", 4)],
-            "amp_overflow": [("multi_tensor_unscale", 4)]}[case]
+            "amp_overflow": [("multi_tensor_unscale", 4)],
+            "amp_bf16": [("multi_tensor_momentum", 4)]}[case]
     assert launched == want
     if case.startswith("amp"):
         amp = opt.strategies["amp"]
         assert amp.skipped_steps == (case == "amp_overflow")
-        assert amp.loss_scaling == {"amp": 1024.0, "amp_overflow": 512.0}[case]
+        assert amp.loss_scaling == {"amp": 1024.0, "amp_overflow": 512.0, "amp_bf16": 1.0}[case]
 
 
 @pytest.mark.parametrize("block", [0, 1, 2])
