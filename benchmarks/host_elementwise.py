@@ -50,7 +50,11 @@ def updates(n, repeats, torch):
         if name == "Adam":
             arrays[2] = np.abs(arrays[2])
         extra = (np,) if name == "Adam" else ()
-        fused = getattr(kernels, name.lower() + "_update")
+        multi = getattr(kernels, f"multi_tensor_{name.lower()}_update")
+
+        def fused(param, grad, *rest, multi=multi, states=states):
+            """The multi-tensor update over this one flat array."""
+            multi([param], [grad], *([a] for a in rest[:states]), *rest[states:])
         whole = getattr(reference, name.lower() + "_update")
         check = [a.copy() for a in arrays]
         fused(arrays[0], grad, *arrays[1:], *args)

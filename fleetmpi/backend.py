@@ -268,3 +268,22 @@ def set_rng_state(state):
     """Restore what ``rng_state`` returned."""
     global _rank_rng
     _rank_rng = None if state is None else _generator_from(state)
+
+
+def bfloat16():
+    """The bfloat16 dtype of both array modules: ``ml_dtypes.bfloat16`` (NumPy has none of its
+    own, and CuPy 14 takes it from ml_dtypes too). Without ml_dtypes, a ValueError saying what
+    to install."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError("bfloat16 needs the ml_dtypes package, since NumPy has no bfloat16 of "
+                         "its own: install it (pip install ml-dtypes)") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_floating(dtype):
+    """Whether ``dtype`` is a floating dtype: one of NumPy's (kind ``f``) or bfloat16, which
+    ml_dtypes defines with kind ``V``."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype.name == "bfloat16"

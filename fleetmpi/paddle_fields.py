@@ -37,8 +37,6 @@ PADDLE_ONLY = {
     "fs_client_param": "shards are saved to and loaded from local paths",
     "gradient_scale_configs": "gradients are averaged over the ranks (the mean loss over the "
                               "global batch), Paddle's default scale",
-    "amp_configs.use_pure_fp16": "amp casts by operation (white and black lists); pure fp16 "
-                                 "parameters are not implemented",
     "amp_configs.custom_black_varnames": "amp casts by operation name, not by variable "
                                          "name",
     "amp_configs.use_fp16_guard": "amp casts by operation, not by fp16_guard blocks",

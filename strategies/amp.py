@@ -2,40 +2,51 @@
 
 Every ``Function`` of the trainer names the Paddle operator it computes (``op_type``).
 Operators on the white list (``matmul`` and ``conv2d``, plus ``custom_white_list``) compute in
-float16, those on the black list (``batch_norm`` and ``softmax_with_cross_entropy``, plus
-``custom_black_list``) in float32, and the rest (gray) in the dtype their inputs come in. A
-custom white-list entry takes the operator off the default black list; a custom black-list entry
-wins over every white list. The policy is applied per operator call (``fleetmpi.autograd``'s
-``autocast``) from the step's forward stage to the end of its backward stage, so it covers any
-model, built-in layers or a user's own ``forward``, and the loss computed after the model in the
-dygraph idiom. The casts are recorded operations: the parameters stay float32 (the master
-weights), a float16 operator computes with a float16 copy of them, and the gradient of that copy
-comes back through the cast as float32 into the float32 gradient buffer. A fused activation
-(``fuse_elewise_add_act_ops``, ``fuse_bn_act_ops``) runs in the dtype of the operator it is fused
-into. ``softmax_with_cross_entropy`` takes float16 logits without the cast: it computes in float32
-whatever it is given, so the cast would only copy the logits (``F.cross_entropy``).
+the low-precision dtype, float16 or bfloat16, those on the black list (``batch_norm`` and
+``softmax_with_cross_entropy``, plus ``custom_black_list``) in float32, and the rest (gray) in
+the dtype their inputs come in, or at level O2 in the low-precision dtype too (the dtype and
+level come from Paddle's names for them, ``amp_precision``). A custom white-list entry takes
+the operator off the default black list; a custom black-list entry wins over every white list.
+The policy is applied per operator call (``fleetmpi.autograd``'s ``autocast``) from the step's
+forward stage to the end of its backward stage, so it covers any model, built-in layers or a
+user's own ``forward``, and the loss computed after the model in the dygraph idiom. The casts
+are recorded operations: the parameters stay float32 (the master weights, with float32
+optimizer state in the flat buffers), a low-precision operator computes with a cast copy of
+them, and the gradient of that copy comes back through the cast as float32 into the float32
+gradient buffer. A fused activation (``fuse_elewise_add_act_ops``, ``fuse_bn_act_ops``) runs in
+the dtype of the operator it is fused into. ``softmax_with_cross_entropy`` takes float16 logits
+without the cast: it computes in float32 whatever it is given, so the cast would only copy the
+logits (``F.cross_entropy``).
 
-Loss scaling: the loss gradient is ``loss_scaling`` instead of 1 (``StepContext.loss_scale``) so
-that small gradients do not flush to zero in float16, and each parameter's gradient is divided by
-it as backward reports it, before gradient_merge and the allreduce see it. After the gradient
-reduction, on a step that would update, the gradients are checked for inf and NaN; the verdict is
-combined over the ranks (so every rank agrees even when gradients were not averaged this step),
-and a step that overflowed anywhere is skipped everywhere: gradients zeroed, no optimizer update,
-parameters and optimizer state untouched, and the layers' buffers (batch-norm running statistics)
-set back to what they were before the forward passes that led to it, so an overflowing forward
-leaves no inf or NaN in them. The scale then follows Paddle's ``update_loss_scaling`` rule, in
-float32 like Paddle's: after ``decr_every_n_nan_or_inf`` consecutive overflowing steps it is
-multiplied by ``decr_ratio`` (never below 1), after ``incr_every_n_steps`` consecutive finite
-steps by ``incr_ratio`` (kept only while finite), each counter restarting from zero when the
-other kind of step comes or the scale changes. ``use_dynamic_loss_scaling=False`` keeps
-``init_loss_scaling`` fixed; overflowing steps are still skipped. Steps that do not update
-(gradient_merge's steps between its updates) are not checked and leave the scale alone.
+Loss scaling (float16; bfloat16 only at a fixed scale, ``amp_precision.scales_loss``): the loss
+gradient is ``loss_scaling`` instead of 1 (``StepContext.loss_scale``) so that small gradients
+do not flush to zero in float16. The gradients stay scaled through backward, gradient_merge and
+the reduction, as with Paddle's GradScaler (a power-of-two scale, which the defaults keep,
+gives the same bits as unscaling before the reduction). After the gradient reduction, on a step
+that would update, one pass over the gradients the update uses divides them by the scale and
+checks them for inf and NaN (``kernels.multi_tensor_unscale``: one launch per dtype on a GPU,
+writing a device flag); the flag is combined over the ranks (so every rank agrees even when
+gradients were not averaged this step) and read once, the step's one host sync. The update
+cannot share that pass: whether to skip it depends on every gradient element of every rank.
+A step that overflowed anywhere is skipped everywhere: gradients zeroed, no optimizer update,
+parameters and optimizer state untouched, and the layers' buffers (batch-norm running
+statistics) set back to what they were before the forward passes that led to it, so an
+overflowing forward leaves no inf or NaN in them. The scale then follows Paddle's
+``update_loss_scaling`` rule, in float32 like Paddle's: after ``decr_every_n_nan_or_inf``
+consecutive overflowing steps it is multiplied by ``decr_ratio`` (never below 1), after
+``incr_every_n_steps`` consecutive finite steps by ``incr_ratio`` (kept only while finite), each
+counter restarting from zero when the other kind of step comes or the scale changes.
+``use_dynamic_loss_scaling=False`` keeps ``init_loss_scaling`` fixed; overflowing steps are
+still skipped. Steps that do not update (gradient_merge's steps between its updates) are not
+checked and leave the scale alone. Without loss scaling (bfloat16) nothing is checked, and no
+step is skipped: the host never waits on the device for amp's sake.
 """
 import numpy as np
 
-from .. import backend
+from .. import backend, kernels
 from ..autograd import Function, autocast
 from ..capture_checks import check_host_read
+from . import amp_precision
 from .base import Strategy
 
 # Paddle's other names of the operators this trainer computes.
@@ -44,6 +55,9 @@ DEFAULT_WHITE_LIST = frozenset({"matmul", "conv2d"})
 DEFAULT_BLACK_LIST = frozenset({"batch_norm", "softmax_with_cross_entropy"})
 FLOAT16 = np.dtype("float16")
 FLOAT32 = np.dtype("float32")
+# Level O2 computes every operator in the low-precision dtype but these: the black list's and
+# the cast that amp's own casts are recorded as.
+NEVER_CAST = frozenset({"cast"})
 _STATE_KEYS = ("loss_scaling", "good_steps", "bad_steps", "skipped_steps")
 
 
@@ -76,26 +90,32 @@ def op_lists(configs):
 
 
 class CastPolicy:
-    """The autocast policy of amp's lists: float16 for a white-list operator, float32 for a
-    black-list one, None (the inputs' dtype) for the rest."""
+    """The autocast policy of amp's lists: ``dtype`` (float16 by default, or bfloat16) for a
+    white-list operator, float32 for a black-list one, and for the rest None (the inputs'
+    dtype), or with ``pure`` (level O2) ``dtype`` too."""
 
-    def __init__(self, white_list, black_list):
+    def __init__(self, white_list, black_list, dtype=FLOAT16, pure=False):
         self.white_list, self.black_list = frozenset(white_list), frozenset(black_list)
+        self.dtype, self.pure = np.dtype(dtype), bool(pure)
 
     def dtype_for(self, op):
         if op in self.white_list:
-            return FLOAT16
+            return self.dtype
         if op in self.black_list:
             return FLOAT32
+        if self.pure and op not in NEVER_CAST:
+            return self.dtype
         return None
 
 
 class AMP(Strategy):
-    """``amp``. Observable: ``loss_scaling`` (the scale the next step uses), ``good_steps`` and
-    ``bad_steps`` (Paddle's consecutive finite and overflowing step counters),
-    ``skipped_steps`` (steps skipped for overflow so far), ``white_list`` and ``black_list``
-    (the operators run in float16 and in float32), and ``policy``, the ``CastPolicy`` of those
-    lists that is current from a step's forward stage to the end of its backward stage."""
+    """``amp``. Observable: ``precision`` (the ``amp_precision.Precision``: dtype and level),
+    ``scales_loss`` (whether the loss is scaled and the gradients checked), ``loss_scaling``
+    (the scale the next step uses), ``good_steps`` and ``bad_steps`` (Paddle's consecutive
+    finite and overflowing step counters), ``skipped_steps`` (steps skipped for overflow so
+    far), ``white_list`` and ``black_list`` (the operators run in the low-precision dtype and
+    in float32), and ``policy``, the ``CastPolicy`` of those lists that is current from a
+    step's forward stage to the end of its backward stage."""
 
     name = "amp"
 
@@ -103,24 +123,33 @@ class AMP(Strategy):
         super().__init__(strategy, optimizer, communicator)
         configs = self.configs
         self.white_list, self.black_list = op_lists(configs)
-        self.use_dynamic_loss_scaling = bool(configs["use_dynamic_loss_scaling"])
+        self.precision = amp_precision.resolve(configs)
+        self.scales_loss = amp_precision.scales_loss(configs, self.precision)
+        self.use_dynamic_loss_scaling = (bool(configs["use_dynamic_loss_scaling"])
+                                         and self.scales_loss)
         self.incr_every_n_steps = int(configs["incr_every_n_steps"])
         self.decr_every_n_nan_or_inf = int(configs["decr_every_n_nan_or_inf"])
         self.incr_ratio = np.float32(configs["incr_ratio"])
         self.decr_ratio = np.float32(configs["decr_ratio"])
-        self._scale = np.float32(configs["init_loss_scaling"])
+        self._scale = np.float32(configs["init_loss_scaling"] if self.scales_loss else 1)
         self.good_steps = 0
         self.bad_steps = 0
         self.skipped_steps = 0
-        self.policy = CastPolicy(self.white_list, self.black_list)
+        self.policy = CastPolicy(self.white_list, self.black_list,
+                                 self.precision.array_dtype(), self.precision.pure)
         self._inverse = np.float32(1)
         self._autocast = None
         self._saved_buffers = None
+        # The overflow flag the unscale pass writes (a device array on a GPU) and the token
+        # that marks this step's finding in it.
+        self._found = backend.array_module().zeros(1, dtype=np.int32)
+        self._token = 0
 
     @classmethod
     def check(cls, strategy, optimizer):
         super().check(strategy, optimizer)
         op_lists(strategy.amp_configs)
+        amp_precision.resolve(strategy.amp_configs).array_dtype()
         dtypes = sorted({p.dtype.name for p in optimizer.parameters()} - {FLOAT32.name})
         if dtypes:
             raise ValueError(f"amp keeps float32 master weights and needs float32 parameters, "
@@ -149,7 +178,7 @@ class AMP(Strategy):
     # the step, so NumPy's overflow warnings are silenced while layers compute.
     def forward(self, ctx, proceed):
         self._enter(ctx)
-        if self._saved_buffers is None and ctx.model is not None:
+        if self.scales_loss and self._saved_buffers is None and ctx.model is not None:
             self._save_buffers(ctx.model)
         try:
             with np.errstate(over="ignore", invalid="ignore"):
@@ -165,15 +194,10 @@ class AMP(Strategy):
         finally:
             self._leave()
 
-    def on_gradient(self, ctx, parameters):
-        if self._inverse != 1:
-            for p in parameters:
-                p.grad *= self._inverse
-
     def reduce(self, ctx, proceed):
         result = proceed(ctx)
-        if ctx.apply_update:
-            found_inf = self._found_inf()
+        if ctx.apply_update and self.scales_loss:
+            found_inf = self._unscale_and_check()
             if found_inf:
                 for _, grad in self.optimizer.flat_runs():
                     grad[...] = 0
@@ -194,17 +218,19 @@ class AMP(Strategy):
         for buffer, saved in self._saved_buffers or ():
             buffer[...] = saved
 
-    def _found_inf(self):
-        """Whether any rank's gradients hold an inf or NaN (one device sync, and one tiny
-        allreduce with more than one rank)."""
-        xp = backend.array_module()
-        finite = xp.stack([xp.isfinite(grad).all() for _, grad in self.optimizer.flat_runs()])
-        flag = xp.logical_not(finite.all(keepdims=True)).astype(xp.float32)
+    def _unscale_and_check(self):
+        """Divide the gradients the update uses by the loss scale and check them for inf and
+        NaN in one pass; whether any rank's hold one (one tiny allreduce with more than one
+        rank, then one read of the flag: the step's one host sync)."""
+        self._token += 1
+        grads = [grad for _, grad in self.optimizer.flat_runs()]
+        kernels.multi_tensor_unscale(grads, self._inverse, self._found, self._token)
+        flag = self._found
         if self.world_size > 1:
             flag = self.communicator.allreduce(flag, op="max")
         check_host_read("amp's inf/nan check (its verdict skips the step on the host and, "
                         "with use_dynamic_loss_scaling, changes the loss scale there)")
-        return bool(flag[0])
+        return int(flag[0]) == self._token
 
     def update_loss_scaling(self, found_inf):
         """Paddle's ``update_loss_scaling`` rule."""

@@ -17,6 +17,7 @@ from ..log import logger
 from ..nn import BatchNorm, Sequential
 from ..nn.functional import cudnn
 from ..paddle_fields import PADDLE_ONLY
+from . import amp_precision
 from .compose import ORDER
 from .field_effects import IN_PARAMETER_SERVER_MODE, NO_EFFECT, NO_EFFECT_KEYS
 from .inert_fields import inert_fields_set, report_once
@@ -173,13 +174,9 @@ def _strategy_reasons(strategy, on_gpu):
     if strategy.recompute and not recompute["enable_offload"] and recompute["checkpoint_shape"]:
         reasons["recompute_configs.checkpoint_shape"] = (
             "it sizes the host buffers of enable_offload, which is off")
-    amp = strategy.amp_configs
-    if strategy.amp and not amp["use_dynamic_loss_scaling"]:
-        base = DistributedStrategy().amp_configs
-        for key in ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio"):
-            if amp[key] != base[key]:
-                reasons[f"amp_configs.{key}"] = ("use_dynamic_loss_scaling is off: the loss "
-                                                 "scale stays at init_loss_scaling")
+    if strategy.amp:
+        reasons.update(amp_precision.unused_keys(strategy.amp_configs,
+                                                 DistributedStrategy().amp_configs))
     if strategy.tensor_parallel and strategy.tensor_parallel_configs["tensor_parallel_degree"] == 1 \
             and strategy.hybrid_configs["mp_degree"] == 1:
         reasons["tensor_parallel"] = ("tensor_parallel_degree is 1: no weight is split over "

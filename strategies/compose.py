@@ -5,8 +5,8 @@ of them cannot be combined.
 and after-step methods wrap those of every strategy after it, and ``on_gradient`` is called in
 this order. The gradient reduction (``fp16_allreduce`` or the plain one) is always innermost, so
 the strategies before it see gradients before they travel (gradient_merge folds its
-accumulator in, amp unscales) and act on the averaged gradients after (amp's overflow check,
-the lars/lamb update). With ``sharding`` its reduce-scatter is the gradient reduction (with
+accumulator in) and act on the averaged gradients after (amp's unscale and overflow check, the
+lars/lamb update). With ``sharding`` its reduce-scatter is the gradient reduction (with
 float16 on the wire under ``fp16_allreduce``), and its update broadcasts the shards back;
 under ``pipeline`` it partitions each stage over that stage's replicas.
 ``python -m fleetmpi.docs regenerate`` writes ``docs/strategy_pairs.md`` from ``ORDER`` and

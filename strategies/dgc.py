@@ -146,10 +146,11 @@ class DGC(Strategy):
             return proceed(ctx)
         opt = self.optimizer
         lr = opt.get_lr()
-        for run in self._runs:
-            if opt.fuse_all_optimizer_ops:
-                kernels.sgd_update(run.data, run.grad, lr, 0.0)
-            else:
+        if opt.fuse_all_optimizer_ops:
+            kernels.multi_tensor_sgd_update([run.data for run in self._runs],
+                                            [run.grad for run in self._runs], lr, 0.0)
+        else:
+            for run in self._runs:
                 for p in run.parameters:
                     reference.sgd_update(p.data, p.grad, lr, 0.0)
         opt.step_count += 1

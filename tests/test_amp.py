@@ -654,14 +654,21 @@ def test_the_loss_after_the_model_computes_in_the_dtype_of_its_list(configs, los
 
 
 def test_master_weights_stay_float32_and_their_gradients_come_back_float32_unscaled():
+    """The gradients hold the scaled values from backward until the step divides them by the
+    scale (as with Paddle's GradScaler), in float32: after ``opt.step()`` they are the scaled
+    ones times the float32 inverse of the scale, bit for bit."""
     grads = []
     for scale in (1.0, 2.0 ** 10):
         model, _, _, opt = amp_net_step({"init_loss_scaling": scale})
         for p in model.parameters():
             assert p.dtype == F32 and p.grad.dtype == F32 and p.buffer.dtype == F32, p.name
-        grads.append({p.name: host(p.grad).copy() for p in model.parameters()})
+        scaled = {p.name: host(p.grad).copy() for p in model.parameters()}
         before = model.state_dict()
         opt.step()
+        grads.append({p.name: host(p.grad).copy() for p in model.parameters()})
+        inverse = np.float32(1) / np.float32(scale)
+        for name, value in grads[-1].items():
+            np.testing.assert_array_equal(value, scaled[name] * inverse, err_msg=name)
         opt.clear_grad()
         for name, value in model.state_dict().items():
             assert value.dtype == F32 and not np.array_equal(value, before[name]), name

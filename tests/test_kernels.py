@@ -95,7 +95,8 @@ def test_kernel_sources_compile(filename, tmp_path):
     ptx = (tmp_path / "k.ptx").read_text()
     kernels = {"bias_act.cu": ["bias_act_forward", "bias_act_backward"],
                "bn_act.cu": ["bn_act_forward", "bn_act_backward_mask", "bn_input_grad"],
-               "optimizer.cu": ["sgd_update", "momentum_update", "adam_update"]}[filename]
+               "optimizer.cu": ["multi_tensor_sgd", "multi_tensor_momentum", "multi_tensor_adam",
+                                "multi_tensor_unscale"]}[filename]
     for kernel in kernels:
         for suffix in loader.instances(filename):
             assert f".entry {kernel}_{suffix}(" in ptx
@@ -118,7 +119,8 @@ def test_host_updates_over_blocks_equal_the_reference_bit_for_bit(name, shape):
     arrays = [np.abs(rand(*shape, seed=i, dtype="float32")) for i in range(states + 1)]
     want = [a.copy() for a in arrays]
     getattr(reference, name)(*want, *args, *extra)
-    getattr(kernels, name)(*arrays, *args)
+    getattr(kernels, "multi_tensor_" + name)([arrays[0]], [arrays[1]],
+                                             *([a] for a in arrays[2:]), *args)
     for got, expected in zip(arrays, want):
         np.testing.assert_array_equal(got, expected)
     assert not np.array_equal(arrays[0], np.abs(rand(*shape, seed=0, dtype="float32")))

@@ -1,7 +1,8 @@
-"""Every fused kernel file's signatures and device compilation; the kernels of batch norm,
-bias + activation and the optimizers (``fleetmpi/kernels/*.cu``) run on the host against their
-NumPy references, through their GPU branch (``kernel_harness``; the transformer step's:
-``test_fused_kernels.py``)."""
+"""Every fused kernel file's signatures and device compilation; the kernels of batch norm and
+bias + activation (``fleetmpi/kernels/*.cu``) run on the host against their NumPy references,
+through their GPU branch (``kernel_harness``; the transformer step's: ``test_fused_kernels.py``;
+the multi-tensor optimizer kernels, whose arrays come as a table of addresses:
+``test_multi_tensor.py``)."""
 import numpy as np
 import pytest
 
@@ -15,7 +16,6 @@ from kernel_harness import close, gpu_geometries, gpu_path, random, signatures  
 FILES = {
     "bias_act.cu": ("bias_act_forward", "bias_act_backward"),
     "bn_act.cu": ("bn_act_forward", "bn_act_backward_mask", "bn_input_grad"),
-    "optimizer.cu": ("sgd_update", "momentum_update", "adam_update"),
     "layer_norm.cu": ("layer_norm_forward", "layer_norm_backward"),
     "softmax_cross_entropy.cu": ("softmax_cross_entropy_forward",
                                  "softmax_cross_entropy_backward"),
@@ -35,7 +35,7 @@ def test_signatures_cover_every_kernel_and_instance():
         assert set(signatures(filename)) == want
         assert {"float32", "float64"} <= loader.instances(filename)
     assert all(any(s.startswith("float16") for s in loader.instances(filename))
-               for filename in FILES if filename not in ("bn_act.cu", "optimizer.cu"))
+               for filename in FILES if filename != "bn_act.cu")
 
 
 @pytest.mark.parametrize("filename", sorted(FILES))
@@ -137,61 +137,3 @@ def test_fused_batch_norm_on_the_device_branch_equals_the_host(gpu_path):
     assert gpu_path == []
     for got, want in zip(on_device, on_host):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-
-
-OPTIMIZER_SIZES = [1, 97, 1001]
-STEPS = 3
-
-
-def _optimizer_run(update, size, dtype, tolerance, kernel_args, reference_args):
-    """``STEPS`` in-place updates by the kernel and by the reference from the same start;
-    parameter and every state buffer compared after each."""
-    rng = np.random.default_rng([size, update[2], len(update[0])])
-    got = [random(rng, size, dtype)] + [np.zeros(size, dtype) for _ in range(update[2])]
-    want = [a.copy() for a in got]
-    start = got[0].copy()
-    for step in range(1, STEPS + 1):
-        grad = random(rng, size, dtype)
-        getattr(kernels, update[0])(got[0], grad, *got[1:], *kernel_args(step))
-        update[1](want[0], grad, *want[1:], *reference_args(step))
-        for g, w in zip(got, want):
-            close(g, w, tolerance)
-    assert np.abs(got[0] - start).min() > 0  # every parameter moved
-
-
-@gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("size", OPTIMIZER_SIZES)
-@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-def test_sgd_matches_the_reference(gpu_path, size, weight_decay, dtype, tolerance):
-    args = lambda step: (0.1 / step, weight_decay)  # noqa: E731
-    _optimizer_run(("sgd_update", reference.sgd_update, 0), size, dtype, tolerance, args, args)
-    assert gpu_path == ["sgd_update"] * STEPS
-
-
-@gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("size", OPTIMIZER_SIZES)
-@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-@pytest.mark.parametrize("nesterov", [False, True])
-def test_momentum_matches_the_reference(gpu_path, size, weight_decay, nesterov, dtype,
-                                        tolerance):
-    args = lambda step: (0.1, 0.9, weight_decay, nesterov)  # noqa: E731
-    _optimizer_run(("momentum_update", reference.momentum_update, 1), size, dtype, tolerance,
-                   args, args)
-    assert gpu_path == ["momentum_update"] * STEPS
-
-
-@gpu_geometries
-@pytest.mark.parametrize("dtype, tolerance", DTYPES)
-@pytest.mark.parametrize("size", OPTIMIZER_SIZES)
-@pytest.mark.parametrize("weight_decay, decoupled", [(0.0, False), (0.05, False),
-                                                     (0.0, True), (0.05, True)])
-def test_adam_matches_the_reference(gpu_path, size, weight_decay, decoupled, dtype, tolerance):
-    def args(step):
-        return (0.01, 0.9, 0.999, 1e-8, step, weight_decay, decoupled)
-
-    _optimizer_run(("adam_update", lambda p, g, m1, m2, *a: reference.adam_update(
-                        p, g, m1, m2, *a, np), 2),
-                   size, dtype, tolerance, args, args)
-    assert gpu_path == ["adam_update"] * STEPS

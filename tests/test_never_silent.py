@@ -160,6 +160,18 @@ FIELDS = {
                                             + _t("custom_lists_move_operators")),
     "amp_configs.custom_black_list": Effect(["mul"], "test_amp.py::"
                                             + _t("custom_lists_move_operators")),
+    # Set together they contradict each other: the row values select bfloat16 at level O2 in
+    # both of Paddle's ways, and leave use_pure_fp16 at its default.
+    "amp_configs.use_pure_fp16": Effect(False, "test_amp_precision.py::"
+                                        + _t("level_o2_computes_gray_operators_in_the_low_"
+                                             "precision_dtype")),
+    "amp_configs.use_pure_bf16": Effect(True, "test_amp_precision.py::"
+                                        + _t("bfloat16_scales_no_loss_and_checks_nothing")),
+    "amp_configs.dtype": Effect("bfloat16", "test_amp_precision.py::"
+                                + _t("bfloat16_scales_no_loss_and_checks_nothing")),
+    "amp_configs.level": Effect("O2", "test_amp_precision.py::"
+                                + _t("level_o2_computes_gray_operators_in_the_low_precision_"
+                                     "dtype")),
     "dgc": Effect(True, "test_dgc.py::" + _t("matches_simulation")),
     "dgc_configs.rampup_begin_step": Effect(1, "test_dgc.py::"
                                             + _t("schedule_counts_from_rampup_begin_step")),

@@ -78,7 +78,7 @@ def test_a_file_fleetmpi_writes_loads_into_paddles_message(tmp_path, paddle_mess
 PADDLE_22_FILE = {
     "mode": 1, "fuse_grad_size_in_TFLOPS": 50.0, "last_comm_group_size_MB": 2.0,
     "find_unused_parameters": True, "fuse_grad_size_in_num": 4, "a_sync": False,
-    "amp_configs": {"init_loss_scaling": 256.0, "use_pure_fp16": True},
+    "amp_configs": {"init_loss_scaling": 256.0, "use_pure_fp16": True, "use_fp16_guard": False},
     "sharding_configs": {"sharding_degree": 8, "sharding_segment_strategy": "segment_anchors",
                          "segment_anchors": ["a", "b"]},
     "hybrid_configs": {"dp_degree": 2, "mp_degree": 1},
@@ -87,7 +87,7 @@ PADDLE_22_FILE = {
 }
 PADDLE_ONLY_IN_FILE = {
     "mode", "last_comm_group_size_MB", "find_unused_parameters", "fuse_grad_size_in_num",
-    "amp_configs.use_pure_fp16", "sharding_configs.sharding_segment_strategy",
+    "amp_configs.use_fp16_guard", "sharding_configs.sharding_segment_strategy",
     "sharding_configs.segment_anchors", "pipeline_configs.accumulate_steps",
     "build_strategy.fuse_bn_add_act_ops"}
 
@@ -115,6 +115,7 @@ def test_a_file_of_paddle_2_2_loads_and_writes_back_what_paddle_reads(tmp_path, 
     strategy = fleet.DistributedStrategy().load_from_prototxt(str(path))
     assert strategy.fuse_grad_size_in_TFLOPS == 50.0 and strategy.a_sync is False
     assert strategy.amp_configs["init_loss_scaling"] == 256.0
+    assert strategy.amp_configs["use_pure_fp16"] is True
     assert strategy.sharding_configs["sharding_degree"] == 8
     assert strategy.build_strategy.enable_inplace is True
     assert set(strategy.paddle_only_fields()) == PADDLE_ONLY_IN_FILE

@@ -1,12 +1,14 @@
 """The dtype policy operations compute in: amp's per-operator casts.
 
 A policy has ``dtype_for(op_type)``: the dtype an operator named ``op_type`` computes in
-(float16 for amp's white list, float32 for its black list) or None (the dtype its inputs come
-in). Inside ``autocast(policy)`` every ``Function`` with an ``op_type`` casts its floating
-inputs to that dtype first, through recorded casts, so their gradients go back in the dtype
-the inputs came in (float32 master weights get float32 gradients).
+(float16 or bfloat16 for amp's white list, float32 for its black list) or None (the dtype its
+inputs come in). Inside ``autocast(policy)`` every ``Function`` with an ``op_type`` casts its
+floating inputs to that dtype first, through recorded casts, so their gradients go back in the
+dtype the inputs came in (float32 master weights get float32 gradients).
 """
 import numpy as np
+
+from .. import backend
 
 _policy = None
 
@@ -39,4 +41,4 @@ def input_dtype(op_type, dtype):
     choose how to run the operator before it is applied."""
     cast = None if _policy is None or op_type is None else _policy.dtype_for(op_type)
     dtype = np.dtype(dtype)
-    return np.dtype(cast) if cast is not None and dtype.kind == "f" else dtype
+    return np.dtype(cast) if cast is not None and backend.is_floating(dtype) else dtype

@@ -130,7 +130,7 @@ class Function:
             node.needs_input_grad = tuple(needs)
         else:
             node.needs_input_grad = (False,) * len(args)
-        result = cls.forward(node, *arrays, **kwargs)
+        result = _bfloat16_kept(cls.forward(node, *arrays, **kwargs), arrays)
         if kept is not None and inputs:
             for keeper in {id(t._keeper): t._keeper for t in kept}.values():
                 packed = keeper.after_forward(node)
@@ -170,13 +170,32 @@ class Cast(Function):
         return dy.astype(self.source), None
 
 
+def _bfloat16_kept(result, arrays):
+    """``result`` with its floating arrays in bfloat16 when a Python float is among the
+    arguments and every floating input array is bfloat16. NumPy returns float32 for
+    ml_dtypes' bfloat16 where a Python float takes part (``x * 0.5``), where float16 stays
+    float16 (NEP 50's weak scalars); an operation keeps bfloat16 as it keeps float16."""
+    if not any(type(a) is float for a in arrays):
+        return result
+    floating = [a.dtype for a in arrays if hasattr(a, "dtype") and backend.is_floating(a.dtype)]
+    if not floating or any(dtype.name != "bfloat16" for dtype in floating):
+        return result
+
+    def kept(array):
+        if hasattr(array, "dtype") and backend.is_floating(array.dtype) \
+                and array.dtype != floating[0]:
+            return array.astype(floating[0])
+        return array
+    return tuple(map(kept, result)) if isinstance(result, tuple) else kept(result)
+
+
 def _cast_input(arg, dtype):
     """A floating Tensor or array argument in ``dtype`` (Tensors through a recorded cast)."""
     if isinstance(arg, Tensor):
-        if arg.data.dtype.kind == "f" and arg.data.dtype != dtype:
+        if backend.is_floating(arg.data.dtype) and arg.data.dtype != dtype:
             return Cast.apply(arg, dtype)
         return arg
-    if hasattr(arg, "dtype") and getattr(arg, "ndim", 0) and arg.dtype.kind == "f" \
+    if hasattr(arg, "dtype") and getattr(arg, "ndim", 0) and backend.is_floating(arg.dtype) \
             and arg.dtype != dtype:
         return arg.astype(dtype)
     return arg

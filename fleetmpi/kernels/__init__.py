@@ -127,41 +127,97 @@ def bn_input_grad(dz, xhat, invstd, gamma, sum_dz, sum_dz_xhat, count):
     return dx
 
 
-def sgd_update(param, grad, lr, weight_decay):
-    suffix = _use_kernel("optimizer.cu", (param, grad))
-    if suffix is None:
-        return _host_blocks(reference.sgd_update, (param, grad), lr, weight_decay)
-    t = param.dtype.type
-    launch("optimizer.cu", "sgd_update", suffix, param.size,
-           (param, grad, np.int64(param.size), t(lr), t(weight_decay)))
+def _address(array):
+    """The device (CuPy) or host (NumPy) address of ``array``'s first element."""
+    data = array.data
+    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
 
 
-def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov):
-    suffix = _use_kernel("optimizer.cu", (param, grad, velocity))
-    if suffix is None:
-        return _host_blocks(reference.momentum_update, (param, grad, velocity), lr, momentum,
-                            weight_decay, nesterov)
-    t = param.dtype.type
-    launch("optimizer.cu", "momentum_update", suffix, param.size,
-           (param, grad, velocity, np.int64(param.size), t(lr), t(momentum), t(weight_decay),
-            np.int32(bool(nesterov))))
+_tables = {}
 
 
-def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
-                weight_decay, decoupled):
-    suffix = _use_kernel("optimizer.cu", (param, grad, moment1, moment2))
-    if suffix is None:
-        return _host_blocks(reference.adam_update, (param, grad, moment1, moment2), lr, beta1,
-                            beta2, epsilon, step_count, weight_decay, decoupled,
-                            backend.array_module())
-    t = param.dtype.type
+def _table(kinds):
+    """``(table, offsets, total)`` for the multi-tensor kernels of ``optimizer.cu``: the
+    addresses of the arrays of every kind (a list per kind, one array per run) and the runs'
+    offsets, as backend arrays, and the element count. Kept per set of addresses, so a
+    training loop, whose arrays stay put, copies them to the device once rather than every
+    step."""
+    key = tuple(_address(a) for arrays in kinds for a in arrays) + tuple(
+        a.size for a in kinds[0])
+    if key not in _tables:
+        if len(_tables) >= 64:
+            _tables.clear()
+        offsets = np.zeros(len(kinds[0]) + 1, dtype=np.int64)
+        np.cumsum([a.size for a in kinds[0]], out=offsets[1:])
+        table = np.array(key[:-len(kinds[0])], dtype=np.uint64)
+        _tables[key] = (backend.asarray(table), backend.asarray(offsets), int(offsets[-1]))
+    return _tables[key]
+
+
+def _by_dtype(kinds):
+    """The runs of ``kinds`` (lists of arrays, one entry per run) grouped by the runs' dtype:
+    ``[(dtype, kinds of that dtype's runs)]``."""
+    groups = {}
+    for index, array in enumerate(kinds[0]):
+        groups.setdefault(array.dtype, []).append(index)
+    return [(dtype, [[arrays[i] for i in indices] for arrays in kinds])
+            for dtype, indices in groups.items()]
+
+
+def _multi_tensor(kernel, kinds, reference_update, scalars, *reference_args):
+    """Run ``reference_update(*arrays of one run, *reference_args)`` for every run of
+    ``kinds``, on a GPU as one launch of ``multi_tensor_<kernel>`` per dtype with
+    ``scalars(dtype)`` after the table."""
+    for dtype, group in _by_dtype(kinds):
+        suffix = _use_kernel("optimizer.cu", [run for arrays in group for run in arrays])
+        if suffix is None:
+            for arrays in zip(*group):
+                _host_blocks(reference_update, arrays, *reference_args)
+            continue
+        table, offsets, total = _table(group)
+        launch("optimizer.cu", f"multi_tensor_{kernel}", suffix, total,
+               (table, offsets, np.int32(len(group[0])), *scalars(dtype.type)))
+
+
+def multi_tensor_sgd_update(params, grads, lr, weight_decay):
+    """``reference.sgd_update`` of every ``(params[i], grads[i])``."""
+    _multi_tensor("sgd", [params, grads], reference.sgd_update,
+                  lambda t: (t(lr), t(weight_decay)), lr, weight_decay)
+
+
+def multi_tensor_momentum_update(params, grads, velocities, lr, momentum, weight_decay,
+                                 nesterov):
+    """``reference.momentum_update`` of every ``(params[i], grads[i], velocities[i])``."""
+    _multi_tensor("momentum", [params, grads, velocities], reference.momentum_update,
+                  lambda t: (t(lr), t(momentum), t(weight_decay), np.int32(bool(nesterov))),
+                  lr, momentum, weight_decay, nesterov)
+
+
+def multi_tensor_adam_update(params, grads, moment1s, moment2s, lr, beta1, beta2, epsilon,
+                             step_count, weight_decay, decoupled):
+    """``reference.adam_update`` of every ``(params[i], grads[i], moment1s[i],
+    moment2s[i])``."""
     correction2 = math.sqrt(1 - beta2 ** step_count)
     lr_t = lr * correction2 / (1 - beta1 ** step_count)
     l2 = 0.0 if decoupled else weight_decay
     scale = 1 - lr * weight_decay if decoupled else 1.0
-    launch("optimizer.cu", "adam_update", suffix, param.size,
-           (param, grad, moment1, moment2, np.int64(param.size), t(lr_t), t(beta1), t(beta2),
-            t(epsilon * correction2), t(l2), t(scale)))
+    _multi_tensor("adam", [params, grads, moment1s, moment2s], reference.adam_update,
+                  lambda t: (t(lr_t), t(beta1), t(beta2), t(epsilon * correction2), t(l2),
+                             t(scale)),
+                  lr, beta1, beta2, epsilon, step_count, weight_decay, decoupled,
+                  backend.array_module())
+
+
+def multi_tensor_unscale(grads, inverse, found, token):
+    """amp's unscale and overflow check in one pass: every array of ``grads`` multiplied by
+    ``inverse`` in place, and ``found[0]`` (an int32 backend array) set to ``token`` when any
+    result is inf or NaN, left as it was otherwise."""
+    def unscale(grad):
+        if not reference.unscale(grad, inverse):
+            found[0] = token
+
+    _multi_tensor("unscale", [grads], unscale,
+                  lambda t: (t(inverse), found, np.int32(token)))
 
 
 def layer_norm_forward(x, weight, bias, epsilon):

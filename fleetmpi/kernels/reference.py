@@ -187,3 +187,11 @@ def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_c
     correction2 = math.sqrt(1 - beta2 ** step_count)
     lr_t = lr * correction2 / (1 - beta1 ** step_count)
     param -= lr_t * (moment1 / (xp.sqrt(moment2) + epsilon * correction2))
+
+
+def unscale(grad, inverse):
+    """amp's unscale and overflow check in one pass: ``grad *= inverse`` in place (1 / loss
+    scale); whether every result is finite."""
+    if inverse != 1:
+        grad *= inverse
+    return bool(np.isfinite(grad).all())

@@ -2,9 +2,10 @@
 
 The parameters handed in are grouped into runs, contiguous ranges of one flat buffer (normally a
 single run covering a whole buffer). Optimizer state (velocity, moments) is flat per run too.
-With ``fuse_all_optimizer_ops`` one kernel updates each run; without, each parameter is updated
-on its own, with the same math from ``fleetmpi.kernels.reference``. A ``grad_clip``
-(``fleetmpi.optimizer.clip``) clips the gradients before either update.
+With ``fuse_all_optimizer_ops`` one multi-tensor kernel updates every run at once (one launch
+per dtype and step on a GPU, however many runs and parameters there are); without, each
+parameter is updated on its own, with the same math from ``fleetmpi.kernels.reference``. A
+``grad_clip`` (``fleetmpi.optimizer.clip``) clips the gradients before either update.
 
 The runs laid back to back form the optimizer's parameter space. ``shard(start, stop)`` narrows
 the update, and the state, to one contiguous range of that space (the sharding strategy gives
@@ -290,13 +291,15 @@ class Optimizer:
         self.step_count += 1
         lr = self.get_lr()
         graph_guard.enter_update(self, lr)
-        for run, grad, state in zip(self._update_runs, self.clipped_grads(), self.run_states):
-            if self.fuse_all_optimizer_ops:
-                self._fused_update(run.data, grad, state, lr)
-            else:
-                for p in run.parameters:
-                    views = {name: run.view(flat, p) for name, flat in state.items()}
-                    self.reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
+        grads = self.clipped_grads()
+        if self.fuse_all_optimizer_ops:
+            self._fused_update([run.data for run in self._update_runs], grads,
+                               self.run_states, lr)
+            return
+        for run, grad, state in zip(self._update_runs, grads, self.run_states):
+            for p in run.parameters:
+                views = {name: run.view(flat, p) for name, flat in state.items()}
+                self.reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
 
     def minimize(self, *args):
         """``minimize(loss)``: ``loss.backward()`` then ``step()`` (Paddle dygraph); or
@@ -310,7 +313,10 @@ class Optimizer:
             return None
         return run_step([], StepContext(*args, self))
 
-    def _fused_update(self, param, grad, state, lr):
+    def _fused_update(self, params, grads, states, lr):
+        """The update of every run at once (``params``, ``grads``: a flat array per run;
+        ``states``: the run's ``{state name: flat array}``), one multi-tensor kernel launch
+        per dtype on a GPU."""
         raise NotImplementedError(f"{type(self).__name__} does not define its update")
 
     def reference_update(self, param, grad, state, lr):
@@ -456,8 +462,8 @@ class SGD(Optimizer):
     def __init__(self, learning_rate=0.001, parameters=None, weight_decay=None, grad_clip=None):
         super().__init__(learning_rate, parameters, weight_decay, grad_clip)
 
-    def _fused_update(self, param, grad, state, lr):
-        kernels.sgd_update(param, grad, lr, self.weight_decay)
+    def _fused_update(self, params, grads, states, lr):
+        kernels.multi_tensor_sgd_update(params, grads, lr, self.weight_decay)
 
     def reference_update(self, param, grad, state, lr):
         reference.sgd_update(param, grad, lr, self.weight_decay)
@@ -475,9 +481,10 @@ class Momentum(Optimizer):
         self.momentum = _check_rate("momentum", momentum, 0, 1)
         self.use_nesterov = bool(use_nesterov)
 
-    def _fused_update(self, param, grad, state, lr):
-        kernels.momentum_update(param, grad, state["velocity"], lr, self.momentum,
-                                self.weight_decay, self.use_nesterov)
+    def _fused_update(self, params, grads, states, lr):
+        kernels.multi_tensor_momentum_update(params, grads, [s["velocity"] for s in states],
+                                             lr, self.momentum, self.weight_decay,
+                                             self.use_nesterov)
 
     def reference_update(self, param, grad, state, lr):
         reference.momentum_update(param, grad, state["velocity"], lr, self.momentum,
@@ -506,9 +513,9 @@ class Adam(Optimizer):
         return (lr, self.beta1, self.beta2, self.epsilon, self.step_count, self.weight_decay,
                 self.decoupled)
 
-    def _fused_update(self, param, grad, state, lr):
-        kernels.adam_update(param, grad, state["moment1"], state["moment2"],
-                            *self._arguments(lr))
+    def _fused_update(self, params, grads, states, lr):
+        kernels.multi_tensor_adam_update(params, grads, [s["moment1"] for s in states],
+                                         [s["moment2"] for s in states], *self._arguments(lr))
 
     def reference_update(self, param, grad, state, lr):
         reference.adam_update(param, grad, state["moment1"], state["moment2"],
