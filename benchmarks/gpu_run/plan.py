@@ -27,6 +27,8 @@ GPU_TEST_FILES = (
     ("tests/test_fused_kernels.py", "LayerNorm, cross-entropy, dropout + add and bias + GELU "
      "kernels in a GPT step against the NumPy references"),
     ("tests/test_amp.py", "float16 products through cuBLAS and the fused kernels"),
+    ("tests/test_amp_precision.py", "amp in float16 and bfloat16, levels O1 and O2, on tensor "
+     "cores against float32"),
     ("tests/test_auto.py", "recompute offload, which applies on a GPU only"),
     ("tests/test_checkpoint.py", "CuPy's generator state saved and restored bit for bit"),
     ("tests/test_cuda_graphs.py", "whole steps captured as CUDA graphs through CuPy and "
