@@ -11,10 +11,10 @@ time; on the CPU also where a ResNet-20 step's time goes, and the Python cost of
 Models (``throughput_run/models.py``): an MLP, ResNet-20, GPT-tiny (4 blocks, 128 wide),
 GPT-2 small (124M parameters, sequence 1024, one rank only) and ResNet-50 at 224x224 (one rank
 only); on the CPU GPT-2 runs scaled down and ResNet-50 at batch 8, as the printed description
-says. Each trainer runs one ``mpiexec`` job per model and rank count
-(``throughput_run/training.py``), which trains every
-precision asked for (``fp32``; ``amp-fp16`` and ``amp-bf16``: fleetmpi's ``strategy.amp``,
-PyTorch's autocast with a GradScaler for float16) on the same synthetic data, per-rank batch
+says. Each trainer runs ``mpiexec`` jobs (``throughput_run/training.py``), on a GPU one per
+model and rank count, on the CPU one per precision too, which train the precisions asked for
+(``fp32``; ``amp-fp16`` and ``amp-bf16``: fleetmpi's ``strategy.amp``, PyTorch's autocast
+with a GradScaler for float16) on the same synthetic data, per-rank batch
 and optimizer (AdamW for the GPTs, Momentum for the others), one BLAS/intra-op thread per rank,
 and reports samples/s over all ranks (a GPT's sample is a sequence). The MLP and the ResNets
 train with ``opt.minimize(model, loss_fn, x, y)``, the GPTs with ``loss.backward(); opt.step();
@@ -275,8 +275,12 @@ def worker(args):
 ONE_THREAD = {"FLEETMPI_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 # A run without --budget-s: no job is stopped, and each times all its steps.
 UNBOUNDED_S = 24 * 3600.0
-# The part of a job's share kept back from its measurements, for its start and its exit.
-MEASURE_MARGIN_S = 10.0
+# The part of a job's share kept back from its measurements for its exit (timing.measure
+# keeps room for the steps after its timed ones itself).
+MEASURE_MARGIN_S = 5.0
+# How --budget-s is shared: fleetmpi's jobs, the slower and the subject, get twice PyTorch's
+# share; what a job leaves goes to the next.
+JOB_WEIGHTS = {"ours": 2.0, "torch": 1.0}
 # The last lines of a job's output that say why it failed.
 REASON_LINES = 6
 
@@ -306,7 +310,7 @@ def launch(trainer, model, ranks, precisions, args, port, seconds):
     """``{precision: report}`` of one trainer's job on ``model`` at ``ranks`` ranks, given
     ``seconds``: what it reported, and for each precision it did not report, why."""
     measured = max(2, int(round(args.steps * spec(model, args.device).steps_scale)))
-    deadline = time.time() + seconds - min(MEASURE_MARGIN_S, seconds / 4)
+    deadline = time.time() + seconds - min(MEASURE_MARGIN_S, seconds / 5)
     cmd = local_command(ranks, [sys.executable, os.path.abspath(__file__), "--worker", trainer,
                                 "--model", model, "--precisions", *precisions,
                                 "--measured", str(measured), "--port", str(port),
@@ -338,13 +342,16 @@ def _rank_counts(args, model):
 
 def _jobs(args, model, have_torch):
     """``[(ranks, trainer, precisions)]`` of ``model`` in the order they run: fleetmpi's jobs
-    lack the precisions its strategy does not take, PyTorch's are left out without torch."""
+    lack the precisions its strategy does not take, PyTorch's are left out without torch. On
+    a GPU one job trains every precision; on the CPU each precision has a job of its own, as
+    the memory a process once held stays in its resident size."""
     wanted = _precisions(args, model)
     ours = [p for p in wanted if fleetmpi_reason(p) is None]
     jobs = []
     for ranks in _rank_counts(args, model):
-        jobs += [(ranks, "ours", ours)] if ours else []
-        jobs += [(ranks, "torch", wanted)] if have_torch else []
+        for trainer, precisions in (("ours", ours), ("torch", wanted if have_torch else [])):
+            groups = [precisions] if args.device == "gpu" else [[p] for p in precisions]
+            jobs += [(ranks, trainer, group) for group in groups if group]
     return jobs
 
 
@@ -369,14 +376,15 @@ def measure(args, have_torch):
     model."""
     jobs = {model: _jobs(args, model, have_torch) for model in args.models}
     budget = Budget(args.budget_s or UNBOUNDED_S,
-                    {(model, *job[:2]): 1.0 for model in jobs for job in jobs[model]})
+                    {(model, index): JOB_WEIGHTS[job[1]]
+                     for model in jobs for index, job in enumerate(jobs[model])})
     rows, port = [], args.port
     for model, planned in jobs.items():
         reports = {}
-        for ranks, trainer, precisions in planned:
-            seconds = budget.take((model, ranks, trainer))
-            reports[(ranks, trainer)] = launch(trainer, model, ranks, precisions, args, port,
-                                               seconds)
+        for index, (ranks, trainer, precisions) in enumerate(planned):
+            seconds = budget.take((model, index))
+            reports.setdefault((ranks, trainer), {}).update(
+                launch(trainer, model, ranks, precisions, args, port, seconds))
             port += 1
         rows += _model_rows(args, model, reports)
         if args.json:
@@ -395,7 +403,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
                         help="gpu: both trainers on one GPU per rank")
     parser.add_argument("--budget-s", type=float, help="seconds for all the jobs, shared "
-                        "between them; a job stopped at the end of its share reports why")
+                        "between them (JOB_WEIGHTS); a job stopped at the end of its share "
+                        "reports why")
     parser.add_argument("--json", metavar="PATH",
                         help="also write the rows to PATH as JSON (throughput_run/rows.py)")
     parser.add_argument("--no-tape", action="store_true", help="skip the tape's cost")

@@ -6,6 +6,7 @@ import ctypes
 import importlib
 import os
 import sys
+import time
 import types
 
 import numpy as np
@@ -218,6 +219,12 @@ def test_jobs_leave_out_what_fleetmpi_lacks_and_rows_say_why(part, monkeypatch):
     without = script.measure(args, have_torch=False)
     assert all(row["pytorch_reason"] == "torch not installed" for row in without)
     launched.clear()
+    on_the_cpu = script.parse_args(["--models", "mlp", "--precisions", "fp32", "amp-fp16",
+                                    "--ranks", "1"])
+    assert len(script.measure(on_the_cpu, have_torch=True)) == 2
+    assert launched == [(trainer, "mlp", 1, (precision,)) for trainer in ("ours", "torch")
+                        for precision in ("fp32", "amp-fp16")]  # a job per precision
+    launched.clear()
     nothing = script.parse_args(["--models", "gpt2", "--precisions", "amp-bf16"])
     [row] = script.measure(nothing, have_torch=False)  # no job at all, still its row
     assert launched == [] and (row["fleetmpi_reason"], row["pytorch_reason"]) == \
@@ -343,3 +350,33 @@ def test_pool_peak_is_the_high_water_mark_of_bytes_in_use(part, monkeypatch):
             for hook in cupy.hooks:
                 hook.malloc_postprocess(device_id=0, size=now, mem_size=now)
     assert window.peak == 9000 and cupy.hooks == []
+
+
+class Window:
+    """A stand-in memory window that counts the steps inside it."""
+
+    def __init__(self, steps):
+        self.steps, self.peak = steps, None
+
+    def __enter__(self):
+        self.before = len(self.steps)
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = len(self.steps) - self.before
+
+
+def test_measure_trains_warmup_probe_timed_steps_then_the_window(part):
+    timing = part("throughput_run.timing")
+    steps, synchronized = [], []
+    window = Window(steps)
+    found = timing.measure(steps.append, lambda: synchronized.append(len(steps)), window,
+                           time.time() + 3600, warmup=2, wanted=5)
+    # 2 warm-up steps, the probe (3rd), 5 timed, 1 in the window: consecutive batches
+    assert steps == list(range(9)) and found["steps"] == 5 and window.peak == 1
+    assert found["peak_bytes"] == 1 and found["host_ms"] >= 0 and found["seconds"] >= 0
+    assert synchronized[:2] == [2, 3]  # the probe starts and ends on an idle device
+    steps.clear()
+    late = timing.measure(steps.append, lambda: None, Window(steps), time.time() - 60,
+                          warmup=1, wanted=5)
+    assert late["steps"] == 1 and steps == [0, 1, 2, 3]  # past its deadline: one timed step
