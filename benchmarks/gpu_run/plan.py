@@ -48,10 +48,25 @@ TEST_TIMEOUT_S = 120
 MULTI_RANK_RANKS = 2
 MULTI_RANK_SELECTION = "test_n_ranks_match_one_process and (default or overlapped)"
 
-# benchmarks/train_throughput.py, one run per model; --steps is the MLP's measured steps.
+# benchmarks/train_throughput.py, one run per model: (model, precisions, weight), in order. Each
+# run gets its weight's share of the stage's time left (what one leaves goes to the next) and
+# times as many steps as fit; a run stopped at the end of its share loses only its own rows.
+# --steps is the MLP's measured steps (the other models a share of it). The dry run trains no
+# GPU model: GPT-2 there is scaled down, and only asks for bfloat16, which fleetmpi may lack
+# (its row then gives the reason).
 THROUGHPUT = {
-    "gpu": {"models": ("mlp", "resnet20", "gpt", "resnet50"), "steps": 50},
-    "cpu": {"models": ("mlp", "resnet20", "gpt"), "steps": 2},
+    "gpu": {"steps": 30, "runs": (
+        ("mlp", ("fp32", "amp-fp16"), 1.0),
+        ("gpt", ("fp32", "amp-fp16"), 1.0),
+        ("resnet20", ("fp32", "amp-fp16"), 1.5),
+        ("resnet50", ("amp-fp16",), 2.0),
+        ("gpt2", ("amp-fp16", "amp-bf16"), 3.5),
+    )},
+    "cpu": {"steps": 2, "runs": (
+        ("mlp", ("fp32", "amp-fp16"), 1.0),
+        ("gpt", ("fp32",), 1.0),
+        ("gpt2", ("amp-bf16",), 1.0),
+    )},
 }
 
 

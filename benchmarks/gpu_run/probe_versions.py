@@ -81,17 +81,20 @@ def _fleetmpi():
     return {"fleetmpi": fleetmpi.__file__}
 
 
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo), or what ``platform`` knows of it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def _host():
     import numpy
 
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"python": platform.python_version(), "numpy": numpy.__version__, "cpu": model}
+    return {"python": platform.python_version(), "numpy": numpy.__version__, "cpu": cpu_model()}
 
 
 # Each probe and the keys it fills; what a failed probe leaves is said for each of its keys.

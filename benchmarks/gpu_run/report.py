@@ -96,6 +96,42 @@ def _problem_lines(stages):
     return ["", "## Problems"] + lines if lines else []
 
 
+def _share_cell(value):
+    return f"{100 * value:.1f}%" if value is not None else "-"
+
+
+def _mib_cell(value):
+    return f"{value / 2 ** 20:,.0f}" if value is not None else "-"
+
+
+def _per_step_lines(rows):
+    """MFU, peak memory, kernels and host time of each row (``train_throughput.py``)."""
+    lines = ["", "| model | precision | MFU fleetmpi | MFU PyTorch | peak MiB fleetmpi | "
+             "peak MiB PyTorch | kernels/step | host ms/step fleetmpi |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        host = row.get("host_ms_per_step")
+        kernels = row.get("kernels_per_step")
+        lines.append(f"| {row['model']} | {row['precision']} | "
+                     f"{_share_cell(row.get('mfu_fleetmpi'))} | "
+                     f"{_share_cell(row.get('mfu_pytorch'))} | "
+                     f"{_mib_cell(row.get('peak_bytes_fleetmpi'))} | "
+                     f"{_mib_cell(row.get('peak_bytes_pytorch'))} | "
+                     f"{kernels if kernels is not None else '-'} | "
+                     f"{f'{host:,.1f}' if host is not None else '-'} |")
+    return lines
+
+
+def _reason_lines(rows):
+    """Why each missing figure is missing."""
+    said = [f"- {row['model']} {row['precision']}, {what}: {_cell(row[key], 300)}"
+            for row in rows
+            for key, what in (("fleetmpi_reason", "fleetmpi"), ("pytorch_reason", "PyTorch"),
+                              ("kernels_reason", "kernels"))
+            if row.get(key)]
+    return ["", "Not measured:", ""] + said if said else []
+
+
 def _throughput_lines(rows, versions):
     lines = ["", "## Throughput (benchmarks/train_throughput.py, 1 rank)", "",
              "| model | batch | precision | graphs | fleetmpi | PyTorch | ratio | unit |",
@@ -105,6 +141,8 @@ def _throughput_lines(rows, versions):
         lines.append(f"| {row['model']} | {row['batch']} | {row['precision']} | "
                      f"{'yes' if row['graphs'] else 'no'} | {_rate_cell(row['fleetmpi'])} | "
                      f"{_rate_cell(row['pytorch'])} | {ratio} | {row['unit']} |")
+    lines += _per_step_lines(rows) if rows else []
+    lines += _reason_lines(rows)
     if rows and all(row["pytorch"] is None for row in rows):
         lines += ["", f"PyTorch: {versions.get('torch')}, so its column is empty."]
     return lines

@@ -15,6 +15,8 @@ from .process import run_bounded
 # mpi_pytest.py's own job limit ends the ranks this many seconds before the stage's deadline,
 # so that it still prints every rank's log.
 JOB_MARGIN_S = 15
+# train_throughput.py's own start, table and JSON, kept out of the time its jobs share.
+RUN_MARGIN_S = 5
 
 
 class Context:
@@ -123,31 +125,37 @@ def run_multi_rank(ctx, timeout_s, args):
     return _tests_record("multi_rank", done, paths, timeout_s)
 
 
-def _throughput_run(ctx, model, steps, timeout_s):
-    """``(rows, failure or None)`` of ``benchmarks/train_throughput.py`` on one model."""
+def _throughput_run(ctx, model, precisions, steps, timeout_s):
+    """``(rows, failure or None)`` of ``benchmarks/train_throughput.py`` on one model, its
+    jobs sharing ``timeout_s`` less ``RUN_MARGIN_S`` (its own start and table)."""
     path = os.path.join(ctx.out, "throughput", f"{model}.json")
+    jobs_s = max(timeout_s - min(RUN_MARGIN_S, timeout_s / 4), 1.0)
     cmd = [sys.executable, os.path.join(ctx.repo, "benchmarks", "train_throughput.py"),
            "--device", plan.fleetmpi_device(ctx.dry_run), "--ranks", "1", "--models", model,
-           "--steps", str(steps), "--no-tape", "--no-breakdown", "--json", path]
+           "--precisions", *precisions, "--steps", str(steps), "--budget-s", f"{jobs_s:.0f}",
+           "--no-tape", "--no-breakdown", "--json", path]
     done = ctx.run(f"throughput-{model}", cmd, ctx.env(), timeout_s)
-    if done.returncode == 0 and not done.timed_out and os.path.exists(path):
+    rows = []
+    if os.path.exists(path):
         with open(path) as f:
-            return json.load(f), None
+            rows = json.load(f)
+    if done.returncode == 0 and not done.timed_out and rows:
+        return rows, None
     ended = "timed out" if done.timed_out else f"exited {done.returncode}"
-    return [], {"test": f"train_throughput.py --models {model} ({ended})",
-                "lines": done.tail(6)}
+    return rows, {"test": f"train_throughput.py --models {model} ({ended})",
+                  "lines": done.tail(6)}
 
 
 def run_throughput(ctx, timeout_s, args):
     """``benchmarks/train_throughput.py`` at one rank, one run per model of the plan, each
-    with an equal share of what is left."""
+    with its weight's share of what is left."""
     start = time.perf_counter()
     config = plan.THROUGHPUT[plan.fleetmpi_device(ctx.dry_run)]
+    runs = config["runs"]
     rows, failures = [], []
-    models = list(config["models"])
-    for index, model in enumerate(models):
-        share = (timeout_s - _since(start)) / (len(models) - index)
-        found, failure = _throughput_run(ctx, model, config["steps"], share)
+    for index, (model, precisions, weight) in enumerate(runs):
+        share = (timeout_s - _since(start)) * weight / sum(w for _, _, w in runs[index:])
+        found, failure = _throughput_run(ctx, model, precisions, config["steps"], share)
         rows += found
         failures += [failure] if failure else []
     return {"name": "throughput", "status": "failed" if failures else "passed",
