@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 
 from .. import capture_checks, timeline
-from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, TRANSPORT, TRANSPORTS
+from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, CUDA_GRAPH, TRANSPORT, TRANSPORTS
 from ..log import logger
 from . import call_checks, dispatch
 from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
@@ -96,7 +96,8 @@ def _refuse_host_transport_in_capture(comm, collective):
             f"the collective {collective!r} over the {comm.transport_name} transport",
             "MPI moves host memory through blocking host calls, which a CUDA graph cannot "
             "record (NCCL collectives can); use transport='nccl' (FLEETMPI_TRANSPORT=nccl) "
-            "with the arrays on the GPU, or run this step without a graph")
+            f"with the arrays on the GPU, or run this step without a graph ({CUDA_GRAPH.name}=0, "
+            "or graphed_step(..., enabled=False))")
 
 
 def _recorded(collective, nbytes=False):
