@@ -33,7 +33,8 @@ C_TYPES = {"float": "float32", "double": "float64", "__half": "float16", "bool":
 GEOMETRIES = [None, (1, 1), (3, 7), (2, 64)]
 GEOMETRY_IDS = ["loader", "1x1", "3x7", "2x64"]
 # Work items of kernels whose first count argument is not their number: {kernel: counts -> n}.
-WORK_ITEMS = {"layer_norm_backward": lambda rows, cols: rows + cols}
+WORK_ITEMS = {"layer_norm_backward": lambda rows, cols: rows + cols,
+              "attention_backward": lambda batch, q_len, k_len, *rest: batch * (q_len + k_len)}
 
 
 def _argument_types(params, types):

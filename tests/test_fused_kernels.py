@@ -291,7 +291,8 @@ def test_gpt_step_through_the_kernels_equals_the_cpu(gpu_path, fuse, monkeypatch
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fuse_elewise_add_act_ops"])
 def test_gpt_step_on_the_gpu_equals_the_host(fuse, monkeypatch):
     """The real kernels on a GPU (LayerNorm, cross-entropy, dropout + add with p = 0, bias +
-    GELU when fused) against the NumPy references on the host, float64."""
+    GELU when fused, and attention.cu's attention, which takes attention without dropout when
+    cuDNN is off) against the NumPy references on the host, float64."""
     monkeypatch.setattr(cudnn, "_unusable", "fleetmpi's own attention in this test")
     on_device = _gpt_step(fuse, dropout=0.0)
     with pytest.MonkeyPatch.context() as host:

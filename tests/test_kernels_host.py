@@ -1,8 +1,8 @@
 """Every fused kernel file's signatures and device compilation; the kernels of batch norm and
 bias + activation (``fleetmpi/kernels/*.cu``) run on the host against their NumPy references,
 through their GPU branch (``kernel_harness``; the transformer step's: ``test_fused_kernels.py``;
-the multi-tensor optimizer kernels, whose arrays come as a table of addresses:
-``test_multi_tensor.py``)."""
+attention's: ``test_attention_kernels.py``; the multi-tensor optimizer kernels, whose arrays come
+as a table of addresses: ``test_multi_tensor.py``)."""
 import numpy as np
 import pytest
 
@@ -20,6 +20,7 @@ FILES = {
     "softmax_cross_entropy.cu": ("softmax_cross_entropy_forward",
                                  "softmax_cross_entropy_backward"),
     "dropout_add.cu": ("dropout_add_forward", "dropout_add_backward"),
+    "attention.cu": ("attention_forward", "attention_backward"),
 }
 DTYPES = [("float64", 1e-12), ("float32", 1e-5)]
 # bias_act computes float16 in float32 and rounds once; NumPy rounds every operation of GELU

@@ -26,6 +26,8 @@ GPU_TEST_FILES = (
     ("tests/test_kernels.py", "the fused RawKernels against the unfused layers"),
     ("tests/test_fused_kernels.py", "LayerNorm, cross-entropy, dropout + add and bias + GELU "
      "kernels in a GPT step against the NumPy references"),
+    ("tests/test_attention_kernels.py", "attention.cu's forward and backward, compiled by "
+     "NVRTC, against the NumPy reference on the host"),
     ("tests/test_amp.py", "float16 products through cuBLAS and the fused kernels"),
     ("tests/test_amp_precision.py", "amp in float16 and bfloat16, levels O1 and O2, on tensor "
      "cores against float32"),

@@ -1,6 +1,7 @@
 """Fused kernels: CuPy ``RawKernel``s compiled from the ``.cu`` files beside this module on a GPU,
-their NumPy references (``reference.py``, and ``transformer_reference.py`` for the transformer
-step's kernels) on CPU and for dtypes the kernels do not cover.
+their NumPy references (``reference.py``, ``transformer_reference.py`` for the transformer
+step's kernels, ``attention_reference.py`` for attention's) on CPU and for dtypes the kernels
+do not cover.
 
 Each function here takes backend arrays and returns backend arrays; what it computes is defined
 by the reference function of the same name.
@@ -10,8 +11,8 @@ import math
 import numpy as np
 
 from .. import backend
-from . import reference, transformer_reference
-from .loader import instance_suffix, instances, launch
+from . import attention_reference, reference, transformer_reference
+from .loader import constant, instance_suffix, instances, launch
 
 ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
 # The optimizer updates' references are chains of elementwise passes over whole arrays. On the
@@ -327,3 +328,90 @@ def dropout_add_backward(dy, keep, p, dtype):
     launch("dropout_add.cu", "dropout_add_backward", suffix, dy.size,
            (dy, keep, dx, np.int64(dy.size), np.float64(dtype.type(1.0 / (1.0 - p)))))
     return dx
+
+
+def _attention_suffix(dtypes, head_dim, value_dim):
+    """The instance of ``attention.cu`` for inputs of ``dtypes`` (query, key, value) with these
+    head sizes, or None: off the GPU, for dtypes it has no instance of, for a head larger than
+    the rows its threads hold."""
+    if max(head_dim, value_dim) > constant("attention.cu", "MAX_HEAD_DIM"):
+        return None
+    compute = transformer_reference.compute_dtype(np.result_type(*dtypes))
+    return _use_kernel("attention.cu", tuple(np.dtype(d) for d in dtypes), (compute,))
+
+
+def attention_runs_kernel(dtypes, head_dim, value_dim):
+    """Whether ``attention_forward`` and ``attention_backward`` run ``attention.cu`` (rather
+    than the reference) for inputs of ``dtypes`` (query, key, value) with these head sizes."""
+    return _attention_suffix(dtypes, head_dim, value_dim) is not None
+
+
+def _attention_mask(mask, scores_shape, compute, xp):
+    """``attention.cu``'s mask arguments for ``mask`` (None, boolean or float) broadcasting to
+    ``scores_shape``: the arrays ``(keep, bias, mask_offset)`` and the scalars
+    ``(mask_row_stride, mask_col_stride, mask_kind)``; the mask is passed at its own size, each
+    folded batch index pointing at the slab it reads."""
+    keep, bias = xp.zeros(1, dtype=np.bool_), xp.zeros(1, dtype=compute)
+    if mask is None:
+        return (keep, bias, xp.zeros(1, dtype=np.int64)), (np.int64(0), np.int64(0), np.int32(0))
+    shape = (1,) * (len(scores_shape) - mask.ndim) + tuple(mask.shape)
+    rows, columns = shape[-2:]
+    slabs = np.arange(math.prod(shape[:-2]), dtype=np.int64).reshape(shape[:-2])
+    offsets = xp.asarray(np.broadcast_to(slabs, scores_shape[:-2]).reshape(-1) * (rows * columns))
+    strides = (np.int64(columns if rows > 1 else 0), np.int64(1 if columns > 1 else 0))
+    if mask.dtype == np.bool_:
+        return (xp.ascontiguousarray(mask), bias, offsets), strides + (np.int32(1),)
+    return (keep, xp.ascontiguousarray(mask, dtype=compute), offsets), strides + (np.int32(2),)
+
+
+def _attention_operands(query, key, value, mask, is_causal, xp):
+    """What every kernel of ``attention.cu`` takes besides its outputs and row count:
+    ``(q, k, v)`` contiguous, the mask's arrays, the sizes ``(q_len, k_len, head_dim,
+    value_dim)`` and the trailing scalars (the mask's, ``is_causal``, ``scale``)."""
+    compute = transformer_reference.compute_dtype(query.dtype)
+    q_len, head_dim = query.shape[-2:]
+    k_len, value_dim = value.shape[-2:]
+    mask_arrays, mask_scalars = _attention_mask(mask, query.shape[:-1] + (k_len,), compute, xp)
+    sizes = tuple(np.int64(n) for n in (q_len, k_len, head_dim, value_dim))
+    tail = mask_scalars + (np.int32(bool(is_causal)), compute.type(1.0 / math.sqrt(head_dim)))
+    return tuple(xp.ascontiguousarray(a) for a in (query, key, value)), mask_arrays, sizes, tail
+
+
+def attention_forward(query, key, value, mask, is_causal):
+    """``(out, lse)``: the attention of ``query`` ``(..., q_len, head_dim)`` over ``key``
+    ``(..., k_len, head_dim)`` and ``value`` ``(..., k_len, value_dim)`` and each query row's
+    log-sum-exp, as ``attention_reference.attention_forward`` defines them; ``mask`` None,
+    boolean or float, broadcasting to the scores' shape with at most as many axes."""
+    xp = backend.array_module()
+    suffix = _attention_suffix((query.dtype, key.dtype, value.dtype), query.shape[-1],
+                               value.shape[-1])
+    if suffix is None:
+        return attention_reference.attention_forward(query, key, value, mask, is_causal, xp)
+    qkv, mask_arrays, sizes, tail = _attention_operands(query, key, value, mask, is_causal, xp)
+    rows = math.prod(query.shape[:-1])
+    out = xp.empty(query.shape[:-1] + value.shape[-1:], dtype=query.dtype)
+    lse = xp.empty(query.shape[:-1], dtype=transformer_reference.compute_dtype(query.dtype))
+    launch("attention.cu", "attention_forward", suffix, rows,
+           qkv + mask_arrays + (out, lse, np.int64(rows)) + sizes + tail)
+    return out, lse
+
+
+def attention_backward(dout, query, key, value, out, lse, mask, is_causal):
+    """``(dquery, dkey, dvalue)`` of ``attention_forward`` from its ``out`` and ``lse`` and the
+    output's gradient ``dout`` (``attention_reference.attention_backward``): each row's
+    ``rowsum(dout * out)`` first, then one kernel over the query rows and the key rows."""
+    xp = backend.array_module()
+    suffix = _attention_suffix((query.dtype, key.dtype, value.dtype), query.shape[-1],
+                               value.shape[-1])
+    if suffix is None:
+        return attention_reference.attention_backward(dout, query, key, value, out, lse, mask,
+                                                      is_causal, xp)
+    qkv, mask_arrays, sizes, tail = _attention_operands(query, key, value, mask, is_causal, xp)
+    dout = xp.ascontiguousarray(dout, dtype=query.dtype)
+    lse = xp.ascontiguousarray(lse)
+    delta = xp.ascontiguousarray(attention_reference.attention_delta(dout, out, lse.dtype))
+    grads = tuple(xp.empty_like(a) for a in qkv)
+    batch = math.prod(query.shape[:-2])
+    launch("attention.cu", "attention_backward", suffix, batch * (sizes[0] + sizes[1]),
+           qkv + (dout, lse, delta) + mask_arrays + grads + (np.int64(batch),) + sizes + tail)
+    return grads

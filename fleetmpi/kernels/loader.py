@@ -34,6 +34,17 @@ def instances(filename):
         return frozenset(_INSTANCE.findall(f.read()))
 
 
+@functools.lru_cache(maxsize=None)
+def constant(filename, name):
+    """The integer ``constexpr`` ``name`` that ``filename`` defines (a size its kernels are
+    compiled with, which the launching code checks its arguments against)."""
+    with open(source_path(filename)) as f:
+        match = re.search(rf"^constexpr \w+ {name} = (\d+);", f.read(), re.M)
+    if match is None:
+        raise LookupError(f"{filename} defines no constexpr {name}")
+    return int(match.group(1))
+
+
 def instance_suffix(*dtypes):
     """The suffix of the instance whose type parameters take ``dtypes``, in order."""
     names = []

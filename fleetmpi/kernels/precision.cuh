@@ -27,6 +27,10 @@ __device__ inline float to_compute(__half v) { return __half2float(v); }
 __device__ inline float to_compute(float v) { return v; }
 __device__ inline double to_compute(double v) { return v; }
 
+// -infinity in the compute type C (the score of a masked key): log(0), as C's and CUDA's math
+// functions define it.
+template <typename C> __device__ inline C negative_infinity() { return log((C)0); }
+
 template <typename T> __device__ inline T round_to(typename Compute<T>::type v) { return v; }
 template <> __device__ inline __half round_to<__half>(float v) { return __float2half_rn(v); }
 

@@ -11,17 +11,20 @@ The scores and the softmax are computed in at least float32 (the inputs are upca
 the row maximum subtracted before ``exp``, so float16 inputs (amp) neither overflow nor lose the
 small probabilities; the output and the gradients go back in the inputs' dtypes.
 
-On a GPU with cuDNN, float16 and bfloat16 attention without a mask tensor or dropout runs as
-cuDNN's fused (flash) attention instead (``cudnn_attention.py``), which never stores the
-scores.
+On a GPU the scores are not stored where it can be helped: float16 and bfloat16 attention
+without a mask tensor or dropout runs as cuDNN's fused (flash) attention (``cudnn_attention.py``);
+what cuDNN does not take (cuDNN unusable or declining the shapes, float32 or float64, a mask)
+runs ``attention.cu``'s kernels (``kernel_attention.py``) when it has no dropout and no mask that
+needs a gradient; the rest, and everything on the CPU, runs the operation here.
 """
 import math
 
 import numpy as np
 
-from ... import backend
-from ...autograd import Function
-from . import cudnn, cudnn_attention
+from ... import backend, kernels
+from ...autograd import Function, Tensor
+from ...autograd.autocast import input_dtype
+from . import cudnn, cudnn_attention, kernel_attention
 from .common import check_dropout_rate
 
 
@@ -145,6 +148,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                                                        is_causal)
     if plans is not None:
         return cudnn_attention.CudnnAttention.apply(query, key, value, plans)
+    if not dropout_p and _kernel_runs(query, key, value, attn_mask):
+        return kernel_attention.KernelAttention.apply(query, key, value, attn_mask,
+                                                      is_causal=bool(is_causal))
     return ScaledDotProductAttention.apply(query, key, value, attn_mask,
                                            is_causal=bool(is_causal), dropout_p=dropout_p)
 
@@ -158,3 +164,17 @@ def _fused_plans(query, key, value, is_causal):
     _check_shapes(query, key, value, None)
     return cudnn_attention.attention_plans(query.shape, key.shape, value.shape, dtype,
                                            bool(is_causal))
+
+
+def _kernel_runs(query, key, value, mask):
+    """Whether ``attention.cu`` runs this attention (``kernel_attention.py``): on a GPU, for a
+    mask that needs no gradient (a float mask's gradient is itself a ``(seq, seq)`` array, which
+    the operation here forms) and has no more axes than the scores, and where the kernels have
+    an instance for the inputs' dtypes under amp and hold their head sizes."""
+    if not backend.on_gpu() or (isinstance(mask, Tensor) and not mask.stop_gradient):
+        return False
+    _check_shapes(query, key, value, mask)
+    if mask is not None and mask.ndim > query.ndim:
+        return False
+    dtypes = [input_dtype(ScaledDotProductAttention.op_type, a.dtype) for a in (query, key, value)]
+    return kernels.attention_runs_kernel(dtypes, query.shape[-1], value.shape[-1])
