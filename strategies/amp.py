@@ -26,8 +26,8 @@ gives the same bits as unscaling before the reduction). After the gradient reduc
 that would update, one pass over the gradients the update uses divides them by the scale and
 checks them for inf and NaN (``kernels.multi_tensor_unscale``: one launch per dtype on a GPU,
 writing a device flag); the flag is combined over the ranks (so every rank agrees even when
-gradients were not averaged this step) and read once, the step's one host sync. The update
-cannot share that pass: whether to skip it depends on every gradient element of every rank.
+gradients were not averaged this step). The update cannot share that pass: whether to skip it
+depends on every gradient element of every rank.
 A step that overflowed anywhere is skipped everywhere: gradients zeroed, no optimizer update,
 parameters and optimizer state untouched, and the layers' buffers (batch-norm running
 statistics) set back to what they were before the forward passes that led to it, so an
@@ -39,13 +39,22 @@ counter restarting from zero when the other kind of step comes or the scale chan
 ``use_dynamic_loss_scaling=False`` keeps ``init_loss_scaling`` fixed; overflowing steps are
 still skipped. Steps that do not update (gradient_merge's steps between its updates) are not
 checked and leave the scale alone. Without loss scaling (bfloat16) nothing is checked, and no
-step is skipped: the host never waits on the device for amp's sake.
+step is skipped.
+
+All of that is decided on the device, from the flag, with no read on the host: the scale and
+Paddle's counters live in device arrays moved by elementwise operations (``loss_scaling``,
+``good_steps``, ``bad_steps`` and ``skipped_steps`` read them when asked), and the gradients
+and buffers of a skipped step are put back by selects (``kernels.where_found``). Only whether
+the optimizer's update runs needs the verdict. Inside a CUDA graph capture it is not read: the
+update is launched with the flag (``StepContext.found_inf``) and skips itself on the device,
+so an amp step can be captured. Outside a capture the flag is read once (the step's one host
+sync, free on the CPU) and a skipped step does not call the update, which keeps every update
+a strategy may put in its place (dgc's, lars's and lamb's) seeing ``apply_update`` as before.
 """
 import numpy as np
 
-from .. import backend, kernels
+from .. import backend, capture_checks, kernels
 from ..autograd import Function, autocast
-from ..capture_checks import check_host_read
 from . import amp_precision
 from .base import Strategy
 
@@ -131,19 +140,17 @@ class AMP(Strategy):
         self.decr_every_n_nan_or_inf = int(configs["decr_every_n_nan_or_inf"])
         self.incr_ratio = np.float32(configs["incr_ratio"])
         self.decr_ratio = np.float32(configs["decr_ratio"])
-        self._scale = np.float32(configs["init_loss_scaling"] if self.scales_loss else 1)
-        self.good_steps = 0
-        self.bad_steps = 0
-        self.skipped_steps = 0
         self.policy = CastPolicy(self.white_list, self.black_list,
                                  self.precision.array_dtype(), self.precision.pure)
-        self._inverse = np.float32(1)
         self._autocast = None
         self._saved_buffers = None
-        # The overflow flag the unscale pass writes (a device array on a GPU) and the token
-        # that marks this step's finding in it.
-        self._found = backend.array_module().zeros(1, dtype=np.int32)
-        self._token = 0
+        # On the device (a GPU's, or NumPy's): the scale, Paddle's counters (good_steps,
+        # bad_steps) and skipped_steps, and the overflow flag the unscale pass writes.
+        xp = backend.array_module()
+        self._scale = xp.full(1, configs["init_loss_scaling"] if self.scales_loss else 1,
+                              dtype=FLOAT32)
+        self._counts = xp.zeros(3, dtype=np.int64)
+        self._found = xp.zeros(1, dtype=np.int32)
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -158,13 +165,28 @@ class AMP(Strategy):
 
     @property
     def loss_scaling(self):
-        return float(self._scale)
+        return float(backend.to_numpy(self._scale)[0])
+
+    @property
+    def good_steps(self):
+        return int(backend.to_numpy(self._counts)[0])
+
+    @property
+    def bad_steps(self):
+        return int(backend.to_numpy(self._counts)[1])
+
+    @property
+    def skipped_steps(self):
+        return int(backend.to_numpy(self._counts)[2])
 
     # -- the policy for one step ------------------------------------------------------------
     def _enter(self, ctx):
         self._leave()
-        self._inverse = np.float32(1) / self._scale
-        ctx.loss_scale = float(self._scale)
+        # The loss gradient's seed: a host value where the scale is host memory (nothing
+        # waits), else the device scalar itself, as inside a capture (the host stand-in of a
+        # CUDA graph then seeds as a replay does).
+        host = isinstance(self._scale, np.ndarray) and capture_checks.current is None
+        ctx.loss_scale = float(self._scale[0]) if host else self._scale
         self._autocast = autocast(self.policy)
         self._autocast.__enter__()
 
@@ -197,16 +219,17 @@ class AMP(Strategy):
     def reduce(self, ctx, proceed):
         result = proceed(ctx)
         if ctx.apply_update and self.scales_loss:
-            found_inf = self._unscale_and_check()
-            if found_inf:
-                for _, grad in self.optimizer.flat_runs():
-                    grad[...] = 0
-                self._restore_buffers()
-                ctx.apply_update = False
-                self.skipped_steps += 1
+            found = self._unscale_and_check()
+            grads = [grad for _, grad in self.optimizer.flat_runs()]
+            saved = self._saved_buffers or ()
+            kernels.where_found(found, grads + [buffer for buffer, _ in saved],
+                                [grad.dtype.type(0) for grad in grads] + [s for _, s in saved])
             self._saved_buffers = None
-            if self.use_dynamic_loss_scaling:
-                self.update_loss_scaling(found_inf)
+            self._count_step(found)
+            if capture_checks.current is None:
+                ctx.apply_update = not int(found[0])
+            else:
+                ctx.found_inf = found
         return result
 
     def _save_buffers(self, model):
@@ -214,45 +237,46 @@ class AMP(Strategy):
         skipped update) finds them: one step's, or a gradient_merge window's."""
         self._saved_buffers = [(buffer, buffer.copy()) for _, buffer in model.named_buffers()]
 
-    def _restore_buffers(self):
-        for buffer, saved in self._saved_buffers or ():
-            buffer[...] = saved
-
     def _unscale_and_check(self):
         """Divide the gradients the update uses by the loss scale and check them for inf and
-        NaN in one pass; whether any rank's hold one (one tiny allreduce with more than one
-        rank, then one read of the flag: the step's one host sync)."""
-        self._token += 1
+        NaN in one pass; the flag (1 where any rank's hold one: one tiny allreduce with more
+        than one rank), on the device."""
+        self._found[...] = 0
         grads = [grad for _, grad in self.optimizer.flat_runs()]
-        kernels.multi_tensor_unscale(grads, self._inverse, self._found, self._token)
-        flag = self._found
+        kernels.multi_tensor_unscale(grads, np.float32(1) / self._scale, self._found)
         if self.world_size > 1:
-            flag = self.communicator.allreduce(flag, op="max")
-        check_host_read("amp's inf/nan check (its verdict skips the step on the host and, "
-                        "with use_dynamic_loss_scaling, changes the loss scale there)")
-        return int(flag[0]) == self._token
+            return self.communicator.allreduce(self._found, op="max")
+        return self._found
+
+    def _count_step(self, found):
+        """``skipped_steps`` and the loss scale after a checked step (``found``: its overflow
+        flag), on the device."""
+        self._counts[2:3] += found
+        if self.use_dynamic_loss_scaling:
+            self.update_loss_scaling(found)
 
     def update_loss_scaling(self, found_inf):
-        """Paddle's ``update_loss_scaling`` rule."""
-        if found_inf:
-            self.good_steps = 0
-            self.bad_steps += 1
-            if self.bad_steps == self.decr_every_n_nan_or_inf:
-                self._scale = max(self._scale * self.decr_ratio, np.float32(1))
-                self.bad_steps = 0
-        else:
-            self.bad_steps = 0
-            self.good_steps += 1
-            if self.good_steps == self.incr_every_n_steps:
-                with np.errstate(over="ignore"):
-                    increased = self._scale * self.incr_ratio
-                if np.isfinite(increased):
-                    self._scale = increased
-                self.good_steps = 0
+        """Paddle's ``update_loss_scaling`` rule after a step that overflowed or not
+        (``found_inf``: a bool, or the step's overflow flag on the device), in float32 like
+        Paddle's, by elementwise operations on the device arrays (no read on the host)."""
+        xp = backend.array_module()
+        good_steps, bad_steps = self._counts[0:1], self._counts[1:2]
+        bad = xp.asarray(found_inf) != 0
+        good = xp.where(bad, 0, good_steps + 1)
+        overflows = xp.where(bad, bad_steps + 1, 0)
+        decrease = bad & (overflows == self.decr_every_n_nan_or_inf)
+        increase = ~bad & (good == self.incr_every_n_steps)
+        with np.errstate(over="ignore"):
+            increased = self._scale * self.incr_ratio
+        decreased = xp.maximum(self._scale * self.decr_ratio, np.float32(1))
+        scale = xp.where(decrease, decreased, self._scale)
+        self._scale[...] = xp.where(increase & xp.isfinite(increased), increased, scale)
+        good_steps[...] = xp.where(increase, 0, good)
+        bad_steps[...] = xp.where(decrease, 0, overflows)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
-        return {"loss_scaling": float(self._scale), "good_steps": self.good_steps,
+        return {"loss_scaling": self.loss_scaling, "good_steps": self.good_steps,
                 "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps}
 
     def set_state_dict(self, state):
@@ -261,7 +285,6 @@ class AMP(Strategy):
         if missing or unexpected:
             raise KeyError(f"amp state does not match: missing {missing}, unexpected "
                            f"{unexpected}")
-        self._scale = np.float32(state["loss_scaling"])
-        self.good_steps = int(state["good_steps"])
-        self.bad_steps = int(state["bad_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
+        self._scale[...] = backend.asarray(np.full(1, state["loss_scaling"], dtype=FLOAT32))
+        self._counts[...] = backend.asarray(np.array(
+            [int(state[key]) for key in _STATE_KEYS[1:]], dtype=np.int64))

@@ -45,6 +45,7 @@ from ..comm.hybrid_topology import split_communicator
 from ..autograd import Tensor, as_array, run_backward
 from ..nn import Sequential
 from ..optimizer.clip import ClipGradByGlobalNorm
+from ..optimizer.step import loss_seed
 from .base import Strategy
 from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order
 from .pipeline_stages import check_chain, count_stages, stage_modules
@@ -278,7 +279,7 @@ class Pipeline(Strategy):
                     loss = ctx.loss_fn(y, ys[k])
                     losses.append(as_array(loss))
                     roots[k] = loss
-                    grads[k] = xp.full(loss.shape, ctx.loss_scale / m, dtype=loss.dtype)
+                    grads[k] = loss_seed(loss, ctx.loss_scale, m)
                 else:
                     roots[k] = y
                     unsent[k] = y.data

@@ -30,7 +30,8 @@ GEOMETRIES = [None, (1, 1), (3, 7), (2, 64)]
 GEOMETRY_IDS = ["loader", "1x1", "3x7", "2x64"]
 SIZES = (97, 1, 1001)
 STEPS = 3
-C_TYPES = {"T": None, "long long": "int64", "int": "int32", "unsigned long long": "uint64"}
+C_TYPES = {"T": None, "long long": "int64", "int": "int32", "unsigned long long": "uint64",
+           "float": "float32", "double": "float64"}
 
 
 def _signatures():
@@ -197,19 +198,79 @@ def test_unscale_matches_the_reference_and_flags_exactly_the_non_finite(device_b
                                                                         bad):
     rng = np.random.default_rng(3)
     places = PLACES if bad is not None else [None]
+    inverse = np.full(1, 2.0 ** -10, dtype=np.float32)
     for place in places:
         grads = [random(rng, size, dtype, 1e4) for size in SIZES]
         if place is not None:
             grads[place[0]][place[1]] = bad
         want = [g.copy() for g in grads]
-        finite = all([reference.unscale(w, np.float32(2.0 ** -10)) for w in want])
-        found = np.array([6], dtype=np.int32)              # an earlier launch's token
-        kernels.multi_tensor_unscale(grads, np.float32(2.0 ** -10), found, 7)
+        want_found = np.zeros(1, dtype=np.int32)
+        for w in want:
+            reference.unscale(w, inverse, want_found)
+        found = np.zeros(1, dtype=np.int32)
+        kernels.multi_tensor_unscale(grads, inverse, found)
         for g, w in zip(grads, want):
             np.testing.assert_array_equal(g, w)            # one multiply: the same bits
-        assert finite == (bad is None)
-        assert found[0] == (6 if bad is None else 7), place
+        assert want_found[0] == found[0] == (bad is not None), place
     assert device_branch == [("multi_tensor_unscale", len(SIZES))] * len(places)
+
+
+def test_unscale_leaves_a_set_flag_set():
+    found = np.ones(1, dtype=np.int32)
+    kernels.multi_tensor_unscale([np.ones(5, np.float32)], np.ones(1, np.float32), found)
+    assert found[0] == 1
+
+
+@pytest.mark.parametrize("device_branch", [(3, 7)], indirect=True)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", sorted(UPDATES))
+@pytest.mark.parametrize("flag", [0, 1], ids=["flag clear", "flag set"])
+def test_an_update_with_the_overflow_flag_set_leaves_everything_untouched(device_branch, name,
+                                                                          dtype, flag):
+    """The kernel (through the shim) and the reference path take amp's flag: set, parameters
+    and state keep their bits; clear, the update is the one without a flag, bit for bit."""
+    function, _, _, args = UPDATES[name]
+    # the kernel without and with the flag, the reference without and with it
+    kinds = [_arrays(name, dtype) for _ in range(4)]
+    for step in range(1, STEPS + 1):
+        grads = _grads(dtype, step)
+        found = np.full(1, flag, dtype=np.int32)
+        for index, on_gpu in enumerate([True, True, False, False]):
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(backend, "on_gpu", lambda: on_gpu)
+                flagged = {"found": found} if index % 2 else {}
+                function(kinds[index][0], grads, *kinds[index][1:], *args(step), **flagged)
+    untouched = _arrays(name, dtype)
+    for without, flagged in ((kinds[0], kinds[1]), (kinds[2], kinds[3])):
+        for index, kind in enumerate(without):
+            for g, w in zip(flagged[index], untouched[index] if flag else kind):
+                np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("on_gpu", [True, False], ids=["kernel", "reference"])
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_takes_its_step_count_from_a_counter_as_from_the_host_bit_for_bit(name, on_gpu,
+                                                                              monkeypatch):
+    """A one-element int64 counter of the updates gives the bias corrections a host count
+    gives: in the kernel (through the shim, which uses the host's pow), which reads it on the
+    device, and in the reference, which reads a NumPy counter on the host."""
+    launches = []
+    monkeypatch.setattr(backend, "on_gpu", lambda: on_gpu)
+    monkeypatch.setattr(kernels, "launch", lambda filename, kernel, suffix, n, args: (
+        launches.append(kernel),
+        load_on_host(SOURCE).launch(f"{kernel}_{suffix}", 3, 7, *args)))
+    function, _, _, args = UPDATES[name]
+    by_count, by_counter = _arrays(name, "float32"), _arrays(name, "float32")
+    for step in range(1, STEPS + 1):
+        grads = _grads("float32", step)
+        arguments = list(args(step))
+        function(by_count[0], grads, *by_count[1:], *arguments)
+        arguments[4] = np.full(1, step, dtype=np.int64)
+        function(by_counter[0], grads, *by_counter[1:], *arguments)
+    for kind_count, kind_counter in zip(by_count, by_counter):
+        for a, b in zip(kind_count, kind_counter):
+            np.testing.assert_array_equal(a, b)
+    assert len(launches) == (2 * STEPS if on_gpu else 0)
 
 
 # -- the optimizer's update on the CPU -------------------------------------------------------
@@ -325,12 +386,12 @@ def test_unscale_on_the_host_finds_a_value_in_any_block(block):
     rng = np.random.default_rng(block)
     grad = random(rng, 2 * kernels.HOST_BLOCK + 7, "float32", 1e3)
     grad[block * kernels.HOST_BLOCK + 3] = np.inf
-    want = grad.copy()
-    assert not reference.unscale(want, np.float32(0.125))
+    want, want_found = grad.copy(), np.zeros(1, dtype=np.int32)
+    reference.unscale(want, np.float32(0.125), want_found)
     found = np.zeros(1, dtype=np.int32)
-    kernels.multi_tensor_unscale([grad], np.float32(0.125), found, 1)
+    kernels.multi_tensor_unscale([grad], np.full(1, 0.125, dtype=np.float32), found)
     np.testing.assert_array_equal(grad, want)
-    assert found[0] == 1
+    assert want_found[0] == found[0] == 1
 
 
 # -- amp's fused unscale and overflow check in a step ----------------------------------------

@@ -7,10 +7,11 @@ Each function here takes backend arrays and returns backend arrays; what it comp
 by the reference function of the same name.
 """
 import math
+import numbers
 
 import numpy as np
 
-from .. import backend
+from .. import backend, capture_checks
 from . import attention_reference, reference, transformer_reference
 from .loader import constant, instance_suffix, instances, launch
 
@@ -165,60 +166,121 @@ def _by_dtype(kinds):
             for dtype, indices in groups.items()]
 
 
-def _multi_tensor(kernel, kinds, reference_update, scalars, *reference_args):
+_no_overflow = {}
+
+
+def no_overflow():
+    """A zero overflow flag (int32, one element) on the backend's device: what an update
+    takes where amp found nothing to skip for. Shared, and only ever read."""
+    xp = backend.array_module()
+    if xp not in _no_overflow:
+        _no_overflow[xp] = xp.zeros(1, dtype=np.int32)
+    return _no_overflow[xp]
+
+
+def reads_flag(found):
+    """Whether amp's overflow flag ``found`` is read on the host: a NumPy flag (host memory,
+    nothing waits) outside a CUDA graph capture. Inside one, and on a device, the flag is
+    only ever selected on, so that the host stand-in of a graph runs the path a CUDA graph
+    replays."""
+    return isinstance(found, np.ndarray) and capture_checks.current is None
+
+
+def where_found(found, arrays, values):
+    """``arrays[i][...] = values[i]`` where amp's overflow flag ``found`` (a one-element int32
+    backend array) is set; the arrays are left as they were otherwise (``reads_flag``: by a
+    branch on the host, or by a select on the device)."""
+    if reads_flag(found):
+        if found[0]:
+            for array, value in zip(arrays, values):
+                array[...] = value
+        return
+    xp = backend.array_module()
+    skip = found[0] != 0
+    for array, value in zip(arrays, values):
+        array[...] = xp.where(skip, value, array)
+
+
+def unless_found(found, written, update):
+    """Run ``update()`` but leave the arrays ``written`` as they were where amp's overflow
+    flag ``found`` (or None for none) is set: on the host the update is not run; elsewhere
+    it runs and a select puts the arrays back, with no wait on the host for the flag."""
+    if found is None or reads_flag(found):
+        if found is None or not found[0]:
+            update()
+        return
+    saved = [array.copy() for array in written]
+    update()
+    where_found(found, written, saved)
+
+
+def _multi_tensor(kernel, kinds, reference_update, scalars, found, *reference_args):
     """Run ``reference_update(*arrays of one run, *reference_args)`` for every run of
-    ``kinds``, on a GPU as one launch of ``multi_tensor_<kernel>`` per dtype with
-    ``scalars(dtype)`` after the table."""
+    ``kinds`` (the parameters, the gradients, then each state), on a GPU as one launch of
+    ``multi_tensor_<kernel>`` per dtype with ``scalars(dtype)`` after the table. Where the
+    overflow flag ``found`` is set, the reference leaves parameters and state untouched (the
+    kernels take the flag among their scalars)."""
     for dtype, group in _by_dtype(kinds):
         suffix = _use_kernel("optimizer.cu", [run for arrays in group for run in arrays])
         if suffix is None:
-            for arrays in zip(*group):
-                _host_blocks(reference_update, arrays, *reference_args)
+            def update(group=group):
+                for arrays in zip(*group):
+                    _host_blocks(reference_update, arrays, *reference_args)
+            unless_found(found, [run for index, arrays in enumerate(group) if index != 1
+                                 for run in arrays], update)
             continue
         table, offsets, total = _table(group)
         launch("optimizer.cu", f"multi_tensor_{kernel}", suffix, total,
                (table, offsets, np.int32(len(group[0])), *scalars(dtype.type)))
 
 
-def multi_tensor_sgd_update(params, grads, lr, weight_decay):
-    """``reference.sgd_update`` of every ``(params[i], grads[i])``."""
+def _flag(found):
+    return no_overflow() if found is None else found
+
+
+def multi_tensor_sgd_update(params, grads, lr, weight_decay, found=None):
+    """``reference.sgd_update`` of every ``(params[i], grads[i])``, unless ``found`` (amp's
+    overflow flag) is set."""
     _multi_tensor("sgd", [params, grads], reference.sgd_update,
-                  lambda t: (t(lr), t(weight_decay)), lr, weight_decay)
+                  lambda t: (_flag(found), t(lr), t(weight_decay)), found, lr, weight_decay)
 
 
 def multi_tensor_momentum_update(params, grads, velocities, lr, momentum, weight_decay,
-                                 nesterov):
-    """``reference.momentum_update`` of every ``(params[i], grads[i], velocities[i])``."""
+                                 nesterov, found=None):
+    """``reference.momentum_update`` of every ``(params[i], grads[i], velocities[i])``, unless
+    ``found`` (amp's overflow flag) is set."""
     _multi_tensor("momentum", [params, grads, velocities], reference.momentum_update,
-                  lambda t: (t(lr), t(momentum), t(weight_decay), np.int32(bool(nesterov))),
-                  lr, momentum, weight_decay, nesterov)
+                  lambda t: (_flag(found), t(lr), t(momentum), t(weight_decay),
+                             np.int32(bool(nesterov))),
+                  found, lr, momentum, weight_decay, nesterov)
 
 
 def multi_tensor_adam_update(params, grads, moment1s, moment2s, lr, beta1, beta2, epsilon,
-                             step_count, weight_decay, decoupled):
+                             step_count, weight_decay, decoupled, found=None):
     """``reference.adam_update`` of every ``(params[i], grads[i], moment1s[i],
-    moment2s[i])``."""
-    correction2 = math.sqrt(1 - beta2 ** step_count)
-    lr_t = lr * correction2 / (1 - beta1 ** step_count)
+    moment2s[i])``, unless ``found`` (amp's overflow flag) is set. ``step_count``: a host
+    integer or a one-element int64 backend array (the kernel reads its count on the device)."""
+    xp = backend.array_module()
     l2 = 0.0 if decoupled else weight_decay
     scale = 1 - lr * weight_decay if decoupled else 1.0
-    _multi_tensor("adam", [params, grads, moment1s, moment2s], reference.adam_update,
-                  lambda t: (t(lr_t), t(beta1), t(beta2), t(epsilon * correction2), t(l2),
-                             t(scale)),
-                  lr, beta1, beta2, epsilon, step_count, weight_decay, decoupled,
-                  backend.array_module())
+
+    def scalars(t):
+        steps = step_count
+        if isinstance(steps, numbers.Integral):
+            steps = xp.full(1, steps, dtype=np.int64)
+        return (_flag(found), steps, np.float64(lr), np.float64(beta1), np.float64(beta2),
+                np.float64(epsilon), t(l2), t(scale))
+    _multi_tensor("adam", [params, grads, moment1s, moment2s], reference.adam_update, scalars,
+                  found, lr, beta1, beta2, epsilon, step_count, weight_decay, decoupled, xp)
 
 
-def multi_tensor_unscale(grads, inverse, found, token):
+def multi_tensor_unscale(grads, inverse, found):
     """amp's unscale and overflow check in one pass: every array of ``grads`` multiplied by
-    ``inverse`` in place, and ``found[0]`` (an int32 backend array) set to ``token`` when any
-    result is inf or NaN, left as it was otherwise."""
-    def unscale(grad):
-        if not reference.unscale(grad, inverse):
-            found[0] = token
-
-    _multi_tensor("unscale", [grads], unscale,
-                  lambda t: (t(inverse), found, np.int32(token)))
+    ``inverse`` (1 / loss scale, a one-element float32 backend array) in place, and
+    ``found[0]`` (an int32 backend array) set to 1 when any result is inf or NaN, left as it
+    was otherwise; nothing is read on the host."""
+    _multi_tensor("unscale", [grads], reference.unscale, lambda t: (inverse, found), None,
+                  inverse, found)
 
 
 def layer_norm_forward(x, weight, bias, epsilon):

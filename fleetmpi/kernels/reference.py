@@ -6,6 +6,7 @@ Arrays are laid out ``(N, C, inner...)``: ``channels`` sits on axis 1 (axis 1 of
 is its features), and per-channel vectors broadcast over the other axes.
 """
 import math
+import numbers
 
 import numpy as np
 
@@ -172,11 +173,29 @@ def momentum_update(param, grad, velocity, lr, momentum, weight_decay, nesterov)
         param -= lr * velocity
 
 
+def adam_corrections(lr, beta1, beta2, epsilon, step_count, xp):
+    """``(lr_t, eps_t)``: Adam's bias corrections after ``step_count`` updates folded into the
+    step size and epsilon. ``step_count`` is a host integer or a one-element integer array
+    counting the updates (the optimizer's counter, kept on the device so that a captured step
+    counts on replays too). From a host count (a NumPy counter is host memory: nothing waits)
+    they are Python floats, the same arithmetic as ever; from a device counter, 0-d float64
+    device arrays computed there, with no read on the host (the device's pow may differ from
+    the host's in the last bit)."""
+    if isinstance(step_count, np.ndarray):
+        step_count = int(step_count[0])
+    if isinstance(step_count, numbers.Integral):
+        correction2 = math.sqrt(1 - beta2 ** step_count)
+        return lr * correction2 / (1 - beta1 ** step_count), epsilon * correction2
+    t = step_count[0].astype(np.float64)
+    correction2 = xp.sqrt(1 - beta2 ** t)
+    return lr * correction2 / (1 - beta1 ** t), epsilon * correction2
+
+
 def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_count,
                 weight_decay, decoupled, xp):
-    """Adam (Paddle's bias correction folded into the step size) in place. With ``decoupled``
-    (AdamW) the weight decay shrinks the parameter, ``p *= 1 - lr * wd``; otherwise it is added
-    to the gradient as L2 regularisation."""
+    """Adam (Paddle's bias correction folded into the step size, ``adam_corrections``) in
+    place. With ``decoupled`` (AdamW) the weight decay shrinks the parameter, ``p *= 1 - lr *
+    wd``; otherwise it is added to the gradient as L2 regularisation."""
     if decoupled and weight_decay:
         param *= 1 - lr * weight_decay
     g = grad + weight_decay * param if (weight_decay and not decoupled) else grad
@@ -184,14 +203,16 @@ def adam_update(param, grad, moment1, moment2, lr, beta1, beta2, epsilon, step_c
     moment1 += (1 - beta1) * g
     moment2 *= beta2
     moment2 += (1 - beta2) * (g * g)
-    correction2 = math.sqrt(1 - beta2 ** step_count)
-    lr_t = lr * correction2 / (1 - beta1 ** step_count)
-    param -= lr_t * (moment1 / (xp.sqrt(moment2) + epsilon * correction2))
+    lr_t, eps_t = adam_corrections(lr, beta1, beta2, epsilon, step_count, xp)
+    if not isinstance(lr_t, float):
+        # Rounded to the parameters' dtype first, as a Python float is (and the kernel does).
+        lr_t, eps_t = lr_t.astype(param.dtype), eps_t.astype(param.dtype)
+    param -= lr_t * (moment1 / (xp.sqrt(moment2) + eps_t))
 
 
-def unscale(grad, inverse):
+def unscale(grad, inverse, found):
     """amp's unscale and overflow check in one pass: ``grad *= inverse`` in place (1 / loss
-    scale); whether every result is finite."""
-    if inverse != 1:
-        grad *= inverse
-    return bool(np.isfinite(grad).all())
+    scale: a number, or a one-element array), and ``found[0]`` (an int32 flag) set to 1 when
+    any result is inf or NaN, left as it was otherwise (no read on the host)."""
+    grad *= inverse
+    found |= ~np.isfinite(grad).all()

@@ -284,22 +284,29 @@ class Optimizer:
         factors = self.grad_clip.scales_from_squared_norms(list(squared))
         return {id(p): factors[index[id(p)]] for p in parameters}
 
-    def step(self):
+    def step(self, found_inf=None):
         """Update every parameter (on a shard: the part of it in the shard) from its gradient,
-        clipped first by ``grad_clip``."""
+        clipped first by ``grad_clip``. ``found_inf``: amp's overflow flag (a one-element
+        int32 backend array) for an update launched whether or not the step overflowed, so
+        that nothing waits on the host for the verdict: where it is set, parameters and state
+        stay as they were."""
         self.settle_grads()
         self.step_count += 1
         lr = self.get_lr()
         graph_guard.enter_update(self, lr)
         grads = self.clipped_grads()
+        params = [run.data for run in self._update_runs]
         if self.fuse_all_optimizer_ops:
-            self._fused_update([run.data for run in self._update_runs], grads,
-                               self.run_states, lr)
+            self._fused_update(params, grads, self.run_states, lr, found_inf)
             return
-        for run, grad, state in zip(self._update_runs, grads, self.run_states):
-            for p in run.parameters:
-                views = {name: run.view(flat, p) for name, flat in state.items()}
-                self.reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
+
+        def update():
+            for run, grad, state in zip(self._update_runs, grads, self.run_states):
+                for p in run.parameters:
+                    views = {name: run.view(flat, p) for name, flat in state.items()}
+                    self.reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
+        kernels.unless_found(found_inf, params + [flat for state in self.run_states
+                                                  for flat in state.values()], update)
 
     def minimize(self, *args):
         """``minimize(loss)``: ``loss.backward()`` then ``step()`` (Paddle dygraph); or
@@ -313,10 +320,10 @@ class Optimizer:
             return None
         return run_step([], StepContext(*args, self))
 
-    def _fused_update(self, params, grads, states, lr):
+    def _fused_update(self, params, grads, states, lr, found_inf):
         """The update of every run at once (``params``, ``grads``: a flat array per run;
         ``states``: the run's ``{state name: flat array}``), one multi-tensor kernel launch
-        per dtype on a GPU."""
+        per dtype on a GPU; none of it where the overflow flag ``found_inf`` is set."""
         raise NotImplementedError(f"{type(self).__name__} does not define its update")
 
     def reference_update(self, param, grad, state, lr):
@@ -462,8 +469,8 @@ class SGD(Optimizer):
     def __init__(self, learning_rate=0.001, parameters=None, weight_decay=None, grad_clip=None):
         super().__init__(learning_rate, parameters, weight_decay, grad_clip)
 
-    def _fused_update(self, params, grads, states, lr):
-        kernels.multi_tensor_sgd_update(params, grads, lr, self.weight_decay)
+    def _fused_update(self, params, grads, states, lr, found_inf):
+        kernels.multi_tensor_sgd_update(params, grads, lr, self.weight_decay, found_inf)
 
     def reference_update(self, param, grad, state, lr):
         reference.sgd_update(param, grad, lr, self.weight_decay)
@@ -481,10 +488,10 @@ class Momentum(Optimizer):
         self.momentum = _check_rate("momentum", momentum, 0, 1)
         self.use_nesterov = bool(use_nesterov)
 
-    def _fused_update(self, params, grads, states, lr):
+    def _fused_update(self, params, grads, states, lr, found_inf):
         kernels.multi_tensor_momentum_update(params, grads, [s["velocity"] for s in states],
                                              lr, self.momentum, self.weight_decay,
-                                             self.use_nesterov)
+                                             self.use_nesterov, found_inf)
 
     def reference_update(self, param, grad, state, lr):
         reference.momentum_update(param, grad, state["velocity"], lr, self.momentum,
@@ -493,12 +500,13 @@ class Momentum(Optimizer):
 
 class Adam(Optimizer):
     """Adam with bias correction; ``weight_decay`` is L2 regularisation added to the
-    gradient."""
+    gradient. The bias correction counts the updates on the device (``updates``, a one-element
+    int64 backend array that follows ``step_count`` wherever that is set from outside), so
+    that a step captured in a CUDA graph corrects each replay by its own count, and a step amp
+    skips on the device (``found_inf``) counts nothing."""
 
     state_names = ("moment1", "moment2")
     decoupled = False
-    capture_refusal = ("its bias correction is computed on the host from step_count, which a "
-                       "graph would keep at its captured value; use SGD or Momentum")
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
                  parameters=None, weight_decay=None, grad_clip=None):
@@ -509,13 +517,33 @@ class Adam(Optimizer):
             raise ValueError(f"epsilon must be a positive number, not {epsilon!r}")
         self.epsilon = float(epsilon)
 
+    def _hold(self, parameters):
+        super()._hold(parameters)
+        self.updates = backend.array_module().zeros(1, dtype=np.int64)
+        self._counted = 0
+
+    def _count(self):
+        """``updates``, first set to ``step_count`` where that was set from outside (a
+        checkpoint loaded, ``narrow``, the parameter server's rule) since the last step."""
+        if self._counted != self.step_count:
+            self.updates[...] = self.step_count
+            self._counted = self.step_count
+        return self.updates
+
+    def step(self, found_inf=None):
+        self._count()
+        self.updates += 1 if found_inf is None else 1 - found_inf
+        self._counted += 1
+        super().step(found_inf)
+
     def _arguments(self, lr):
-        return (lr, self.beta1, self.beta2, self.epsilon, self.step_count, self.weight_decay,
+        return (lr, self.beta1, self.beta2, self.epsilon, self._count(), self.weight_decay,
                 self.decoupled)
 
-    def _fused_update(self, params, grads, states, lr):
+    def _fused_update(self, params, grads, states, lr, found_inf):
         kernels.multi_tensor_adam_update(params, grads, [s["moment1"] for s in states],
-                                         [s["moment2"] for s in states], *self._arguments(lr))
+                                         [s["moment2"] for s in states], *self._arguments(lr),
+                                         found_inf)
 
     def reference_update(self, param, grad, state, lr):
         reference.adam_update(param, grad, state["moment1"], state["moment2"],

@@ -9,6 +9,8 @@ where a reducer can start on a bucket before backward has finished.
 Forward, backward and update (with every hook's part in them) are events of the timeline
 (``fleetmpi.timeline``, lane ``compute``), each with the step's index.
 """
+import numpy as np
+
 from .. import backend, capture_checks, timeline
 from ..autograd import as_array, run_backward
 
@@ -37,7 +39,11 @@ class StepContext:
     gradients into the parameters (pipeline's micro-batch schedule); the backward stage then
     reports them to the hooks instead of running the loss's backward. ``keep_gradients``: the
     reduced gradients of this step are kept for the next steps to add to (gradient_merge's
-    window, where the gradient lives in a shard: sharding stages 2 and 3)."""
+    window, where the gradient lives in a shard: sharding stages 2 and 3). ``found_inf``:
+    None, or amp's overflow flag for this step (a one-element int32 backend array) when amp
+    leaves the verdict on the device: the update is then launched and skips itself where the
+    flag is set (``Optimizer.step``). ``loss_scale``: the loss gradient's seed, a number, or a
+    one-element backend array where amp keeps its scale on the device."""
 
     def __init__(self, model, loss_fn, x, y, optimizer, step=0):
         self.model = model
@@ -53,6 +59,7 @@ class StepContext:
         self.loss_scale = 1
         self.gradients_ready = False
         self.keep_gradients = False
+        self.found_inf = None
 
 
 class StepHook:
@@ -100,13 +107,26 @@ def gradient_reporter(hooks, ctx):
     return report
 
 
+def loss_seed(loss, scale, divisor=1):
+    """The gradient that starts the backward of ``loss`` (an array): ``scale / divisor`` in
+    its shape and dtype, the quotient in float64 as Python numbers give it. ``scale``: amp's
+    loss scale, a number, or a one-element backend array read on the device (no host wait);
+    ``divisor``: pipeline's micro-batch count."""
+    if hasattr(scale, "shape"):
+        scale = (scale.astype(np.float64) / divisor).reshape(())
+    else:
+        scale = scale / divisor
+    seed = backend.array_module().empty(loss.shape, dtype=loss.dtype)
+    seed[...] = scale
+    return seed
+
+
 def backward_pass(hooks, ctx):
     """``ctx.loss``'s backward, its gradient scaled by ``ctx.loss_scale`` (amp), reporting
     each parameter of the optimizer to the hooks as its gradient becomes final."""
     grad = None
-    if ctx.loss_scale != 1:
-        xp = backend.array_module()
-        grad = xp.full(ctx.loss.data.shape, ctx.loss_scale, dtype=ctx.loss.data.dtype)
+    if hasattr(ctx.loss_scale, "shape") or ctx.loss_scale != 1:
+        grad = loss_seed(ctx.loss.data, ctx.loss_scale)
     run_backward([ctx.loss], [grad], gradient_reporter(hooks, ctx) if hooks else None)
     ctx.optimizer.settle_grads()
 
@@ -131,8 +151,12 @@ def _backward_with(hooks):
 
 
 def _update(ctx):
-    if ctx.apply_update:
+    if not ctx.apply_update:
+        return
+    if ctx.found_inf is None:
         ctx.optimizer.step()
+    else:
+        ctx.optimizer.step(found_inf=ctx.found_inf)
 
 
 def _nothing(ctx):
