@@ -25,11 +25,12 @@ step's outputs may be tensors, arrays, tuples or lists of them, or None.
 
 What cannot be captured raises ``CaptureError`` naming it (``fleetmpi.capture_checks``): a
 read of a device value on the host inside the step (``.item()``, ``.numpy()``, ``float()``,
-a Python branch on a tensor), a collective over the MPI transport, amp's inf/nan check,
-strategies and optimizers that decide on the host step by step. A replay runs the device
-work only: the Python of the step, and so its host-side counters (the optimizers'
-``step_count``), runs at capture and not again; the optimizers and strategies that read
-those are refused for that reason.
+a Python branch on a tensor), a collective over the MPI transport, strategies and learning
+rate schedules that decide on the host step by step. A replay runs the device work only: the
+Python of the step, and so its host-side counters (the optimizers' ``step_count``), runs at
+capture and not again; the strategies that read those are refused for that reason. What
+changes from step to step on the device is captured: amp's overflow verdict, loss scale and
+skipped steps, Adam's count of updates for its bias correction.
 
 Where the arrays are NumPy's, the graph is the host stand-in ``HostGraph`` (the same static
 inputs, calls and checks; the step's Python is what it replays). ``FLEETMPI_CUDA_GRAPH=0`` or

@@ -2,8 +2,8 @@
 
 An update captured in a graph takes its scalars (learning rate, step count) from the host once,
 at capture, and every replay uses those. Where a scalar changes from step to step on the host
-(an ``LRScheduler``'s learning rate, Adam's bias correction from ``step_count``), the update
-refuses to be captured (``Optimizer.capture_refusal``); a fixed learning rate is captured, and
+(an ``LRScheduler``'s learning rate, or what an optimizer's ``capture_refusal`` names), the
+update refuses to be captured (Adam counts its updates on the device instead); a fixed learning rate is captured, and
 ``set_lr`` is refused while a graph that captured the update still holds it, since its replays
 would go on with the old rate.
 """
