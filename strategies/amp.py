@@ -167,17 +167,14 @@ class AMP(Strategy):
     def loss_scaling(self):
         return float(backend.to_numpy(self._scale)[0])
 
-    @property
-    def good_steps(self):
-        return int(backend.to_numpy(self._counts)[0])
+    def _read_count(self, index):
+        """Count ``index`` of ``_counts`` (good_steps, bad_steps, skipped_steps), read from
+        the device when asked."""
+        return int(backend.to_numpy(self._counts)[index])
 
-    @property
-    def bad_steps(self):
-        return int(backend.to_numpy(self._counts)[1])
-
-    @property
-    def skipped_steps(self):
-        return int(backend.to_numpy(self._counts)[2])
+    good_steps = property(lambda self: self._read_count(0))
+    bad_steps = property(lambda self: self._read_count(1))
+    skipped_steps = property(lambda self: self._read_count(2))
 
     # -- the policy for one step ------------------------------------------------------------
     def _enter(self, ctx):
