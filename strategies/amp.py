@@ -41,15 +41,15 @@ still skipped. Steps that do not update (gradient_merge's steps between its upda
 checked and leave the scale alone. Without loss scaling (bfloat16) nothing is checked, and no
 step is skipped.
 
-All of that is decided on the device, from the flag, with no read on the host: the scale and
-Paddle's counters live in device arrays moved by elementwise operations (``loss_scaling``,
-``good_steps``, ``bad_steps`` and ``skipped_steps`` read them when asked), and the gradients
-and buffers of a skipped step are put back by selects (``kernels.where_found``). Only whether
-the optimizer's update runs needs the verdict. Inside a CUDA graph capture it is not read: the
-update is launched with the flag (``StepContext.found_inf``) and skips itself on the device,
-so an amp step can be captured. Outside a capture the flag is read once (the step's one host
-sync, free on the CPU) and a skipped step does not call the update, which keeps every update
-a strategy may put in its place (dgc's, lars's and lamb's) seeing ``apply_update`` as before.
+The scale and Paddle's counters live in device arrays moved by elementwise operations from
+the flag, with no read on the host (``loss_scaling``, ``good_steps``, ``bad_steps`` and
+``skipped_steps`` read them when asked). Inside a CUDA graph capture the verdict is never read:
+the gradients and buffers of a skipped step are put back by selects (``kernels.where_found``),
+and the update is launched with the flag (``StepContext.found_inf``) and skips itself on the
+device, so an amp step can be captured. Outside a capture the flag is read once (the step's one
+host sync, free on the CPU), the resets branch on it on the host, and a skipped step does not
+call the update, which keeps every update a strategy may put in its place (dgc's, lars's and
+lamb's) seeing ``apply_update`` as before.
 """
 import numpy as np
 
@@ -217,14 +217,20 @@ class AMP(Strategy):
         result = proceed(ctx)
         if ctx.apply_update and self.scales_loss:
             found = self._unscale_and_check()
+            # Outside a capture the verdict is read on the host once (the step's one host
+            # read), and the skipped step's resets branch on it there: a select over every
+            # gradient on the device would be a pass over them on every step, overflowed or
+            # not. Inside a capture the flag stays on the device.
+            outside = capture_checks.current is None
+            verdict = backend.to_numpy(found) if outside else found
             grads = [grad for _, grad in self.optimizer.flat_runs()]
             saved = self._saved_buffers or ()
-            kernels.where_found(found, grads + [buffer for buffer, _ in saved],
+            kernels.where_found(verdict, grads + [buffer for buffer, _ in saved],
                                 [grad.dtype.type(0) for grad in grads] + [s for _, s in saved])
             self._saved_buffers = None
             self._count_step(found)
-            if capture_checks.current is None:
-                ctx.apply_update = not int(found[0])
+            if outside:
+                ctx.apply_update = not int(verdict[0])
             else:
                 ctx.found_inf = found
         return result
