@@ -22,6 +22,29 @@ import numpy as np
 from .ops import check_dtype
 
 UNIQUE_ID_BYTES = 128
+# The last byte of the broadcast unique id: how this CuPy spells it (CuPy 14: bytes; CuPy 13:
+# a tuple of 128 C chars as signed ints).
+AS_BYTES, AS_CHARS = 1, 0
+
+
+def unique_id_bytes(made):
+    """``nccl.get_unique_id()``'s result as ``UNIQUE_ID_BYTES + 1`` bytes to broadcast: the id,
+    then its spelling, so every rank hands ``NcclCommunicator`` the form its CuPy made."""
+    if isinstance(made, (bytes, bytearray)):
+        raw, spelling = np.frombuffer(bytes(made), dtype=np.uint8), AS_BYTES
+    else:
+        raw, spelling = np.array(made, dtype=np.int64).astype(np.int8).view(np.uint8), AS_CHARS
+    if raw.size != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {raw.size}")
+    return np.append(raw, np.uint8(spelling))
+
+
+def unique_id_from_bytes(buffer):
+    """The unique id ``unique_id_bytes`` packed, in the spelling it records."""
+    raw = np.asarray(buffer[:UNIQUE_ID_BYTES], dtype=np.uint8)
+    if buffer[UNIQUE_ID_BYTES] == AS_BYTES:
+        return raw.tobytes()
+    return tuple(int(v) for v in raw.view(np.int8))
 
 
 class NCCLUnavailableError(RuntimeError):
@@ -98,15 +121,15 @@ class NCCLTransport:
         if stream is None:
             stream, reason = _attempt(lambda: cupy.cuda.Stream(non_blocking=True),
                                       "creating a CUDA stream")
-        uid = np.zeros(UNIQUE_ID_BYTES, dtype=np.int64)
+        uid = np.zeros(UNIQUE_ID_BYTES + 1, dtype=np.uint8)
         if self.rank == 0 and reason is None:
             made, reason = _attempt(nccl.get_unique_id, "ncclGetUniqueId")
             if reason is None:
-                uid[:] = made
+                uid[:] = unique_id_bytes(made)
         _agree(comm, reason)
-        comm.Bcast([uid, MPI.INT64_T], root=0)
+        comm.Bcast([uid, MPI.BYTE], root=0)
         self.nccl, reason = _attempt(
-            lambda: nccl.NcclCommunicator(self.size, tuple(int(v) for v in uid), self.rank),
+            lambda: nccl.NcclCommunicator(self.size, unique_id_from_bytes(uid), self.rank),
             "ncclCommInitRank")
         _agree(comm, reason, undo=lambda: self.nccl.destroy())
         self.stream = stream

@@ -152,6 +152,10 @@ class Graph:
         self.steps.append("deselect_workspace_greater_than")
         self.workspace_limit = limit
 
+    def deselect_numeric_notes(self, notes):
+        self.steps.append("deselect_numeric_notes")
+        self.deselected_notes = list(notes)
+
     def check_support(self):
         self.steps.append("check_support")
         if {op for op, *_ in self.nodes} & self.stand_in.declined:
@@ -229,6 +233,9 @@ class StandIn:
         module.heur_mode = types.SimpleNamespace(A="A", B="B", FALLBACK="FALLBACK")
         module.build_plan_policy = types.SimpleNamespace(HEURISTICS_CHOICE="HEURISTICS_CHOICE",
                                                          ALL="ALL")
+        module.numerical_note = types.SimpleNamespace(
+            TENSOR_CORE="TENSOR_CORE", DOWN_CONVERT_INPUTS="DOWN_CONVERT_INPUTS",
+            REDUCED_PRECISION_REDUCTION="REDUCED_PRECISION_REDUCTION")
         module.cudnnGraphNotSupportedError = GraphNotSupported
         module.backend_version = lambda: 92800
         module.create_handle = lambda: self.handle

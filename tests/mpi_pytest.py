@@ -56,6 +56,8 @@ def launcher_main(n, job_timeout, pytest_args, junit_dir=None):
         print(f"mpiexec -n {n} did not finish within {job_timeout} s")
         launched = 124
     failed = launched != 0
+    if failed:
+        print(f"{' '.join(cmd)}\nexited {launched}")
     for rank in range(n):
         rc_path = os.path.join(log_dir, f"rank-{rank}.rc")
         rc = open(rc_path).read() if os.path.exists(rc_path) else "never finished"

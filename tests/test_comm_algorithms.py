@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi.comm import Communicator, dispatch
+from fleetmpi.comm import Communicator, dispatch, transport_mpi
 from fleetmpi.comm.algorithm_choice import NATIVE_BELOW_BYTES
 
 from comm_support import (all_data, close, equal, ok, raises, rank_data,
@@ -53,6 +53,30 @@ def test_allreduce_matches_native_and_single_process(dtype):
                 if op in ("max", "min") or np.dtype(dtype).kind == "i":
                     equal(got, native)
         equal(x, stack[comm.rank])
+
+
+@pytest.mark.mpi
+def test_float16_is_reduced_in_float32_where_the_mpi_has_no_float16(monkeypatch):
+    """Open MPI 4 has no float16 datatype: the native calls then reduce float16 in float32 and
+    round once, in every form a caller reaches them (in place, into ``out``, a new array,
+    reduce-scatter)."""
+    monkeypatch.setattr(transport_mpi, "reduces_float16", lambda: False)
+    comm = small_chunks()
+    stack = all_data(comm.size, 3 * comm.size + 2, np.float16, 7)
+    x = stack[comm.rank]
+    for op in OPS:
+        expected = single_process(stack, op)
+        check_close(comm.allreduce(x, op=op, algorithm="native"), expected, np.float16,
+                    comm.size)
+        out = np.empty_like(x)
+        comm.allreduce(x, op=op, algorithm="native", out=out)
+        check_close(out, expected, np.float16, comm.size)
+        inplace = x.copy()
+        comm.allreduce(inplace, op=op, algorithm="native", out=inplace)
+        check_close(inplace, expected, np.float16, comm.size)
+        got = comm.reduce_scatter(x, op=op, algorithm="native")
+        check_close(got, np.array_split(expected, comm.size)[comm.rank], np.float16, comm.size)
+    equal(x, stack[comm.rank])
 
 
 @pytest.mark.mpi

@@ -160,6 +160,24 @@ def test_conv2d_runs_only_the_gradients_needed_and_builds_each_graph_once(stand_
     assert stand_in.streams == [(stand_in.handle, 7)] * 4  # CuPy's current stream, each time
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_float32_graphs_keep_float32_math(stand_in, dtype):
+    """A float32 convolution never runs on an engine that rounds its inputs (TF32 tensor
+    cores): single-process float32 math is what the own path and the peers' strict mode give.
+    float16 graphs keep the tensor-core engines."""
+    x, weight = _arrays(np.random.default_rng(5), (2, 3, 5, 5), (4, 3, 3, 3))
+    y = F.conv2d(fleet.to_tensor(x.astype(dtype), stop_gradient=False),
+                 fleet.to_tensor(weight.astype(dtype), stop_gradient=False), padding=1)
+    y.backward(np.ones(y.shape, dtype))
+    assert len(stand_in.built) == 3
+    for graph in stand_in.built:
+        if dtype == np.float32:
+            assert graph.deselected_notes == ["TENSOR_CORE", "DOWN_CONVERT_INPUTS"]
+            assert graph.steps.index("deselect_numeric_notes") < graph.steps.index("build_plans")
+        else:
+            assert "deselect_numeric_notes" not in graph.steps
+
+
 def test_float64_and_pooling_stay_on_the_own_path(stand_in):
     x = np.random.default_rng(4).standard_normal((2, 3, 6, 6))
     F.conv2d(x, np.ones((2, 3, 3, 3)))
@@ -436,6 +454,7 @@ def test_only_the_first_worker_warns_the_other_ranks_log_it_as_information(gpu_b
     assert warned == [] and len(told) == 1 and cudnn.WITHOUT_CUDNN in told[0]
 
 
+@pytest.mark.skipif(backend.on_gpu(), reason="a test of the CPU path")
 def test_on_the_cpu_the_frontend_is_never_loaded(monkeypatch):
     frontend = StandIn()
     monkeypatch.setitem(sys.modules, "cudnn", frontend.module())
@@ -453,6 +472,7 @@ CUDNN_SET = {"cudnn_exhaustive_search": False, "conv_workspace_size_limit": 100,
              "cudnn_batchnorm_spatial_persistent": False}
 
 
+@pytest.mark.skipif(backend.on_gpu(), reason="a test of the CPU path")
 def test_on_the_cpu_the_cudnn_fields_are_reported_as_not_applied():
     model = _conv_bn_relu()
     fleet.distributed_optimizer(optimizer.SGD(parameters=model.parameters()),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fleetmpi.nn.functional as F
-from fleetmpi import Tensor, backend, kernels, nn
+from fleetmpi import Tensor, backend, kernels, nn, to_tensor
 from fleetmpi.autograd import autocast
 from fleetmpi.kernels import transformer_reference as reference
 from fleetmpi.nn.functional import cudnn
@@ -142,10 +142,10 @@ def test_dropout_add_equals_the_reference_bit_for_bit(gpu_path, shape, p, x_dtyp
 
 def _step(function, arrays, dy, seed=3):
     """Output and input gradients of ``function`` on Tensors of ``arrays``."""
-    tensors = [Tensor(a, stop_gradient=False) for a in arrays]
+    tensors = [to_tensor(a, stop_gradient=False) for a in arrays]
     backend.manual_seed(seed)
     y = function(*tensors)
-    y.backward(Tensor(dy.astype(y.dtype)))
+    y.backward(to_tensor(dy.astype(y.dtype)))
     return [y.numpy()] + [backend.to_numpy(t.grad) for t in tensors]
 
 

@@ -109,6 +109,7 @@ UPDATES = {
 }
 
 
+@pytest.mark.skipif(backend.on_gpu(), reason="the host path; a GPU runs the kernels")
 @pytest.mark.parametrize("name", UPDATES)
 @pytest.mark.parametrize("shape", [(2 * kernels.HOST_BLOCK + 7,), (3, kernels.HOST_BLOCK + 1)])
 def test_host_updates_over_blocks_equal_the_reference_bit_for_bit(name, shape):

@@ -177,3 +177,16 @@ def test_auto_takes_nccl_when_it_starts(monkeypatch):
     for transport in comm.transports:
         transport.free()
     comm._control.Free()
+
+
+@pytest.mark.parametrize("made", [bytes(range(100, 228)), tuple(range(-64, 64))],
+                         ids=["cupy-14-bytes", "cupy-13-chars"])
+def test_the_nccl_unique_id_travels_in_the_form_cupy_made_it(made):
+    from fleetmpi.comm import transport_nccl
+
+    packed = transport_nccl.unique_id_bytes(made)
+    assert packed.dtype == np.uint8 and packed.size == transport_nccl.UNIQUE_ID_BYTES + 1
+    received = packed.copy()  # what a Bcast of the bytes hands every rank
+    assert transport_nccl.unique_id_from_bytes(received) == made
+    with pytest.raises(ValueError, match="has 128 bytes, got 127"):
+        transport_nccl.unique_id_bytes(made[:127])

@@ -85,6 +85,9 @@ def _problem_lines(stages):
             said += [f"- {s['reason']}"] + [f"      {line}" for line in s.get("tail", [])]
         if s.get("missing"):
             said.append("- missing test files (not run): " + ", ".join(s["missing"]))
+        if s.get("not_run"):
+            said.append("- test files the stage's time did not reach: "
+                        + ", ".join(s["not_run"]))
         for failure in s.get("failures", [])[:SHOWN_FAILURES]:
             said += [f"- FAILED {failure['test']}"] + [f"      {line}"
                                                        for line in failure["lines"]]

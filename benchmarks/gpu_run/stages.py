@@ -10,13 +10,15 @@ import time
 
 from . import junit, mpi_launch, plan
 from .install import install_offline
-from .process import run_bounded
+from .process import Finished, run_bounded
 
 # mpi_pytest.py's own job limit ends the ranks this many seconds before the stage's deadline,
 # so that it still prints every rank's log.
 JOB_MARGIN_S = 15
 # train_throughput.py's own start, table and JSON, kept out of the time its jobs share.
 RUN_MARGIN_S = 5
+# pytest's exit code where no test of a file was selected (its tests are all ``mpi`` ones).
+NO_TESTS_SELECTED = 5
 
 
 class Context:
@@ -87,8 +89,10 @@ def run_install(ctx, timeout_s, args):
 
 
 def run_gpu_tests(ctx, timeout_s, args):
-    """pytest on the plan's single-process test files (or ``args.tests``); planned files that
-    do not exist are listed as missing."""
+    """pytest on the plan's single-process test files (or ``args.tests``), each file in a
+    process of its own, so that a CUDA error that poisons a context (an illegal address)
+    costs only its own file; planned files that do not exist are listed as missing, and
+    files the stage's time did not reach as not run."""
     planned = args.tests or [path for path, _ in plan.GPU_TEST_FILES]
     paths = [os.path.join(ctx.repo, path) for path in planned]
     present = [path for path in paths if os.path.exists(path)]
@@ -96,11 +100,29 @@ def run_gpu_tests(ctx, timeout_s, args):
     if not present:
         return {"name": "gpu_tests", "status": "failed", "seconds": 0.0, "missing": missing,
                 "timeout_s": round(timeout_s), "reason": "none of the test files exists"}
-    xml = os.path.join(ctx.out, "junit", "gpu_tests.xml")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not mpi",
-           f"--timeout={plan.TEST_TIMEOUT_S}", f"--junitxml={xml}"] + present
-    done = ctx.run("gpu_tests", cmd, ctx.env(), timeout_s)
-    return _tests_record("gpu_tests", done, [xml], timeout_s, missing=missing)
+    start, runs, xmls = time.perf_counter(), [], []
+    for path in present:
+        left = timeout_s - _since(start)
+        if left < 1:
+            break
+        name = "gpu_tests-" + os.path.splitext(os.path.basename(path))[0]
+        xmls.append(os.path.join(ctx.out, "junit", name + ".xml"))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not mpi",
+               f"--timeout={plan.TEST_TIMEOUT_S}", f"--junitxml={xmls[-1]}", path]
+        runs.append(ctx.run(name, cmd, ctx.env(), left))
+    return _tests_record("gpu_tests", _together(runs, _since(start)), xmls, timeout_s,
+                         missing=missing, not_run=[os.path.relpath(p, ctx.repo)
+                                                   for p in present[len(runs):]])
+
+
+def _together(runs, seconds):
+    """One ``Finished`` for the per-file runs of the test stage: the first failing run's code
+    and log (the last run's where none failed; pytest's 5, no test selected, is no failure),
+    timed out where any was."""
+    failing = [run for run in runs if run.returncode not in (0, NO_TESTS_SELECTED)]
+    shown = failing[0] if failing else runs[-1]
+    return Finished(shown.returncode if failing else 0, any(run.timed_out for run in runs),
+                    seconds, shown.log)
 
 
 def _since(start):

@@ -186,13 +186,17 @@ def new_graph(io_dtype):
                              compute_data_type=names.FLOAT, handle=_handle)
 
 
-def _finish(graph):
+def _finish(graph, io_dtype):
     """Validate and build ``graph`` with the current settings (module docstring); raises the
-    frontend's error where cuDNN has no engine for it."""
+    frontend's error where cuDNN has no engine for it. A float32 graph keeps float32 math:
+    engines that round its inputs to TF32 or a narrower type are excluded."""
     frontend = _frontend
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([frontend.heur_mode.A, frontend.heur_mode.FALLBACK])
+    if np.dtype(io_dtype) == np.float32:
+        notes = frontend.numerical_note
+        graph.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS])
     if _settings.conv_workspace_size_limit is not None:
         graph.deselect_workspace_greater_than(_settings.conv_workspace_size_limit * _MB)
     graph.check_support()
@@ -211,7 +215,7 @@ def plan(kind, io_dtype, key, describe):
     try:
         graph = new_graph(io_dtype)
         built = Plan(graph, describe(graph))
-        _finish(graph)
+        _finish(graph, io_dtype)
     except Exception as error:  # the caller's own path runs what cuDNN does not
         built = None
         _log_once(kind, key[1:3], error)
