@@ -51,13 +51,16 @@ def launcher_main(n, job_timeout, pytest_args, junit_dir=None):
     cmd = local_command(n) + [sys.executable, os.path.abspath(__file__),
                               "--rank-log-dir", log_dir] + junit + ["--"] + pytest_args
     try:
-        launched = subprocess.run(cmd, timeout=job_timeout).returncode
-    except subprocess.TimeoutExpired:
+        launched = subprocess.run(cmd, timeout=job_timeout, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said, launched = launched.stdout, launched.returncode
+    except subprocess.TimeoutExpired as timeout:
+        said = timeout.stdout.decode(errors="replace") if timeout.stdout else ""
         print(f"mpiexec -n {n} did not finish within {job_timeout} s")
         launched = 124
     failed = launched != 0
     if failed:
-        print(f"{' '.join(cmd)}\nexited {launched}")
+        print(f"{' '.join(cmd)}\nexited {launched}, saying:\n{said.strip() or '(nothing)'}")
     for rank in range(n):
         rc_path = os.path.join(log_dir, f"rank-{rank}.rc")
         rc = open(rc_path).read() if os.path.exists(rc_path) else "never finished"
