@@ -31,7 +31,7 @@ if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     # process of its own, whose transport listens on the network (docs/launch.md, "Network")
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
 
-from . import autograd, device, nn, optimizer, utils
+from . import autograd, device, io, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed

@@ -33,7 +33,7 @@ LAYERS = (
     ("comm", ("fleetmpi.comm",)),
     ("trainer", ("fleetmpi.autograd", "fleetmpi.nn", "fleetmpi.optimizer", "fleetmpi.kernels",
                  "fleetmpi.data", "fleetmpi.checkpoint", "fleetmpi.hybrid_checkpoint",
-                 "fleetmpi.progress", "fleetmpi.elastic")),
+                 "fleetmpi.progress", "fleetmpi.elastic", "fleetmpi.io")),
     ("strategies", ("fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.distributed_strategy",
                     "fleetmpi.schema_view", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
                     "fleetmpi.role_maker")),

@@ -1,0 +1,15 @@
+"""Paddle's data loading (``paddle.io``): datasets, samplers and the ``DataLoader``.
+
+A distributed script gives its ``DataLoader`` a ``DistributedBatchSampler``: each rank then
+reads its own batches of one shared order, every rank the same number of them.
+"""
+from .collate import default_collate_fn
+from .dataloader import DataLoader
+from .dataset import Dataset, IterableDataset, TensorDataset
+from .sampler import (BatchSampler, DistributedBatchSampler, RandomSampler, Sampler,
+                      SequenceSampler)
+from .workers import WorkerError, WorkerInfo, get_worker_info
+
+__all__ = ["BatchSampler", "DataLoader", "Dataset", "DistributedBatchSampler",
+           "IterableDataset", "RandomSampler", "Sampler", "SequenceSampler", "TensorDataset",
+           "WorkerError", "WorkerInfo", "default_collate_fn", "get_worker_info"]
