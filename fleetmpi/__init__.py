@@ -31,7 +31,7 @@ if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     # process of its own, whose transport listens on the network (docs/launch.md, "Network")
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
 
-from . import autograd, device, io, nn, optimizer, utils
+from . import autograd, device, io, metric, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
@@ -39,7 +39,7 @@ from .capture_checks import CaptureError
 from .schema_view import ConfigError
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
-from .fleet_util import UtilBase
+from .fleet_util import UtilBase, util
 from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
@@ -49,7 +49,6 @@ from .strategies.ps.runtime import (init_server, init_worker, is_server, is_work
 from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
                     node_num, server_endpoints, worker_endpoints, worker_index, worker_num)
 
-util = UtilBase()
 
 __version__ = "0.1.0"
 
@@ -59,8 +58,8 @@ __all__ = [
     "applied_strategy", "autograd", "barrier_worker", "concat", "device", "device_guard",
     "distributed_model", "distributed_optimizer", "enable_grad",
     "get_hybrid_communicate_group", "graphed_step", "init", "init_server",
-    "init_worker", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "local_rank",
-    "local_size", "matmul", "nn", "no_grad", "node_index", "node_num", "optimizer", "reshape",
+    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker",
+    "local_rank", "local_size", "matmul", "metric", "nn", "no_grad", "node_index", "node_num", "optimizer", "reshape",
     "run_server", "save_persistables", "seed", "server_endpoints", "server_index", "server_num",
     "split", "split_stages", "stack", "stop_worker", "to_tensor", "transpose", "util", "utils",
     "worker_endpoints", "worker_index", "worker_num",

@@ -93,3 +93,7 @@ def _array(value, call):
     if array.dtype.kind == "b":
         array = array.astype(np.int64)
     return np.asarray(array, order="C")   # keeps a 0-d array 0-d, as ascontiguousarray does not
+
+
+# ``fleet.util``: the one instance, shared by the metrics' distributed ``accumulate``.
+util = UtilBase()
