@@ -103,3 +103,196 @@ class LinearWarmup(LRScheduler):
         super().set_state_dict(state)
         if self.after:
             self.after.set_state_dict(state["after"])
+
+
+class MultiStepDecay(LRScheduler):
+    """``learning_rate * gamma ** k``, ``k`` the number of ``milestones`` (increasing epochs)
+    reached."""
+
+    def __init__(self, learning_rate, milestones, gamma=0.1):
+        super().__init__(learning_rate)
+        milestones = list(milestones)
+        if not milestones or any(not isinstance(m, int) or isinstance(m, bool) or m < 1
+                                 for m in milestones) or milestones != sorted(set(milestones)):
+            raise ValueError(f"milestones must be increasing positive integers, not "
+                             f"{milestones!r}")
+        self.milestones = milestones
+        self.gamma = float(_check_number("gamma", gamma, positive=True))
+
+    def get_lr(self):
+        reached = sum(self.last_epoch >= m for m in self.milestones)
+        return self.base_lr * self.gamma ** reached
+
+
+class ExponentialDecay(LRScheduler):
+    """``learning_rate * gamma ** last_epoch``."""
+
+    def __init__(self, learning_rate, gamma):
+        super().__init__(learning_rate)
+        self.gamma = float(_check_number("gamma", gamma, positive=True))
+
+    def get_lr(self):
+        return self.base_lr * self.gamma ** self.last_epoch
+
+
+class LambdaDecay(LRScheduler):
+    """``learning_rate * lr_lambda(last_epoch)``."""
+
+    def __init__(self, learning_rate, lr_lambda):
+        super().__init__(learning_rate)
+        if not callable(lr_lambda):
+            raise TypeError(f"lr_lambda must be callable, not {type(lr_lambda).__name__}")
+        self.lr_lambda = lr_lambda
+
+    def get_lr(self):
+        return self.base_lr * self.lr_lambda(self.last_epoch)
+
+
+class PolynomialDecay(LRScheduler):
+    """From ``learning_rate`` to ``end_lr`` over ``decay_steps`` along ``(1 - t / decay_steps)
+    ** power``, then ``end_lr``; with ``cycle`` the decay restarts over the next multiple of
+    ``decay_steps`` instead."""
+
+    def __init__(self, learning_rate, decay_steps, end_lr=0.0001, power=1.0, cycle=False):
+        super().__init__(learning_rate)
+        self.decay_steps = _check_steps("decay_steps", decay_steps)
+        self.end_lr = float(_check_number("end_lr", end_lr, low=0))
+        self.power = float(_check_number("power", power, positive=True))
+        self.cycle = bool(cycle)
+
+    def get_lr(self):
+        t, steps = self.last_epoch, self.decay_steps
+        if self.cycle:
+            steps *= max(math.ceil(t / steps), 1)
+        else:
+            t = min(t, steps)
+        return (self.base_lr - self.end_lr) * (1 - t / steps) ** self.power + self.end_lr
+
+
+class NoamDecay(LRScheduler):
+    """The Transformer's schedule: ``learning_rate * d_model ** -0.5 * min(t ** -0.5, t *
+    warmup_steps ** -1.5)``, ``t`` the step (1 at step 0)."""
+
+    def __init__(self, d_model, warmup_steps, learning_rate=1.0):
+        super().__init__(learning_rate)
+        self.d_model = _check_number("d_model", d_model, positive=True)
+        self.warmup_steps = _check_steps("warmup_steps", warmup_steps)
+
+    def get_lr(self):
+        t = self.last_epoch
+        decay = 1.0 if t == 0 else t ** -0.5
+        return self.base_lr * self.d_model ** -0.5 * min(decay, t * self.warmup_steps ** -1.5)
+
+
+class OneCycleLR(LRScheduler):
+    """Paddle's one-cycle policy over ``total_steps``: from ``max_learning_rate /
+    divide_factor`` up to ``max_learning_rate`` over the first ``phase_pct`` of the steps,
+    then down to ``end_learning_rate`` (with ``three_phase``: back down to the start over as
+    many steps, then to ``end_learning_rate``), each phase along a half cosine
+    (``anneal_strategy="cos"``) or a line (``"linear"``)."""
+
+    def __init__(self, max_learning_rate, total_steps, divide_factor=25.0,
+                 end_learning_rate=0.0001, phase_pct=0.3, anneal_strategy="cos",
+                 three_phase=False):
+        super().__init__(max_learning_rate)
+        self.total_steps = _check_steps("total_steps", total_steps)
+        divide_factor = float(_check_number("divide_factor", divide_factor, positive=True))
+        end = float(_check_number("end_learning_rate", end_learning_rate, low=0))
+        if not isinstance(phase_pct, (int, float)) or not 0 < phase_pct < 1:
+            raise ValueError(f"phase_pct must lie in (0, 1), not {phase_pct!r}")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(f"anneal_strategy={anneal_strategy!r} is not allowed; allowed: "
+                             "'cos', 'linear'")
+        self.anneal_strategy = anneal_strategy
+        start, peak = self.base_lr / divide_factor, self.base_lr
+        up = phase_pct * total_steps - 1
+        if three_phase:
+            self.phases = [(0, up, start, peak), (up, 2 * up, peak, start),
+                           (2 * up, total_steps - 1, start, end)]
+        else:
+            self.phases = [(0, up, start, peak), (up, total_steps - 1, peak, end)]
+
+    def get_lr(self):
+        t = self.last_epoch
+        if t >= self.total_steps:
+            raise ValueError(f"OneCycleLR was stepped {t} times, past its total_steps="
+                             f"{self.total_steps}")
+        for begin, end, start_lr, end_lr in self.phases:  # the phase of t, else the last
+            if t <= end:
+                break
+        fraction = (t - begin) / (end - begin) if end > begin else 1.0
+        if self.anneal_strategy == "linear":
+            return start_lr + (end_lr - start_lr) * fraction
+        return end_lr + (start_lr - end_lr) * (math.cos(math.pi * fraction) + 1) / 2
+
+
+class ReduceOnPlateau(LRScheduler):
+    """Multiply the rate by ``factor`` (not below ``min_lr``) once the metric passed to
+    ``step(metrics)`` has not improved for more than ``patience`` calls, then wait
+    ``cooldown`` calls; improving means below the best by ``threshold`` (``mode="min"``;
+    above it for ``"max"``), relative to the best (``threshold_mode="rel"``) or absolute
+    (``"abs"``). A change smaller than ``epsilon`` is not made."""
+
+    def __init__(self, learning_rate, mode="min", factor=0.1, patience=10, threshold=1e-4,
+                 threshold_mode="rel", cooldown=0, min_lr=0, epsilon=1e-8, verbose=False):
+        super().__init__(learning_rate)
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode={mode!r} is not allowed; allowed: 'min', 'max'")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"threshold_mode={threshold_mode!r} is not allowed; allowed: "
+                             "'rel', 'abs'")
+        factor = float(_check_number("factor", factor, positive=True))
+        if factor >= 1:
+            raise ValueError(f"factor must be below 1, not {factor!r}")
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 0:
+            raise ValueError(f"patience must be an integer >= 0, not {patience!r}")
+        if not isinstance(cooldown, int) or isinstance(cooldown, bool) or cooldown < 0:
+            raise ValueError(f"cooldown must be an integer >= 0, not {cooldown!r}")
+        self.mode, self.threshold_mode, self.factor = mode, threshold_mode, factor
+        self.patience, self.cooldown = patience, cooldown
+        self.threshold = float(_check_number("threshold", threshold, low=0))
+        self.min_lr = float(_check_number("min_lr", min_lr, low=0))
+        self.epsilon = float(_check_number("epsilon", epsilon, low=0))
+        self.last_lr, self.best = self.base_lr, None
+        self.num_bad_epochs = self.cooldown_counter = 0
+
+    def get_lr(self):
+        return self.last_lr
+
+    def _improves(self, value):
+        margin = abs(self.best) * self.threshold if self.threshold_mode == "rel" \
+            else self.threshold
+        return value < self.best - margin if self.mode == "min" else value > self.best + margin
+
+    def step(self, metrics):
+        """One epoch ended with ``metrics`` (a number, or a one-element array or Tensor)."""
+        if hasattr(metrics, "numpy"):
+            metrics = metrics.numpy()
+        try:
+            value = float(metrics.reshape(-1)[0] if hasattr(metrics, "reshape") else metrics)
+        except (TypeError, ValueError, IndexError):
+            raise TypeError(f"ReduceOnPlateau.step takes the metric as a number, not "
+                            f"{metrics!r}") from None
+        super().step()
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            return
+        if self.best is None or self._improves(value):
+            self.best, self.num_bad_epochs = value, 0
+        else:
+            self.num_bad_epochs += 1
+        if self.num_bad_epochs > self.patience:
+            self.cooldown_counter, self.num_bad_epochs = self.cooldown, 0
+            lowered = max(self.last_lr * self.factor, self.min_lr)
+            if self.last_lr - lowered > self.epsilon:
+                self.last_lr = lowered
+
+    def state_dict(self):
+        return dict(super().state_dict(), last_lr=self.last_lr, best=self.best,
+                    num_bad_epochs=self.num_bad_epochs, cooldown_counter=self.cooldown_counter)
+
+    def set_state_dict(self, state):
+        super().set_state_dict(state)
+        self.last_lr, self.best = float(state["last_lr"]), state["best"]
+        self.num_bad_epochs = int(state["num_bad_epochs"])
+        self.cooldown_counter = int(state["cooldown_counter"])
