@@ -31,6 +31,16 @@ if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     # process of its own, whose transport listens on the network (docs/launch.md, "Network")
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
 
+NO_MPI_LIBRARY = (
+    "fleetmpi needs an MPI library, and mpi4py found none ({}). Install one: "
+    "pip install 'fleetmpi[mpi]' (MPICH from PyPI), or load your site's MPI (module load ...) "
+    "with mpi4py built against it (pip install --no-binary mpi4py mpi4py).")
+
+try:
+    from mpi4py import MPI as _MPI  # noqa: F401 - the first load of the MPI library
+except RuntimeError as _error:
+    raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
+
 from . import autograd, device, io, metric, nn, optimizer, utils
 from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
                        reshape, split, stack, to_tensor, transpose)
