@@ -47,6 +47,7 @@ from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, m
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
 from .schema_view import ConfigError
+from .serialization import load, save
 from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .fleet_util import UtilBase, util
@@ -63,14 +64,14 @@ from .world import (barrier_worker, init, is_first_worker, local_rank, local_siz
 __version__ = "0.1.0"
 
 __all__ = [
-    "BuildStrategy", "CaptureError", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
-    "Function", "GraphedStep", "ModeError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
-    "applied_strategy", "autograd", "barrier_worker", "concat", "device", "device_guard",
-    "distributed_model", "distributed_optimizer", "enable_grad",
-    "get_hybrid_communicate_group", "graphed_step", "init", "init_server",
-    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker",
-    "local_rank", "local_size", "matmul", "metric", "nn", "no_grad", "node_index", "node_num", "optimizer", "reshape",
-    "run_server", "save_persistables", "seed", "server_endpoints", "server_index", "server_num",
-    "split", "split_stages", "stack", "stop_worker", "to_tensor", "transpose", "util", "utils",
-    "worker_endpoints", "worker_index", "worker_num",
+    "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError", "concat",
+    "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer",
+    "DistributedStrategy", "enable_grad", "ExecutionStrategy", "Function",
+    "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
+    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "load",
+    "local_rank", "local_size", "matmul", "metric", "ModeError", "nn", "no_grad", "node_index",
+    "node_num", "optimizer", "PaddleCloudRoleMaker", "reshape", "Role", "run_server", "save",
+    "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
+    "split_stages", "stack", "stop_worker", "Tensor", "to_tensor", "transpose",
+    "UserDefinedRoleMaker", "util", "utils", "worker_endpoints", "worker_index", "worker_num",
 ]

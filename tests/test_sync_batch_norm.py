@@ -85,7 +85,7 @@ def test_layer_at_n_ranks_equals_global_batch(tail, layout, fused):
         # The parameter gradients are this rank's share; the shares add up to the global ones.
         close(world_gather(dweight).sum(axis=0), rdweight, rtol=RTOL, atol=ATOL)
         close(world_gather(dbias).sum(axis=0), rdbias, rtol=RTOL, atol=ATOL)
-        for name in ("running_mean", "running_var"):
+        for name in ("_mean", "_variance"):
             close(synced_layer.buffer(name), reference_layer.buffer(name), rtol=RTOL, atol=ATOL)
             equal(world_gather(synced_layer.buffer(name))[0], synced_layer.buffer(name))
 
@@ -102,7 +102,7 @@ def test_eval_mode_does_not_communicate():
     y, dx, _, _ = run_layer(layer, x, dz, fused=False)
     ok(communicator.payload_bytes == trained, "eval mode sent something")
     local = make_layer((5,), weight, bias)
-    for name in ("running_mean", "running_var"):
+    for name in ("_mean", "_variance"):
         local.buffer(name)[...] = layer.buffer(name)
     local.eval()
     ly, ldx, _, _ = run_layer(local, x, dz, fused=False)
@@ -137,8 +137,8 @@ def test_local_statistics_are_numpys_mean_and_var():
             tolerance = 1e-5 if dtype == "float32" else 1e-12
             close(y, (x - x.mean(axis=axes).reshape(shape)) * invstd.reshape(shape),
                   rtol=tolerance, atol=tolerance)
-            same(layer.buffer("running_mean"), x.mean(axis=axes), **rounding)
-            same(layer.buffer("running_var"), x.var(axis=axes), **rounding)
+            same(layer.buffer("_mean"), x.mean(axis=axes), **rounding)
+            same(layer.buffer("_variance"), x.var(axis=axes), **rounding)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused_relu"])
@@ -152,7 +152,7 @@ def test_size_one_communicator_equals_plain_batch_norm(fused):
     for a, b in zip(run_layer(synced, x, dz, fused), run_layer(plain, x, dz, fused)):
         equal(a, b)
     assert communicator.payload_bytes > before
-    for name in ("running_mean", "running_var"):
+    for name in ("_mean", "_variance"):
         equal(synced.buffer(name), plain.buffer(name))
 
 
@@ -248,8 +248,8 @@ def test_without_sync_batch_norm_statistics_are_per_rank():
     model, _, _ = train(sync_strategy(False, enabled=False), make_model=bn_mlp, steps=STEPS)
     expected, _, _ = train(sync_strategy(False, enabled=False), make_model=bn_mlp,
                            steps=STEPS, local=True)
-    mean = model["bn0"].buffer("running_mean")
-    ok(not np.allclose(mean, expected["bn0"].buffer("running_mean"), rtol=1e-6),
+    mean = model["bn0"].buffer("_mean")
+    ok(not np.allclose(mean, expected["bn0"].buffer("_mean"), rtol=1e-6),
        "local batch norm matched the global batch")
     gathered = world_gather(mean)
     ok(any(not np.allclose(gathered[0], other) for other in gathered[1:]),
@@ -380,8 +380,8 @@ def test_user_layer_without_sync_batch_norm_differs_from_one_process():
     differ from one process's and between ranks (the test above is not vacuous)."""
     model, _, _ = train_deep_net(sync_strategy(False, enabled=False), "dygraph")
     expected, _, _ = train_deep_net(sync_strategy(False, enabled=False), "dygraph", local=True)
-    mean = model.stages[1][0].norm.buffer("running_mean")
-    ok(not np.allclose(mean, expected.stages[1][0].norm.buffer("running_mean"), rtol=1e-6),
+    mean = model.stages[1][0].norm.buffer("_mean")
+    ok(not np.allclose(mean, expected.stages[1][0].norm.buffer("_mean"), rtol=1e-6),
        "local batch norm matched the global batch")
     gathered = world_gather(mean)
     ok(any(not np.allclose(gathered[0], other) for other in gathered[1:]),

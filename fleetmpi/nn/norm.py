@@ -18,7 +18,11 @@ class BatchNorm(Layer):
     ``sync_communicator``: None (the default) normalizes over this process's batch. A
     ``fleetmpi.comm.Communicator`` (the ``sync_batch_norm`` strategy sets it for each step)
     makes a training step normalize over the batch of all its ranks together, which may hold
-    different numbers of rows, none included. Eval mode never communicates."""
+    different numbers of rows, none included. Eval mode never communicates.
+
+    The running statistics are the buffers ``_mean`` and ``_variance``: Paddle's names, so a
+    ``state_dict`` moves between the two (PyTorch calls them ``running_mean`` and
+    ``running_var``)."""
 
     input_ndims = (2, 3, 4)
 
@@ -35,15 +39,15 @@ class BatchNorm(Layer):
         self.weight = self.create_parameter((num_features,),
                                             default_initializer=initializer.Constant(1.0))
         self.bias = self.create_parameter((num_features,), is_bias=True)
-        self.register_buffer("running_mean", np.zeros(num_features, dtype=self.dtype))
-        self.register_buffer("running_var", np.ones(num_features, dtype=self.dtype))
+        self.register_buffer("_mean", np.zeros(num_features, dtype=self.dtype))
+        self.register_buffer("_variance", np.ones(num_features, dtype=self.dtype))
 
     def extra_repr(self):
         return f"{self.num_features}, momentum={self.momentum}, epsilon={self.epsilon}"
 
     def _normalize(self, x, act):
         check_input(self, x, self.input_ndims, self.num_features)
-        return F.batch_norm(x, self._buffers["running_mean"], self._buffers["running_var"],
+        return F.batch_norm(x, self._buffers["_mean"], self._buffers["_variance"],
                             self.weight, self.bias, self.training, self.momentum, self.epsilon,
                             self.sync_communicator if self.training else None, act)
 
