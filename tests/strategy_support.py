@@ -104,3 +104,9 @@ def train_step(opt, model, x, y, idiom):
     opt.step()
     opt.clear_grad()
     return loss.item()
+
+
+def is_running_statistic(name):
+    """Whether the state-dict entry ``name`` is a batch norm's running statistic (Paddle's
+    ``_mean`` and ``_variance``): each rank's own, from its own batches."""
+    return name.endswith(("._mean", "._variance"))

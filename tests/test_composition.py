@@ -14,7 +14,7 @@ from fleetmpi.log import logger
 from fleetmpi.strategies import compose, field_effects, inert_fields
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 from comm_support import equal, ok, raises
-from strategy_support import make_strategy, train, world_gather
+from strategy_support import is_running_statistic, make_strategy, train, world_gather
 
 
 CONFIGS = {
@@ -91,7 +91,7 @@ def test_working_combination_trains_and_ranks_agree(names):
     ok([hook.name for hook in opt.hooks] == expected,
        f"hooks {[hook.name for hook in opt.hooks]}, expected {expected}")
     for name, value in model.state_dict().items():
-        if "running" not in name:
+        if not is_running_statistic(name):
             equal(world_gather(value)[0], value, err_msg=f"{'+'.join(names)}: {name}")
 
 
