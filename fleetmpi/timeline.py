@@ -245,7 +245,12 @@ def _metadata(rank, node):
 def _read_part(filename):
     """The header and an iterator over the event records of one part file."""
     f = open(filename)
-    header = json.loads(f.readline())
+    try:
+        header = json.loads(f.readline())
+    except json.JSONDecodeError:
+        f.close()
+        raise ValueError(f"{filename} is not a timeline part file: its first line is no "
+                         "JSON header") from None
 
     def records():
         with f:
@@ -493,7 +498,14 @@ def main(argv=None):
     merge_parser = sub.add_parser("merge", help="merge PATH.rank*.part into PATH")
     merge_parser.add_argument("path")
     args = parser.parse_args(argv)
-    print(merge(args.path))
+    try:
+        print(merge(args.path))
+    except FileNotFoundError as error:
+        finished = (" (the job finished: its timeline was written whole, with nothing left to "
+                    "merge)" if os.path.isfile(args.path) else "")
+        parser.exit(1, f"python -m fleetmpi.timeline merge: {error}{finished}\n")
+    except ValueError as error:  # a part file that cannot be read
+        parser.exit(1, f"python -m fleetmpi.timeline merge: {error}\n")
 
 
 atexit.register(_flush_at_exit)

@@ -245,3 +245,23 @@ def test_merge_aligns_other_machines_by_wall_clock(tmp_path):
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
              if e["name"] == "process_name"}
     assert names == {0: "rank 0 (node 0)", 1: "rank 1 (node 0)", 2: "rank 2 (node 1)"}
+
+
+def _merge_command(path):
+    return subprocess.run([sys.executable, "-m", "fleetmpi.timeline", "merge", str(path)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_merge_of_a_finished_or_damaged_timeline_says_why_in_one_line(tmp_path):
+    finished = tmp_path / "trace.json"
+    finished.write_text("[]")
+    done = _merge_command(finished)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"python -m fleetmpi.timeline merge: no part files {finished}.rank*.part to merge "
+        "(the job finished: its timeline was written whole, with nothing left to merge)")
+    damaged = tmp_path / "other.json.rank0.part"
+    damaged.write_text("not a header\n")
+    done = _merge_command(tmp_path / "other.json")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"{damaged} is not a timeline part file" in done.stderr

@@ -41,6 +41,7 @@ GPU_TEST_FILES = (
     ("tests/test_recompute.py", "recompute bit for bit on CuPy"),
     ("tests/test_sharding_stages.py", "sharding stages 1-3 at world size 1 on CuPy"),
     ("tests/test_sync_batch_norm.py", "batch statistics against CuPy's own reductions"),
+    ("tests/test_tensor_places.py", "a host tensor moved to the GPU with to('gpu')"),
 )
 # Per-test limit inside the single-process stage (pytest-timeout).
 TEST_TIMEOUT_S = 120

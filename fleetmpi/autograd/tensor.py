@@ -109,6 +109,35 @@ class Tensor:
                              f"{self.shape}")
         self.data[...] = backend.asarray(value)
 
+    def cpu(self):
+        """The values on the host, as a new tensor outside the graph (Paddle's ``cpu()``):
+        a copy from the GPU, the same array on the CPU."""
+        return Tensor(self.numpy(), stop_gradient=True)
+
+    def cuda(self):
+        """The values on this rank's GPU (Paddle's ``cuda()``): each rank drives one device, so
+        there is no index to choose; a ValueError on the CPU backend."""
+        return self.to("gpu")
+
+    def to(self, device=None, dtype=None, blocking=None):
+        """Paddle's ``to``: on ``device`` (``"cpu"``, or ``"gpu"`` / ``"gpu:N"`` for this rank's
+        GPU, the only one a rank drives), in ``dtype`` (as ``astype``, recorded in the graph)."""
+        moved = self
+        if device is not None:
+            place = str(device).lower()
+            if place == "cpu":
+                moved = self.cpu()
+            elif place == "gpu" or place.startswith(("gpu:", "cuda")):
+                if not backend.on_gpu():
+                    raise ValueError(f"to({device!r}): this process runs on the CPU backend "
+                                     "(FLEETMPI_DEVICE=gpu with a CUDA device selects the GPU)")
+                if isinstance(self.data, np.ndarray):  # a host tensor, made before the move
+                    moved = Tensor(backend.asarray(self.data), stop_gradient=self.stop_gradient)
+            else:
+                raise ValueError(f"device={device!r} is not known; allowed: 'cpu', 'gpu', "
+                                 "'gpu:N'")
+        return moved if dtype is None else moved.astype(dtype)
+
     def detach(self):
         """The same values, cut from the graph (no gradient flows through)."""
         return Tensor(self.data, stop_gradient=True)
