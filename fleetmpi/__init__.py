@@ -46,6 +46,7 @@ from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, m
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
+from .nn.summary import summary
 from .schema_view import ConfigError
 from .serialization import load, save
 from .device_guard import device_guard, split_stages
@@ -72,6 +73,6 @@ __all__ = [
     "local_rank", "local_size", "matmul", "metric", "ModeError", "nn", "no_grad", "node_index",
     "node_num", "optimizer", "PaddleCloudRoleMaker", "reshape", "Role", "run_server", "save",
     "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
-    "split_stages", "stack", "stop_worker", "Tensor", "to_tensor", "transpose",
+    "split_stages", "stack", "stop_worker", "summary", "Tensor", "to_tensor", "transpose",
     "UserDefinedRoleMaker", "util", "utils", "worker_endpoints", "worker_index", "worker_num",
 ]
