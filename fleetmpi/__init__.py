@@ -46,6 +46,7 @@ from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, m
                        reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
+from .log_writer import LogWriter
 from .nn.summary import summary
 from .schema_view import ConfigError
 from .serialization import load, save
@@ -70,9 +71,9 @@ __all__ = [
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "Function",
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
     "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "load",
-    "local_rank", "local_size", "matmul", "metric", "ModeError", "nn", "no_grad", "node_index",
-    "node_num", "optimizer", "PaddleCloudRoleMaker", "reshape", "Role", "run_server", "save",
-    "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
+    "local_rank", "local_size", "LogWriter", "matmul", "metric", "ModeError", "nn", "no_grad",
+    "node_index", "node_num", "optimizer", "PaddleCloudRoleMaker", "reshape", "Role", "run_server",
+    "save", "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
     "split_stages", "stack", "stop_worker", "summary", "Tensor", "to_tensor", "transpose",
     "UserDefinedRoleMaker", "util", "utils", "worker_endpoints", "worker_index", "worker_num",
 ]

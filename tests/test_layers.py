@@ -34,7 +34,7 @@ LAYERS = (
     ("trainer", ("fleetmpi.autograd", "fleetmpi.nn", "fleetmpi.optimizer", "fleetmpi.kernels",
                  "fleetmpi.data", "fleetmpi.checkpoint", "fleetmpi.hybrid_checkpoint",
                  "fleetmpi.progress", "fleetmpi.elastic", "fleetmpi.io",
-                 "fleetmpi.serialization")),
+                 "fleetmpi.serialization", "fleetmpi.log_writer")),
     ("strategies", ("fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.distributed_strategy",
                     "fleetmpi.schema_view", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
                     "fleetmpi.role_maker")),
