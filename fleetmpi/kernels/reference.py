@@ -216,3 +216,9 @@ def unscale(grad, inverse, found):
     any result is inf or NaN, left as it was otherwise (no read on the host)."""
     grad *= inverse
     found |= ~np.isfinite(grad).all()
+
+
+def check_finite(grad, found):
+    """The non-finite check of a step without amp: ``found[0]`` (an int32 flag) set to 1 when
+    ``grad`` holds an inf or NaN, left as it was otherwise (no read on the host)."""
+    found |= ~np.isfinite(grad).all()
