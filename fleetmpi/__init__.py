@@ -32,8 +32,8 @@ if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
 
 from . import autograd, device, nn, optimizer, utils
-from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
-                       reshape, split, stack, to_tensor, transpose)
+from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, is_grad_enabled,
+                       matmul, no_grad, reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
 from .schema_view import ConfigError
@@ -55,7 +55,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BuildStrategy", "CaptureError", "ConfigError", "DistributedStrategy", "ExecutionStrategy",
-    "Function", "GraphedStep", "ModeError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
+    "Function", "GraphedStep", "ModeError", "NonFiniteError", "PaddleCloudRoleMaker", "Role", "Tensor", "UserDefinedRoleMaker",
     "applied_strategy", "autograd", "barrier_worker", "concat", "device", "device_guard",
     "distributed_model", "distributed_optimizer", "enable_grad",
     "get_hybrid_communicate_group", "graphed_step", "init", "init_server",
