@@ -42,8 +42,8 @@ except RuntimeError as _error:
     raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
 
 from . import autograd, device, io, metric, nn, optimizer, utils
-from .autograd import (Function, Tensor, concat, enable_grad, is_grad_enabled, matmul, no_grad,
-                       reshape, split, stack, to_tensor, transpose)
+from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, is_grad_enabled,
+                       matmul, no_grad, reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
 from .log_writer import LogWriter
@@ -72,8 +72,9 @@ __all__ = [
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
     "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "load",
     "local_rank", "local_size", "LogWriter", "matmul", "metric", "ModeError", "nn", "no_grad",
-    "node_index", "node_num", "optimizer", "PaddleCloudRoleMaker", "reshape", "Role", "run_server",
-    "save", "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
-    "split_stages", "stack", "stop_worker", "summary", "Tensor", "to_tensor", "transpose",
-    "UserDefinedRoleMaker", "util", "utils", "worker_endpoints", "worker_index", "worker_num",
+    "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "reshape",
+    "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints", "server_index",
+    "server_num", "split", "split_stages", "stack", "stop_worker", "summary", "Tensor",
+    "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils", "worker_endpoints",
+    "worker_index", "worker_num",
 ]

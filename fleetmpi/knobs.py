@@ -264,6 +264,16 @@ CUDA_GRAPH = Knob(
     "`fleetmpi.graphed_step`: `1` captures the step after its warm-up calls and replays the "
     "graph (on NumPy a host stand-in); `0` runs every call eagerly through the same static "
     "inputs, to compare or debug (argument `enabled` wins).")
+NONFINITE = Knob(
+    "FLEETMPI_NONFINITE", "stop",
+    choice({"stop": ("stop", "raise fleetmpi.NonFiniteError on every rank"),
+            "skip": ("skip", "skip the step on every rank"),
+            "off": ("off", "no check")}), "`stop`, `skip`, `off`",
+    "A step of `distributed_optimizer` without amp's loss scaling whose loss or gradients hold "
+    "an inf or NaN on some rank: `stop` raises `fleetmpi.NonFiniteError` on every rank, naming "
+    "the ranks, the step and the first parameter affected, which ends the job; `skip` skips the "
+    "step on every rank (parameters, optimizer state and layer buffers untouched), with a "
+    "warning on rank 0; `off` checks nothing (docs/strategies.md, \"Non-finite values\").")
 RESTART_COUNT = Knob(
     "FLEETMPI_RESTART_COUNT", 0, whole_number, "a whole number >= 0",
     "Set by `fleetmpirun --elastic`: 0, then 1 after the first restart, ...")
@@ -275,4 +285,4 @@ ELASTIC_PROGRESS = Knob(
 KNOBS = (DEVICE, NUM_THREADS, KEEP_HOST_MEMORY, LOG_LEVEL, LOCAL_SIZE, CHECK_ENVIRONMENT,
          TRANSPORT, CHECK_COLLECTIVES, OVERLAP_ALLREDUCE, STALL_TIMEOUT, ABORT_ON_ERROR,
          TIMELINE, PROGRESS, PS_TIMEOUT, AUTO_SECONDS, AUTO_ALLOW, AUTO_MEMORY_MB,
-         CUDA_GRAPH, RESTART_COUNT, ELASTIC_PROGRESS)
+         CUDA_GRAPH, NONFINITE, RESTART_COUNT, ELASTIC_PROGRESS)

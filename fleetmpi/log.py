@@ -4,6 +4,7 @@
 """
 import logging
 import sys
+import time
 
 from .knobs import LOG_LEVEL
 
@@ -36,3 +37,25 @@ def configure(rank, size, node):
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+
+
+class RateLimited:
+    """Writes a warning per occurrence of something that may repeat every step, at most one
+    line per ``seconds``: an occurrence inside that time is counted, and the next line written
+    says how many were not. ``clock``: seconds, ``time.monotonic`` by default."""
+
+    def __init__(self, seconds, clock=time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self._last = None
+        self._held = 0
+
+    def warning(self, message, *args):
+        now = self.clock()
+        if self._last is not None and now - self._last < self.seconds:
+            self._held += 1
+            return
+        if self._held:
+            message += f" ({self._held} more since the last such line, not written)"
+        self._last, self._held = now, 0
+        logger.warning(message, *args)

@@ -9,6 +9,8 @@ variable on to the ranks, as Paddle's launcher does:
   wins, as Paddle's strategy sets these flags);
 * ``FLAGS_fraction_of_gpu_memory_to_use`` limits CuPy's memory pool to that fraction of the
   device's memory (``fleetmpi.backend``);
+* ``FLAGS_check_nan_inf`` (``1``) checks the outputs of every operation, forward and backward,
+  and names the first operator and layer that gave an inf or NaN (``fleetmpi.autograd.nan_inf``);
 * ``FLAGS_selected_gpus`` is what ``fleetmpirun --gpus`` sets beside ``CUDA_VISIBLE_DEVICES``,
   which is what fleetmpi follows.
 
@@ -23,6 +25,9 @@ FIELD_FLAGS = {
 }
 MEMORY_FRACTION = "FLAGS_fraction_of_gpu_memory_to_use"
 SELECTED_GPUS = "FLAGS_selected_gpus"
+CHECK_NAN_INF = "FLAGS_check_nan_inf"
+# The spellings of a boolean Paddle's flags (gflags) accept.
+_BOOLEANS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
 UNREAD = "fleetmpi does not read this Paddle flag"
 
 
@@ -66,11 +71,21 @@ def memory_fraction(environ=os.environ):
     return value
 
 
+def check_nan_inf(environ=os.environ):
+    """Whether ``FLAGS_check_nan_inf`` asks for every operation's outputs to be checked."""
+    text = environ.get(CHECK_NAN_INF, "").strip()
+    if text == "":
+        return False
+    if text not in _BOOLEANS:
+        raise ValueError(f"{CHECK_NAN_INF}={text!r} must be 1, true, 0 or false")
+    return _BOOLEANS[text]
+
+
 def unread(on_gpu, environ=os.environ):
     """``{variable: why}`` for each ``FLAGS_*`` variable set that changes nothing here."""
     reasons = {}
     for name in sorted(n for n in environ if n.startswith("FLAGS_") and environ[n] != ""):
-        if name in FIELD_FLAGS:
+        if name in FIELD_FLAGS or name == CHECK_NAN_INF:
             continue
         if name == MEMORY_FRACTION:
             if not on_gpu:

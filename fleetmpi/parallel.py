@@ -26,6 +26,7 @@ from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_back
                              run_forward, step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
+from .strategies.nonfinite import NonFiniteCheck
 
 _STRATEGY_STATE = "strategy."
 _applied = None
@@ -192,7 +193,8 @@ class DistributedOptimizer:
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
         reasons = applied.not_applied(strategy, self.communicator, backend.on_gpu(), self.hooks)
         self.applied_strategy = applied.AppliedStrategy.of(
-            strategy, [hook.name for hook in self.hooks], reasons, calibration)
+            strategy, [hook.name for hook in self.hooks if hook.name != NonFiniteCheck.name],
+            reasons, calibration)
         if self._calibration is None:
             _applied = self.applied_strategy
             applied.report(self.applied_strategy)

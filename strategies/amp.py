@@ -37,9 +37,11 @@ consecutive overflowing steps it is multiplied by ``decr_ratio`` (never below 1)
 ``incr_every_n_steps`` consecutive finite steps by ``incr_ratio`` (kept only while finite), each
 counter restarting from zero when the other kind of step comes or the scale changes.
 ``use_dynamic_loss_scaling=False`` keeps ``init_loss_scaling`` fixed; overflowing steps are
-still skipped. Steps that do not update (gradient_merge's steps between its updates) are not
-checked and leave the scale alone. Without loss scaling (bfloat16) nothing is checked, and no
-step is skipped.
+still skipped. Outside a CUDA graph capture rank 0 logs each skipped step as a warning with
+the new loss scale, at most one line per ``SKIP_LOG_SECONDS`` (the next line counts those held
+back). Steps that do not update (gradient_merge's steps between its updates) are not
+checked and leave the scale alone. Without loss scaling (bfloat16) amp checks nothing and
+skips no step; the non-finite check of every step (``fleetmpi.strategies.nonfinite``) does.
 
 The scale and Paddle's counters live in device arrays moved by elementwise operations from
 the flag, with no read on the host (``loss_scaling``, ``good_steps``, ``bad_steps`` and
@@ -55,6 +57,7 @@ import numpy as np
 
 from .. import backend, capture_checks, kernels
 from ..autograd import Function, autocast
+from ..log import RateLimited
 from . import amp_precision
 from .base import Strategy
 
@@ -67,6 +70,9 @@ FLOAT32 = np.dtype("float32")
 # Level O2 computes every operator in the low-precision dtype but these: the black list's and
 # the cast that amp's own casts are recorded as.
 NEVER_CAST = frozenset({"cast"})
+# At most one line per this many seconds about skipped steps (rank 0's); a burst of them, as
+# while the scale falls from its initial value, is counted in the next line.
+SKIP_LOG_SECONDS = 10.0
 _STATE_KEYS = ("loss_scaling", "good_steps", "bad_steps", "skipped_steps")
 
 
@@ -151,6 +157,8 @@ class AMP(Strategy):
                               dtype=FLOAT32)
         self._counts = xp.zeros(3, dtype=np.int64)
         self._found = xp.zeros(1, dtype=np.int32)
+        self.rank = 0 if communicator is None else communicator.rank
+        self._skip_log = RateLimited(SKIP_LOG_SECONDS)
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -231,6 +239,10 @@ class AMP(Strategy):
             self._count_step(found)
             if outside:
                 ctx.apply_update = not int(verdict[0])
+                if not ctx.apply_update and self.rank == 0:
+                    self._skip_log.warning("amp: step %d skipped: the gradients held an inf or "
+                                           "NaN on some rank; the loss scale is now %g",
+                                           ctx.step, self.loss_scaling)
             else:
                 ctx.found_inf = found
         return result

@@ -8,7 +8,9 @@ the strategies before it see gradients before they travel (gradient_merge folds 
 accumulator in) and act on the averaged gradients after (amp's unscale and overflow check, the
 lars/lamb update). With ``sharding`` its reduce-scatter is the gradient reduction (with
 float16 on the wire under ``fp16_allreduce``), and its update broadcasts the shards back;
-under ``pipeline`` it partitions each stage over that stage's replicas.
+under ``pipeline`` it partitions each stage over that stage's replicas. The non-finite check
+(``nonfinite``), where it runs, comes last before the gradient reduction, whose buckets it
+checks before they travel.
 ``python -m fleetmpi.docs regenerate`` writes ``docs/strategy_pairs.md`` from ``ORDER`` and
 ``CONFLICTS``.
 """
@@ -175,4 +177,27 @@ def build_strategies(strategy, optimizer, communicator, agreement=None):
         reduction = strategy_class("fp16_allreduce") if strategy.fp16_allreduce \
             else GradientAllreduce
         hooks.append(reduction(strategy, optimizer, replicas))
-    return hooks
+    return with_nonfinite_check(hooks, names, optimizer, agreement or communicator)
+
+
+def with_nonfinite_check(hooks, names, optimizer, communicator):
+    """``hooks`` with the non-finite check (``fleetmpi.strategies.nonfinite``) before the
+    gradient reduction (the last hook, when it is one: the plain or fp16 allreduce, whose
+    buckets it checks as they leave, or sharding's), unless ``FLEETMPI_NONFINITE=off`` or amp
+    checks every update itself (loss scaling)."""
+    from .gradient_allreduce import GradientAllreduce
+    from .nonfinite import NonFiniteCheck, nonfinite_mode
+
+    mode = nonfinite_mode()
+    if mode == "off" or any(hook.name == "amp" and hook.scales_loss for hook in hooks):
+        return hooks
+    check = NonFiniteCheck(mode, optimizer, communicator,
+                           local_steps_alone=bool({"localsgd", "adaptive_localsgd"} & set(names)))
+    last = hooks[-1] if hooks else None
+    if isinstance(last, GradientAllreduce):
+        last.check_local = check.check_local
+        check.reduction_checks = True
+        check.bucket_of = last.schedule.bucket_of
+    elif last is None or last.name != "sharding":
+        return hooks + [check]
+    return hooks[:-1] + [check, last]

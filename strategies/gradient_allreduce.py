@@ -13,6 +13,9 @@ The allreduce algorithm of each bucket is chosen once per bucket plan, at its fi
 (``Communicator.allreduce_algorithm``), and passed to every reduction of the bucket. Each
 bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``, named
 ``bucket <index>``) with its index, that algorithm, bytes and number of parameters.
+
+``check_local``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket's
+gradient just before it is reduced: the rank's own gradient, read where it is still hot.
 """
 import os
 
@@ -164,6 +167,7 @@ class GradientAllreduce(Strategy):
         self.bucket_algorithms = None  # by bucket index, once chosen (see _algorithm)
         self.overlap = overlap_allreduce()
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
+        self.check_local = None
 
     def _algorithm(self, bucket):
         """The allreduce algorithm of ``bucket``, chosen for every bucket of the plan at the
@@ -177,6 +181,8 @@ class GradientAllreduce(Strategy):
 
     def _reduce(self, bucket):
         grad = bucket.grad
+        if self.check_local is not None:
+            self.check_local([grad])
         algorithm = self._algorithm(bucket)
         with timeline.span(f"bucket {bucket.index}", "comm") as event:
             if event:

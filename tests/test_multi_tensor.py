@@ -22,7 +22,7 @@ from cuda_host import compile_for_device, load_on_host
 from strategy_support import global_batch, make_mlp, make_strategy
 
 SOURCE = loader.source_path("optimizer.cu")
-KERNELS = ("sgd", "momentum", "adam", "unscale")
+KERNELS = ("sgd", "momentum", "adam", "unscale", "check_finite")
 DTYPES = [("float64", 1e-12), ("float32", 1e-5)]
 # (grid, block), each product below the 1001 + 97 + 1 elements of SIZES, so a thread walks
 # several elements of the large arrays; None is the loader's own geometry.
@@ -215,6 +215,29 @@ def test_unscale_matches_the_reference_and_flags_exactly_the_non_finite(device_b
     assert device_branch == [("multi_tensor_unscale", len(SIZES))] * len(places)
 
 
+@on_geometries
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("bad", [None, np.inf, -np.inf, np.nan])
+def test_check_finite_flags_exactly_the_non_finite_and_writes_no_gradient(device_branch, dtype,
+                                                                          bad):
+    rng = np.random.default_rng(4)
+    places = PLACES if bad is not None else [None]
+    for place in places:
+        grads = [random(rng, size, dtype, 1e4) for size in SIZES]
+        if place is not None:
+            grads[place[0]][place[1]] = bad
+        before = [g.copy() for g in grads]
+        want_found = np.zeros(1, dtype=np.int32)
+        for g in before:
+            reference.check_finite(g, want_found)
+        found = np.zeros(1, dtype=np.int32)
+        kernels.multi_tensor_check_finite(grads, found)
+        for g, b in zip(grads, before):
+            np.testing.assert_array_equal(g, b)
+        assert want_found[0] == found[0] == (bad is not None), place
+    assert device_branch == [("multi_tensor_check_finite", len(SIZES))] * len(places)
+
+
 def test_unscale_leaves_a_set_flag_set():
     found = np.ones(1, dtype=np.int32)
     kernels.multi_tensor_unscale([np.ones(5, np.float32)], np.ones(1, np.float32), found)
@@ -358,8 +381,9 @@ AMP = {"amp": True, "amp_configs": {"init_loss_scaling": 1024.0, "decr_every_n_n
 @pytest.mark.parametrize("device_branch", [None], indirect=True)
 @pytest.mark.parametrize("case", ["plain", "amp", "amp_overflow", "amp_bf16"])
 def test_a_step_launches_one_kernel_per_pass_however_many_parameters(device_branch, case):
-    """Four runs of one dtype: one update launch; with amp one unscale launch before it; a
-    step amp skips launches the unscale alone; bfloat16, which scales nothing, no unscale."""
+    """Four runs of one dtype: one update launch; before it one launch of the non-finite
+    check without amp, or with amp one unscale launch (which checks); a step amp skips
+    launches the unscale alone; bfloat16, which scales nothing, no unscale but the check."""
     fields = dict(FUSED, **(AMP if case.startswith("amp") else {}))
     if case == "amp_bf16":
         fields["amp_configs"] = {"use_pure_bf16": True}
@@ -368,10 +392,11 @@ def test_a_step_launches_one_kernel_per_pass_however_many_parameters(device_bran
         x = x * 1e6
     opt, launched = _step_on_the_device_branch(device_branch, make_strategy(**fields), (x, y))
     assert len(opt.inner.runs) == 4
-    want = {"plain": [("multi_tensor_momentum", 4)],
+    check = ("multi_tensor_check_finite", 4)
+    want = {"plain": [check, ("multi_tensor_momentum", 4)],
             "amp": [("multi_tensor_unscale", 4), ("multi_tensor_momentum", 4)],
             "amp_overflow": [("multi_tensor_unscale", 4)],
-            "amp_bf16": [("multi_tensor_momentum", 4)]}[case]
+            "amp_bf16": [check, ("multi_tensor_momentum", 4)]}[case]
     assert launched == want
     if case.startswith("amp"):
         amp = opt.strategies["amp"]

@@ -20,6 +20,7 @@ on a tensor goes through the step (its strategies' backward stages and gradient 
 import heapq
 
 from .. import backend
+from . import nan_inf
 
 _driver = None
 
@@ -159,6 +160,8 @@ def run_backward(roots, grads, on_leaf_ready=None):
         in_grads = type(node).backward(node, *pending.pop(node))
         if not isinstance(in_grads, tuple):
             in_grads = (in_grads,)
+        if nan_inf.enabled:
+            nan_inf.check(node, in_grads, node._layers, "backward")
         inputs = node._inputs
         node._inputs = node._saved = None
         count = len(in_grads)

@@ -17,7 +17,8 @@ arrays so that a backward can launch a RawKernel directly.
 
 A call is recorded only when recording is on and some Tensor argument requires a gradient;
 otherwise forward runs and its outputs are plain leaves. On a GPU a NumPy array argument is
-copied to the device first, so a model takes host batches as they come.
+copied to the device first, so a model takes host batches as they come. Under Paddle's
+``FLAGS_check_nan_inf`` every call's outputs are checked for inf and NaN (``nan_inf``).
 """
 import itertools
 
@@ -26,6 +27,7 @@ import numpy as np
 from .. import backend
 from . import autocast as _autocast
 from . import grad_mode as _grad_mode
+from . import nan_inf as _nan_inf
 from .tensor import Tensor
 
 _sequence = itertools.count()
@@ -51,6 +53,8 @@ class Function:
     """Base of every differentiable operation (module docstring)."""
 
     op_type = None
+    # Under FLAGS_check_nan_inf, the layers running when the call was recorded (nan_inf).
+    _layers = ()
     # What a tensor's keeper packed of this call's saved arrays (``Tensor._keeper``): the
     # record its ``after_forward`` returned, unpacked by the engine before ``backward``.
     _packed = None
@@ -131,6 +135,10 @@ class Function:
         else:
             node.needs_input_grad = (False,) * len(args)
         result = _bfloat16_kept(cls.forward(node, *arrays, **kwargs), arrays)
+        if _nan_inf.enabled:
+            node._layers = _nan_inf.running_layers()
+            _nan_inf.check(node, result if isinstance(result, tuple) else (result,),
+                           node._layers, "forward")
         if kept is not None and inputs:
             for keeper in {id(t._keeper): t._keeper for t in kept}.values():
                 packed = keeper.after_forward(node)

@@ -1,6 +1,7 @@
 // fuse_all_optimizer_ops: multi-tensor kernels, each one launch over every flat array of a step
 // (the flat buffers of one dtype, or the pieces of a shard), however many there are.
-// The math is defined by sgd_update / momentum_update / adam_update / unscale in reference.py.
+// The math is defined by sgd_update / momentum_update / adam_update / unscale / check_finite in
+// reference.py.
 //
 // The arrays come as a table of addresses: table[k * n_arrays + a] is array a of kind k (kind
 // 0 the parameters, or for unscale the gradients; then the gradients and each optimizer state
@@ -140,7 +141,23 @@ extern "C" __global__ void multi_tensor_unscale_##SUFFIX(                       
     }                                                                                     \
 }
 
+// The non-finite check of training without amp: *found set to 1 when any gradient element is
+// inf or NaN, nothing written otherwise (the same benign race as unscale's).
+#define DEFINE_CHECK_FINITE(T, SUFFIX)                                                    \
+extern "C" __global__ void multi_tensor_check_finite_##SUFFIX(                            \
+        const unsigned long long* table, const long long* offsets, int n_arrays,          \
+        int* found) {                                                                     \
+    for (int a = 0; a < n_arrays; ++a) {                                                  \
+        const T* grad = array_of<T>(table, 0, n_arrays, a);                               \
+        for (long long i = first_index(); i < offsets[a + 1] - offsets[a];                \
+             i += grid_stride())                                                          \
+            if (!isfinite(grad[i])) *found = 1;                                           \
+    }                                                                                     \
+}
+
 DEFINE_OPTIMIZER(float, float32)
 DEFINE_OPTIMIZER(double, float64)
 DEFINE_UNSCALE(float, float32)
 DEFINE_UNSCALE(double, float64)
+DEFINE_CHECK_FINITE(float, float32)
+DEFINE_CHECK_FINITE(double, float64)

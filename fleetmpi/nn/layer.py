@@ -28,7 +28,7 @@ from collections import OrderedDict
 import numpy as np
 
 from .. import backend
-from ..autograd import as_array
+from ..autograd import as_array, nan_inf
 from . import initializer
 from .flat import flatten
 from .parameter import Parameter
@@ -321,7 +321,11 @@ class Layer:
             replaced = hook(self, inputs)
             if replaced is not None:
                 inputs = replaced if isinstance(replaced, tuple) else (replaced,)
-        output = self.forward(*inputs, **kwargs)
+        if nan_inf.enabled:
+            with nan_inf.in_layer(self):
+                output = self.forward(*inputs, **kwargs)
+        else:
+            output = self.forward(*inputs, **kwargs)
         for hook in self._forward_post_hooks:
             replaced = hook(self, inputs, output)
             if replaced is not None:

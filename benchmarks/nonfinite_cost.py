@@ -1,0 +1,71 @@
+"""The cost of the non-finite check (``FLEETMPI_NONFINITE``) on train_throughput's models: one
+model of ``benchmarks/throughput_run/models.py`` built twice from one seed, one distributed
+optimizer with the check and one built with ``FLEETMPI_NONFINITE=off``, their steps alternating
+(which goes first alternating too) so that the machine's drift falls on both; prints the median
+step of each and the difference.
+
+    [mpiexec -n 2] python benchmarks/nonfinite_cost.py mlp|gpt STEPS
+"""
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fleetmpi as fleet  # noqa: E402
+from fleetmpi import nn, optimizer  # noqa: E402
+from throughput_run.models import our_model, spec  # noqa: E402
+from throughput_run.training import batches  # noqa: E402
+WARMUP = 3
+
+
+def build(name):
+    """``{mode: (model, distributed optimizer)}`` with the check (``stop``) and without."""
+    built = {}
+    for mode in ("off", "stop"):
+        os.environ["FLEETMPI_NONFINITE"] = mode
+        fleet.seed(0)
+        model = fleet.distributed_model(our_model(name, "cpu"))
+        params = model.parameters()
+        opt = (optimizer.AdamW(1e-4, parameters=params) if spec(name, "cpu").gpt
+               else optimizer.Momentum(0.01, parameters=params))
+        strategy = fleet.DistributedStrategy()
+        strategy.build_strategy.fuse_all_optimizer_ops = True
+        built[mode] = (model, fleet.distributed_optimizer(opt, strategy))
+    return built
+
+
+def timed_step(name, model, opt, x, y):
+    """Seconds of one step in the idiom train_throughput uses for ``name``."""
+    loss_fn = nn.CrossEntropyLoss()
+    start = time.perf_counter()
+    if spec(name, "cpu").gpt:
+        logits = model(x)
+        loss_fn(logits.reshape([-1, logits.shape[-1]]), y.reshape([-1])).backward()
+        opt.step()
+        opt.clear_grad()
+    else:
+        opt.minimize(model, loss_fn, x, y)
+    return time.perf_counter() - start
+
+
+def main(name, steps):
+    fleet.init(is_collective=True)
+    xs, ys = batches(name, "cpu")
+    built = build(name)
+    times = {"off": [], "stop": []}
+    for i in range(steps + WARMUP):
+        x, y = fleet.to_tensor(xs[i % len(xs)]), fleet.to_tensor(ys[i % len(ys)])
+        for mode in (("off", "stop") if i % 2 else ("stop", "off")):
+            seconds = timed_step(name, *built[mode], x, y)
+            if i >= WARMUP:
+                times[mode].append(seconds)
+    if fleet.worker_index() == 0:
+        off, on = (statistics.median(times[mode]) for mode in ("off", "stop"))
+        print(f"{name} at {fleet.worker_num()} rank(s): median step {off * 1e3:.2f} ms "
+              f"without the check, {on * 1e3:.2f} ms with it: {100 * (on / off - 1):+.2f}% "
+              f"({steps} steps each)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

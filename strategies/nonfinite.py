@@ -1,0 +1,180 @@
+"""The check that no step trains on an inf or NaN (``FLEETMPI_NONFINITE``: stop, skip, off).
+
+It runs in every step of ``distributed_optimizer`` that amp's loss scaling does not check
+already (amp skips an overflowing step itself). Each rank checks its own loss and gradients
+before they travel: the gradient reduction calls ``check_local`` on each bucket just before
+reducing it (one read of the bucket, ``kernels.multi_tensor_check_finite``, amp's overflow
+check without the unscale), and where the gradients do not go through that reduction this
+step (one process, gradient_merge's steps between updates, localsgd's local steps, dgc's
+compressed steps, sharding's reduction) the check reads the flat gradients itself before the
+reduction stage. This rank's verdict (bit 1: a gradient, bit 2: the loss) stays on the
+device and is kept until the next update, so a gradient_merge window is covered whole.
+
+On a step that updates, the verdicts are agreed: each rank writes its own into its slot of a
+vector of one int32 per rank, and one tiny allreduce (max) gives every rank every rank's
+verdict, so that all decide alike and all can name the culprits. That is the only
+communication the check adds (4 bytes per rank and update, as amp's flag). On localsgd's local
+steps, where each rank's update is its own, each rank decides on its verdict alone and sends
+nothing.
+
+Outside a CUDA graph capture the verdicts are read on the host once (free on the CPU). Where a
+rank's was set, ``stop`` raises ``NonFiniteError`` on every rank that decided, naming the
+ranks, what was not finite, the step and the first parameter whose gradient here holds an inf
+or NaN (with its gradient bucket), and the job ends through the failure path of an uncaught
+exception; ``skip`` zeroes the gradients, puts the layers' buffers back as the step's first
+forward found them (batch-norm statistics), updates nothing, and rank 0 logs a warning.
+Inside a capture nothing is read: in both modes the step is skipped on the device as amp's is
+(``kernels.where_found``, the update launched with ``ctx.found_inf``), buffers put back under
+``skip`` only, and ``skipped_steps`` counts it; the check is then the device flag alone.
+"""
+import numpy as np
+
+from .. import backend, capture_checks, kernels
+from ..autograd import NonFiniteError, as_array
+from ..knobs import NONFINITE
+from ..log import logger
+from ..optimizer import StepHook
+
+GRADIENT, LOSS = 1, 2
+
+
+def nonfinite_mode():
+    """``stop``, ``skip`` or ``off`` (``FLEETMPI_NONFINITE``)."""
+    return NONFINITE.value()
+
+
+def describe(verdicts, step, first, agreed):
+    """``step 7: rank 1 (loss and local gradient) held an inf or NaN; ...``: what a step
+    whose ``verdicts`` (one int per rank; only this rank's where the ranks did not agree,
+    ``agreed`` False) hold a set bit found; ``first``: what names the first parameter
+    affected, or None."""
+    culprits = []
+    for rank, verdict in enumerate(verdicts):
+        what = [name for flag, name in ((LOSS, "loss"), (GRADIENT, "local gradient"))
+                if verdict & flag]
+        if what:
+            culprits.append(f"rank {rank} ({' and '.join(what)})")
+    where = (f"; the first parameter of the gradient buffer whose gradient holds one after the "
+             f"reduction is {first}" if first else "")
+    alone = "" if agreed else " (an update of this rank alone: no verdict exchanged)"
+    return f"step {step}{alone}: {', '.join(culprits)} held an inf or NaN{where}"
+
+
+class NonFiniteCheck(StepHook):
+    """The check of the module docstring, for ``optimizer`` with ``mode`` ``stop`` or
+    ``skip``. ``communicator``: the ranks that agree on the verdict (None alone);
+    ``local_steps_alone``: whether a step whose gradients are not synchronised is each rank's
+    own (localsgd); ``bucket_of(parameter)``: the gradient bucket of a parameter, or None.
+    Observable: ``skipped_steps``, ``verdict_bytes``."""
+
+    name = "nonfinite_check"
+
+    def __init__(self, mode, optimizer, communicator, local_steps_alone=False):
+        if mode not in ("stop", "skip"):
+            raise ValueError(f"the non-finite check's mode must be stop or skip, not {mode!r}")
+        self.mode = mode
+        self.optimizer = optimizer
+        self.communicator = communicator
+        self.local_steps_alone = local_steps_alone
+        self.bucket_of = None
+        self.reduction_checks = False
+        self._agreed = False
+        self._saved_buffers = None
+        xp = backend.array_module()
+        size = 1 if communicator is None else communicator.size
+        self.rank = 0 if communicator is None else communicator.rank
+        self.local = xp.zeros(1, dtype=np.int32)
+        self._verdicts = xp.zeros(size, dtype=np.int32)
+        self._skipped = xp.zeros(1, dtype=np.int64)
+
+    @property
+    def verdict_bytes(self):
+        """What one exchange of the verdicts hands to the allreduce: one int32 per rank."""
+        return int(self._verdicts.nbytes)
+
+    @property
+    def skipped_steps(self):
+        return int(backend.to_numpy(self._skipped)[0])
+
+    def check_local(self, grads):
+        """OR into this rank's verdict whether ``grads`` (this rank's own, before they
+        travel) hold an inf or NaN; no read on the host."""
+        kernels.multi_tensor_check_finite(grads, self.local)
+
+    # -- step stages ------------------------------------------------------------------------
+    def forward(self, ctx, proceed):
+        if self.mode == "skip" and self._saved_buffers is None and ctx.model is not None:
+            self._saved_buffers = [(b, b.copy()) for _, b in ctx.model.named_buffers()]
+        return proceed(ctx)
+
+    def reduce(self, ctx, proceed):
+        if not (self.reduction_checks and ctx.sync_gradients):
+            self.check_local([grad for _, grad in self.optimizer.flat_runs()])
+        if ctx.loss is not None:
+            xp = backend.array_module()
+            self.local |= xp.where(xp.isfinite(as_array(ctx.loss)).all(), 0, LOSS).astype(
+                np.int32)
+        result = proceed(ctx)
+        if ctx.apply_update:
+            self._decide(ctx, self._agree(ctx))
+        return result
+
+    def _agree(self, ctx):
+        """Every rank's verdict (this rank's alone on a local step), on the device; this
+        rank's own cleared for the next update."""
+        self._verdicts[...] = 0
+        self._verdicts[self.rank:self.rank + 1] = self.local
+        self.local[...] = 0
+        self._agreed = self.communicator is not None and self.communicator.size > 1 and (
+            ctx.sync_gradients or not self.local_steps_alone)
+        if self._agreed:
+            self.communicator.allreduce(self._verdicts, op="max", out=self._verdicts)
+        return self._verdicts
+
+    def _decide(self, ctx, verdicts):
+        saved, self._saved_buffers = self._saved_buffers or (), None
+        grads = [grad for _, grad in self.optimizer.flat_runs()]
+        if capture_checks.current is not None:
+            found = (verdicts.max(keepdims=True) != 0).astype(np.int32)
+            kernels.where_found(found, grads + [b for b, _ in saved],
+                                [g.dtype.type(0) for g in grads] + [s for _, s in saved])
+            self._skipped += found
+            ctx.found_inf = found if ctx.found_inf is None else ctx.found_inf | found
+            return
+        host = backend.to_numpy(verdicts)
+        if not host.any():
+            return
+        message = describe(host.tolist(), ctx.step, self._first_affected(), self._agreed)
+        if self.mode == "stop":
+            raise NonFiniteError(f"non-finite values at {message}. FLEETMPI_NONFINITE=skip "
+                                 "skips such steps instead of stopping; FLAGS_check_nan_inf=1 "
+                                 "names the operation that produced the first")
+        for grad in grads:
+            grad[...] = 0
+        for buffer, copy in saved:
+            buffer[...] = copy
+        self._skipped += 1
+        ctx.apply_update = False
+        if self.rank == 0:
+            logger.warning("FLEETMPI_NONFINITE=skip: skipped %s", message)
+
+    def _first_affected(self):
+        """``"fc1.weight" (gradient bucket 2)``: the first parameter whose gradient holds an
+        inf or NaN now, or None (a non-finite loss with finite gradients, or a gradient held
+        in a shard, which whole parameters do not map onto)."""
+        if self.optimizer.shard_gradient is not None:
+            return None
+        for run in self.optimizer.runs:
+            for p in run.parameters:
+                if not bool(np.isfinite(backend.to_numpy(run.view(run.grad, p))).all()):
+                    bucket = self.bucket_of(p) if self.bucket_of else None
+                    where = "" if bucket is None else f" (gradient bucket {bucket.index})"
+                    return f'"{p.name}"{where}'
+        return None
+
+    def state_dict(self):
+        return {}
+
+    def set_state_dict(self, state):
+        if state:
+            raise KeyError(f"the non-finite check keeps no state, got keys {sorted(state)}")
