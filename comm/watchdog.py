@@ -61,7 +61,8 @@ class Watch:
     """Where one rank is in the collectives of one MPI communicator (module docstring).
 
     ``comm_thread``: the communicator's background thread, if any; a call in flight while it
-    has operations pending is one of them, which the caller does not wait on.
+    has operations pending is one of them, which blocks the caller only while the caller
+    waits on a handle (or drains the thread).
     ``identity``: the same number on every rank for the same communicator (a checksum of its
     members' world ranks and how many watches over them this process made before), so that a
     rank blocked elsewhere can say where in terms the others can look up."""
@@ -92,7 +93,8 @@ class Watch:
         return True
 
     def blocking(self):
-        return self.comm_thread is None or not self.comm_thread.pending_count
+        thread = self.comm_thread
+        return thread is None or not thread.pending_count or thread.waiting > 0
 
 
 def watch_of(comm):
@@ -202,9 +204,10 @@ class Watchdog:
     def _loop(self):
         while not self.stopping.wait(TICK_SECONDS):
             with _lock:
+                for watch in list(self.watches):
+                    if not self._listen(watch):
+                        self.watches.remove(watch)
                 watches = list(self.watches)
-                for watch in watches:
-                    self._listen(watch, watches)
                 for watch in watches:
                     if self.ending is None and watch.started != watch.ended:
                         self._judge(watch)
@@ -212,15 +215,27 @@ class Watchdog:
             if self.ending is not None and time.monotonic() >= self.ending:
                 end_job()
 
-    def _listen(self, watch, watches):
-        """Answer the questions that came, and note the ranks that finished."""
+    def _listen(self, watch):
+        """Answer the questions that came, and note the ranks that finished; False when the
+        communicator has been freed (by code that does not call ``unwatch`` first)."""
         from mpi4py import MPI
 
-        comm, status = watch.comm, MPI.Status()
+        try:
+            self._answer(watch, MPI.Status())
+        except MPI.Exception:
+            return False
+        return watch.comm != MPI.COMM_NULL
+
+    def _answer(self, watch, status):
+        from mpi4py import MPI
+
+        comm = watch.comm
+        if comm == MPI.COMM_NULL:
+            return
         while comm.Iprobe(source=MPI.ANY_SOURCE, tag=QUERY_TAG, status=status):
             asker = status.Get_source()
             comm.Recv(np.zeros(1, np.int64), source=asker, tag=QUERY_TAG)
-            answer = answer_of(watch, asker, watches)
+            answer = answer_of(watch, asker, self.watches)
             self.sends.append(comm.Isend(answer, dest=asker, tag=ANSWER_TAG))
         while comm.Iprobe(source=MPI.ANY_SOURCE, tag=FINISHED_TAG, status=status):
             count = np.zeros(1, np.int64)

@@ -2,7 +2,7 @@
 
     mpiexec -n N python tests/stall_jobs.py repeat COLLECTIVE CALLS [ELEMENTS [ALGORITHM]]
     mpiexec -n N python tests/stall_jobs.py train IDIOM STEPS
-    mpiexec -n N python tests/stall_jobs.py uneven IDIOM STEPS_0,STEPS_1,... [join]
+    mpiexec -n N python tests/stall_jobs.py uneven IDIOM STEPS_0,STEPS_1,...
     mpiexec -n N python tests/stall_jobs.py leave WHERE
 
 ``repeat``: every rank makes ``CALLS - 1`` calls of ``COLLECTIVE`` on the same reused arrays
@@ -12,8 +12,7 @@ communicator's method, or ``allreduce_async``: started and waited for, except by
 which never waits on its handles.
 ``train``: a data-parallel training step in ``IDIOM`` (``minimize`` or ``backward``:
 ``loss.backward(); opt.step()``) ``STEPS - 1`` times, then rank 1 hangs before step ``STEPS``.
-``uneven``: rank ``r`` trains ``STEPS_r`` steps on its own batches, then the script ends;
-with ``join``, inside ``fleet.join(model, opt)``; each rank prints its final parameters.
+``uneven``: rank ``r`` trains ``STEPS_r`` steps on its own batches, then the script ends.
 ``leave``: rank 0 leaves its training loop after 2 steps for ``fleet.barrier_worker()``,
 ``checkpoint.save`` or an evaluation (``WHERE``: ``barrier``, ``checkpoint``, ``evaluate``)
 while rank 1 trains a third step.
@@ -120,26 +119,14 @@ def train(idiom, steps):
     print(f"rank {rank} finished", flush=True)
 
 
-def uneven(idiom, counts, join=False):
+def uneven(idiom, counts):
     model, opt = model_and_optimizer()
     rank = fleet.worker_index()
-    mine = [batch(rank, step) for step in range(counts[rank])]
-    if rank == counts.index(min(counts)):
-        mine.append(None)  # the fault: this rank runs out of batches first
-
-    def loop():
-        for item in mine:
-            if item is None:
-                fault()
-                continue
-            train_step(model, opt, idiom, *item)
-    if join:
-        with fleet.join(model, opt):
-            loop()
-    else:
-        loop()
-    flat = np.concatenate([p.numpy().ravel() for p in model.parameters()])
-    print(f"rank {rank} parameters {' '.join(repr(float(v)) for v in flat)}", flush=True)
+    for step in range(counts[rank]):
+        train_step(model, opt, idiom, *batch(rank, step))
+    if counts[rank] == min(counts):
+        fault()  # this rank ran out of batches first
+    print(f"rank {rank} finished", flush=True)
 
 
 def leave(where):
@@ -169,7 +156,7 @@ def main(args):
     elif mode == "train":
         train(args[1], int(args[2]))
     elif mode == "uneven":
-        uneven(args[1], [int(v) for v in args[2].split(",")], join="join" in args[3:])
+        uneven(args[1], [int(v) for v in args[2].split(",")])
     elif mode == "leave":
         leave(args[1])
     else:

@@ -23,8 +23,11 @@ COLLECTIVES = ["allreduce", "allreduce_many", "broadcast", "broadcast_many", "ba
 
 
 def run_job(n, *args, timeout="1"):
-    """``(return code, output, seconds)`` of ``stall_jobs.py args`` on ``n`` ranks."""
-    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout)
+    """``(return code, output, seconds)`` of ``stall_jobs.py args`` on ``n`` ranks, with
+    ``FLEETMPI_STALL_TIMEOUT=timeout`` (None: unset, the default)."""
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout or "")
+    if timeout is None:
+        del env["FLEETMPI_STALL_TIMEOUT"]
     start = time.monotonic()
     result = subprocess.run(local_command(n, [sys.executable, JOB, *map(str, args)]), env=env,
                             capture_output=True, text=True, timeout=JOB_SECONDS)
