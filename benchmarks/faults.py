@@ -3,11 +3,13 @@ under ``fleetmpirun``.
 
     python benchmarks/faults.py [--ranks 2] [--repeats 3]
 
-Each scenario runs ``tests/failure_jobs.py`` (the jobs the fault-injection tests start): the
+Each scenario runs ``tests/failure_jobs.py`` or ``tests/stall_jobs.py`` (the jobs the
+fault-injection tests start): the
 job prints ``FAULT <time>`` at the moment of the fault, and the time from there to the
 launcher's exit is the measure (median of ``--repeats`` runs), next to the exit status and
 whether the job's output names the failing rank. Stalls run with ``FLEETMPI_STALL_TIMEOUT=2``,
-so their time includes those 2 s. A job that has not ended after 60 s counts as hung.
+so their time includes those 2 s, except the uneven-data rows, which run at the default stall
+time (600 s). A job that has not ended after 60 s counts as hung.
 
     python benchmarks/faults.py --elastic [--repeats 5]
 
@@ -26,10 +28,11 @@ from fleetmpi.launch.mpi_command import local_command
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "failure_jobs.py")
 ELASTIC_JOB = os.path.join(os.path.dirname(JOB), "elastic_job.py")
+STALL_JOB = os.path.join(os.path.dirname(JOB), "stall_jobs.py")
 HANG_SECONDS = 60
 SCENARIOS = [
-    # (name, job arguments, extra environment, and per launcher: the text that names the
-    # failing rank, or why none can)
+    # (name, job arguments (after the job file, failure_jobs.py unless named first), extra
+    # environment, and per launcher: the text that names the failing rank, or why none can)
     ("rank 1 raises while rank 0 waits in an allreduce", ["raise"], {},
      {"mpiexec": "rank 1/", "fleetmpirun": "rank 1/"}),
     ("rank 1 raises in a thread", ["raise-thread"], {},
@@ -44,6 +47,18 @@ SCENARIOS = [
     ("rank 1 never reaches barrier_worker (stall)", ["stall", "1", "barrier_worker", "skip"],
      {"FLEETMPI_STALL_TIMEOUT": "2"},
      {"mpiexec": "rank(s) 1 have not arrived", "fleetmpirun": "rank(s) 1 have not arrived"}),
+    ("rank 1 hangs after 999 repeated allreduces (stall)",
+     [STALL_JOB, "repeat", "allreduce", "1000"], {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "rank(s) 1 have not arrived", "fleetmpirun": "rank(s) 1 have not arrived"}),
+    ("rank 1 hangs before training step 5 (stall)", [STALL_JOB, "train", "minimize", "5"],
+     {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "rank(s) 1 have not arrived", "fleetmpirun": "rank(s) 1 have not arrived"}),
+    ("uneven data: rank 0 ends its script after 3 steps, rank 1 has 5",
+     [STALL_JOB, "uneven", "minimize", "3,5"], {},
+     {"mpiexec": "rank 0 finished its script", "fleetmpirun": "rank 0 finished its script"}),
+    ("uneven data: rank 0 leaves its loop for barrier_worker", [STALL_JOB, "leave", "barrier"],
+     {}, {"mpiexec": "rank 0 waits in barrier_worker",
+          "fleetmpirun": "rank 0 waits in barrier_worker"}),
 ]
 
 
@@ -108,10 +123,12 @@ def main():
     print("| scenario | launcher | exit status | fault to exit (s) | failing rank named |")
     print("| --- | --- | ---: | ---: | --- |")
     for name, job, extra, named in SCENARIOS:
-        env = dict(os.environ, FLEETMPI_DEVICE="cpu", **extra)
+        env = {k: v for k, v in os.environ.items() if k != "FLEETMPI_STALL_TIMEOUT"}
+        env.update(FLEETMPI_DEVICE="cpu", **extra)
         for launcher, prefix in (("mpiexec", local_command(args.ranks) + [sys.executable]),
                                  ("fleetmpirun", fleetmpirun(args.ranks))):
-            results = [run(prefix + [JOB] + job, env) for _ in range(args.repeats)]
+            command = prefix + (job if job[0].endswith(".py") else [JOB] + job)
+            results = [run(command, env) for _ in range(args.repeats)]
             statuses = sorted({"hung" if s is None else str(s) for s, _, _ in results})
             times = [t for _, t, _ in results if t is not None]
             seconds = f"{statistics.median(times):.2f}" if times else "-"

@@ -46,8 +46,10 @@ from .handles import CommThread
 from .ops import array_module, finish_mean, is_device_array
 from .ring import DEFAULT_CHUNK_BYTES, count_offsets, reduce_scatter_ring, split_offsets
 from .stall import gather_rows
+from .stall_report import call_text
 from .transport_choice import device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
+from .watchdog import unwatch, watch_of
 
 HEADER_DIMS = 32
 P2P_TAG = 7
@@ -100,16 +102,28 @@ def _refuse_host_transport_in_capture(comm, collective):
             "or graphed_step(..., enabled=False))")
 
 
-def _recorded(collective, nbytes=False):
-    """Wrap a collective so that, while the timeline records, it is one ``comm`` event named
-    ``collective`` with the algorithm(s) its flat operations noted and its bytes: the payload
-    it added, or (``nbytes``) the bytes of its array ``x``."""
+def _recorded(collective, nbytes=False, watched=True):
+    """Wrap a collective so that it is a call of the communicator's stall ``Watch`` (unless
+    ``watched`` is False: point-to-point) and, while the timeline records, one ``comm`` event
+    named ``collective`` with the algorithm(s) its flat operations noted and its bytes: the
+    payload it added, or (``nbytes``) the bytes of its array ``x``."""
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
             _refuse_host_transport_in_capture(self, collective)
             if self._comm_thread.blocks_caller():
                 self._comm_thread.drain()  # keep the order of the operations already started
+            if not watched:
+                return timed(self, *args, **kwargs)
+            watch = self._watch
+            entered = watch.enter((collective, args, kwargs))
+            try:
+                return timed(self, *args, **kwargs)
+            finally:
+                if entered:
+                    watch.ended += 1
+
+        def timed(self, *args, **kwargs):
             event = timeline.span(collective, "comm")
             if not event:
                 return method(self, *args, **kwargs)
@@ -165,6 +179,7 @@ class Communicator:
         self._repeatable = self.check is not ALWAYS  # allreduce's repeats skip the checks
         world = topology.world
         self._control = world.Dup()
+        self._watch = watch_of(self._control)  # the stall watchdog's view of every call
         self.transports = self._start_transports(world)
         self._levels = {}
         self._shm = None
@@ -182,6 +197,7 @@ class Communicator:
         self._unchecked = 0
         self._history = 0
         self._comm_thread = CommThread(f"fleetmpi-comm-{id(self):x}")
+        self._watch.comm_thread = self._comm_thread
         self._async_stream = None
 
     # construction helpers
@@ -304,14 +320,20 @@ class Communicator:
         if (timeline.active_recorder is not None or capture_checks.current is not None
                 or self._comm_thread.pending_count and self._comm_thread.blocks_caller()):
             return self._allreduce_checked(x, op, algorithm, compression, out, None)
-        code, payload, run = repeat
+        code, payload, run, what = repeat
         self.payload_bytes += payload
         # call_checks.skip_agreement, written out: this path is a small call's whole cost
         if self.check:
             self._unchecked += 1
             self._history = (self._history * HISTORY_PRIME + code) & HISTORY_MASK
             self._previous = code
-        result = run(x, out)
+        watch = self._watch  # Watch.enter, written out: no call is in flight here
+        watch.what = what
+        watch.started += 1
+        try:
+            result = run(x, out)
+        finally:
+            watch.ended += 1
         return out if result is None else result
 
     @_recorded("allreduce")
@@ -332,7 +354,8 @@ class Communicator:
         if key is None:
             return dispatch.allreduce_into(self, x, op, algorithm, compression, out)
         run = dispatch.allreduce_runner(self, x, op, algorithm, compression, out)
-        self._repeats[previous, key] = (self._previous, self.payload_bytes - before, run)
+        what = ("allreduce", call_text(("allreduce", (x,), {})))
+        self._repeats[previous, key] = (self._previous, self.payload_bytes - before, run, what)
         result = run(x, out)
         return out if result is None else result
 
@@ -682,7 +705,7 @@ class Communicator:
         to_wire(wire, acc[lo:hi])
         return wire.astype(x.dtype).reshape(shape)
 
-    @_recorded("send", nbytes=True)
+    @_recorded("send", nbytes=True, watched=False)
     def send(self, x, dest):
         """Send ``x`` to rank ``dest``; the matching ``recv`` checks dtype and shape."""
         check_array(self, x)
@@ -699,7 +722,7 @@ class Communicator:
         dispatch.run_on(self, 0, lambda b: (self.transports[0].send(b, dest),
                                             self.transports[0].synchronize()), buf)
 
-    @_recorded("recv", nbytes=True)
+    @_recorded("recv", nbytes=True, watched=False)
     def recv(self, x, source):
         """Receive rank ``source``'s ``send`` into ``x`` in place and return ``x``.
 
@@ -751,6 +774,7 @@ class Communicator:
             cross.free()
         for transport in self.transports:
             transport.free()
+        unwatch(self._control)
         self._control.Free()
 
 

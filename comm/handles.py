@@ -36,10 +36,11 @@ class Handle:
     (``device_event``), so the update that follows is ordered on the device, not on the host.
     """
 
-    __slots__ = ("collective", "_done", "_result", "_error", "device_event")
+    __slots__ = ("collective", "_done", "_result", "_error", "device_event", "_thread")
 
-    def __init__(self, collective):
+    def __init__(self, collective, thread):
         self.collective = collective
+        self._thread = thread
         self._done = threading.Event()
         self._result = None
         self._error = None
@@ -51,7 +52,12 @@ class Handle:
 
     def wait(self):
         """Wait for the operation; return its result or raise its error."""
-        self._done.wait()
+        if not self._done.is_set():
+            self._thread.waiting += 1  # the stall watchdog's sign that a caller is blocked
+            try:
+                self._done.wait()
+            finally:
+                self._thread.waiting -= 1
         if self._error is not None:
             raise self._error
         if self.device_event is not None:
@@ -73,6 +79,7 @@ class CommThread:
         self._queue = queue.SimpleQueue()
         self._thread = None
         self.pending_count = 0  # submitted operations that have not finished
+        self.waiting = 0  # callers blocked in a handle's wait()
         self._idle = threading.Condition()
 
     def on_thread(self):
@@ -91,7 +98,7 @@ class CommThread:
             self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
             self._thread.start()
             atexit.register(self.stop)
-        handle = Handle(collective)
+        handle = Handle(collective, self)
         with self._idle:
             self.pending_count += 1
         self._queue.put((handle, operation))
@@ -100,8 +107,10 @@ class CommThread:
     def drain(self):
         """Wait until every submitted operation has finished."""
         with self._idle:
+            self.waiting += 1
             while self.pending_count:
                 self._idle.wait()
+            self.waiting -= 1
 
     def stop(self):
         """Finish the submitted operations and end the thread (also at interpreter exit, before

@@ -36,14 +36,16 @@ def abort_on_error_enabled(environ=os.environ):
 
 
 def abort(message, code=1, linger=0.0):
-    """Write ``message`` to stderr, flush both streams, wait ``linger`` seconds (for other
-    ranks to write their own reports), and end the whole MPI job."""
+    """Write ``message`` (unless None: written before) to stderr, flush both streams, wait
+    ``linger`` seconds (for other ranks to write their own reports), and end the whole MPI
+    job."""
     try:
         sys.stdout.flush()
     except Exception:  # a closed or broken stream must not stop the abort
         pass
     try:
-        sys.stderr.write(message if message.endswith("\n") else message + "\n")
+        if message is not None:
+            sys.stderr.write(message if message.endswith("\n") else message + "\n")
         sys.stderr.flush()
     except Exception:
         pass

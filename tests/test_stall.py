@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fleetmpi import knobs
-from fleetmpi.comm import stall
+from fleetmpi.comm import stall, stall_report, watchdog
 from fleetmpi.launch.mpi_command import local_command
 
 from comm_support import equal, ok, world
@@ -28,39 +28,54 @@ def stalled_job(n, late, collective, how="sleep", timeout="1", directory=""):
     return result, result.stdout + result.stderr
 
 
+def ended(text):
+    """Whether some rank of a failure job got to the end of its script."""
+    return re.search(r"^rank \d+ finished$", text, re.M) is not None
+
+
 def reports(text):
     """{reporting rank: the rest of its stall line}."""
     return {int(m.group(1)): m.group(2)
             for m in re.finditer(r"\[fleetmpi\] stall: rank (\d+)/\d+ (.*)", text)}
 
 
+WHERE_RANK_1_IS = {"sleep": "rank 1 is in no collective; its last call here #1 (allreduce of "
+                              "float64 (4,))",
+                    "skip": "rank 1 finished its script after 1 call(s) of this communicator"}
+
+
 @pytest.mark.parametrize("how", ["sleep", "skip"])
 @pytest.mark.parametrize("collective", ["allreduce", "allreduce_async"])
 def test_rank_1_missing_is_named_by_the_waiting_rank(how, collective):
     """``allreduce_async``: rank 1 starts its operations but never waits on them; the other
-    rank's background thread reports the second one, which rank 1 never starts."""
+    rank's background thread waits in the second one, which rank 1 never starts. Rank 1
+    sleeps (reported after the stall time) or ends its script (reported at once)."""
     result, text = stalled_job(2, 1, collective, how)
     assert result.returncode != 0, text
     found = reports(text)
     assert set(found) == {0}, text
     assert "in allreduce, call #2 of its communicator" in found[0], text
-    assert "rank(s) 1 have not arrived there" in found[0], text
-    assert "finished" not in text, text
+    assert f"rank(s) 1 have not arrived there: {WHERE_RANK_1_IS[how]}" in found[0], text
+    assert not ended(text), text
 
 
 def test_a_rank_that_alone_changes_a_repeated_call_is_reported():
     """After repeats that skipped the agreement, rank 1 alone makes a new call (its reused
-    arrays' dtype set in place): it waits in the agreement while rank 0 repeats its call,
-    and the job ends with rank 1's report instead of hanging."""
+    arrays' dtype set in place): it waits in the agreement while rank 0 repeats its call.
+    Both are at call #4 in different calls: each names the other's, and the job ends."""
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT="1")
     result = subprocess.run(local_command(2, [sys.executable, JOB, "diverge"]), env=env,
                             capture_output=True, text=True, timeout=JOB_SECONDS)
     text = result.stdout + result.stderr
     assert result.returncode != 0, text
     found = reports(text)
-    assert set(found) == {1}, text
-    assert "rank 0 has not arrived there" in found[1], text
-    assert "finished" not in text, text
+    assert set(found) <= {0, 1} and found, text
+    other = {0: "rank 1 waits in a different call at this number: allreduce of float32 (16,)",
+             1: "rank 0 waits in a different call at this number: allreduce of float64 (8,)"}
+    for rank, line in found.items():
+        assert "in allreduce, call #4 of its communicator" in line, text
+        assert other[rank] in line and "they cannot arrive" in line, text
+    assert not ended(text), text
 
 
 def test_every_waiting_rank_writes_the_report():
@@ -79,11 +94,12 @@ def test_a_rank_that_never_reaches_barrier_worker_or_a_checkpoint_save_is_named(
     result, text = stalled_job(3, 1, collective, "skip", directory=tmp_path)
     assert result.returncode != 0, text
     found = reports(text)
-    assert set(found) == {0, 2}, text
+    assert set(found) <= {0, 2} and found, text
     name = {"barrier_worker": "barrier_worker", "checkpoint": "checkpoint.save"}[collective]
     for line in found.values():
-        assert f"in {name}, call #" in line and "rank(s) 1 have not arrived there" in line, text
-    assert "finished" not in text, text
+        assert f"in {name}, call #" in line, text
+        assert "rank(s) 1 have not arrived there: rank 1 finished its script" in line, text
+    assert not ended(text), text
 
 
 def test_a_missing_rank_0_is_named_by_the_others():
@@ -92,34 +108,93 @@ def test_a_missing_rank_0_is_named_by_the_others():
     found = reports(text)
     assert set(found) == {1, 2}, text
     for line in found.values():
-        assert "in barrier, call #2 of its communicator; rank 0 has not arrived there" in line
+        assert "in barrier, call #2 of its communicator (barrier); rank(s) 0 have not " \
+               "arrived there: rank 0 is in no collective; its last call here #1" in line
 
 
 @pytest.mark.parametrize("text, seconds", [(None, 600.0), ("", 600.0), ("2.5", 2.5),
                                            ("0", math.inf), ("30", 30.0)])
 def test_stall_time_knob(text, seconds):
     environ = {} if text is None else {knobs.STALL_TIMEOUT.name: text}
-    assert stall.stall_seconds(environ) == seconds
+    assert watchdog.stall_seconds(environ) == seconds
 
 
 @pytest.mark.parametrize("text", ["abc", "-1", "nan", "inf"])
 def test_bad_stall_time_is_named(text):
     with pytest.raises(ValueError, match=f"FLEETMPI_STALL_TIMEOUT='{text}' must be a number"):
-        stall.stall_seconds({knobs.STALL_TIMEOUT.name: text})
+        watchdog.stall_seconds({knobs.STALL_TIMEOUT.name: text})
 
 
 def test_rank_lists_are_written_as_ranges():
-    assert stall.ranks_text([7, 1, 2, 3]) == "1-3, 7"
-    assert stall.ranks_text([4]) == "4"
-    assert stall.ranks_text([0, 2, 4, 5]) == "0, 2, 4-5"
+    assert stall_report.ranks_text([7, 1, 2, 3]) == "1-3, 7"
+    assert stall_report.ranks_text([4]) == "4"
+    assert stall_report.ranks_text([0, 2, 4, 5]) == "0, 2, 4-5"
 
 
-def test_message_names_the_call_and_the_missing_ranks():
-    text = stall.stall_message(1, 8, "allreduce_many", 12, [3, 4, 6], 5.0, reported_by=0)
+def test_message_names_the_call_the_missing_ranks_and_why():
+    mine = {"name": "allreduce_many", "text": "allreduce_many of float32 (10,)"}
+    text = stall_report.stall_message(1, 8, mine, 12, 5.0, [3, 4, 6], ["a", "b"], False)
     assert text.startswith("[fleetmpi] stall: rank 1/8 has waited 5.0 s in allreduce_many, "
-                           "call #12 of its communicator; rank(s) 3-4, 6 have not arrived "
-                           "there (as rank 0 reports)")
-    assert "FLEETMPI_STALL_TIMEOUT" in text
+                           "call #12 of its communicator (allreduce_many of float32 (10,)); "
+                           "rank(s) 3-4, 6 have not arrived there: a; b; ")
+    assert text.endswith("FLEETMPI_STALL_TIMEOUT is exceeded, aborting the job")
+    certain = stall_report.stall_message(1, 8, mine, 12, 5.0, [3], ["a"], True)
+    assert certain.endswith("they cannot arrive, aborting the job")
+
+
+def answer(started, name="allreduce", text="allreduce of float64 (4,)", in_flight=False,
+           elsewhere=()):
+    return {"started": started, "name": name, "text": text, "in_flight": in_flight,
+            "elsewhere": list(elsewhere)}
+
+
+MINE = {"name": "allreduce", "text": "allreduce of float64 (4,)"}
+
+
+def test_verdict_waits_for_ranks_that_may_still_come():
+    """Arrived ranks are not named; one computing, or silent, is named but may still come."""
+    answers = {1: answer(6, in_flight=True), 2: answer(5), 3: None}
+    missing, lines, certain = stall_report.verdict(MINE, 6, answers, {}, {}, True)
+    assert missing == [2, 3] and not certain
+    assert lines[0] == "rank 2 is in no collective; its last call here #5 (allreduce of " \
+                       "float64 (4,))"
+    assert lines[1].startswith("rank 3 did not answer")
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_verdict_is_certain_when_a_rank_cannot_come(blocking):
+    """A rank blocked where this rank has not been, or in another call at this number,
+    cannot come while this rank's caller waits here (``blocking``); a finished rank never."""
+    elsewhere = [(77, 3, "barrier_worker", True)]
+    for answers, finished in [({1: answer(5, elsewhere=elsewhere)}, {}),
+                              ({1: answer(6, name="barrier", text="barrier",
+                                          in_flight=True)}, {}),
+                              ({1: answer(6, text="allreduce of float64 (2,)",
+                                          in_flight=True)}, {})]:
+        missing, _, certain = stall_report.verdict(MINE, 6, answers, finished, {77: 2},
+                                                   blocking)
+        assert missing == [1] and certain == blocking
+    missing, lines, certain = stall_report.verdict(MINE, 6, {}, {1: 5}, {}, False)
+    assert missing == [1] and certain
+    assert lines == ["rank 1 finished its script after 5 call(s) of this communicator"]
+
+
+def test_verdict_needs_proof_that_a_rank_blocked_elsewhere_waits_for_this_one():
+    """Blocked in a call this rank has made already, or on a communicator without this
+    rank, or in a call whose shapes may differ: it may still come."""
+    for elsewhere, counts in [([(77, 3, "barrier_worker", True)], {77: 3}),
+                              ([(77, 3, "barrier_worker", False)], {})]:
+        _, _, certain = stall_report.verdict(MINE, 6, {1: answer(5, elsewhere=elsewhere)}, {},
+                                             counts, True)
+        assert not certain
+    gather = {"name": "allgather", "text": "allgather of float64 (4,)"}
+    _, _, certain = stall_report.verdict(
+        gather, 6, {1: answer(6, "allgather", "allgather of float64 (2,)", True)}, {}, {},
+        True)
+    assert not certain
+    missing, _, _ = stall_report.verdict(MINE, 6, {1: answer(7), 2: answer(6)}, {2: 6}, {},
+                                         True)
+    assert missing == []
 
 
 @pytest.mark.mpi(min_size=2)

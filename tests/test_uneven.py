@@ -1,0 +1,44 @@
+"""Uneven inputs: a rank that ends its script, or leaves its training loop for a barrier, a
+checkpoint or an evaluation, while the others wait in a collective, is reported within
+seconds at the default stall time (600 s), naming the rank and where it went."""
+import pytest
+
+from test_stall_repeats import REPORTED_WITHIN_SECONDS, reports, run_job
+
+
+@pytest.mark.parametrize("counts", ["3,5", "5,3", "4,6,6", "6,6,4"])
+@pytest.mark.parametrize("idiom", ["minimize", "backward"])
+def test_a_rank_whose_batches_run_out_first_is_reported_at_once(idiom, counts):
+    steps = [int(v) for v in counts.split(",")]
+    first = steps.index(min(steps))
+    code, text, seconds = run_job(len(steps), "uneven", idiom, counts, timeout=None)
+    assert code != 0, text
+    assert seconds < REPORTED_WITHIN_SECONDS, text
+    found = reports(text)
+    waiting = {r for r, s in enumerate(steps) if s > min(steps)}
+    assert found and set(found) <= waiting, text
+    for line in found.values():
+        assert f"in allreduce_many, call #{min(steps) + 1} of its communicator" in line, text
+        assert f"rank(s) {first} have not arrived there: rank {first} finished its script " \
+               f"after {min(steps)} call(s) of this communicator; they cannot arrive" in line, text
+    assert f"rank {first} finished" in text, text  # its script did end
+
+
+@pytest.mark.parametrize("where, call", [("barrier", "barrier_worker"),
+                                         ("checkpoint", "checkpoint.save"),
+                                         ("evaluate", "allreduce")])
+def test_a_rank_that_leaves_its_training_loop_is_reported_at_once(where, call):
+    """Rank 0 leaves after 2 steps for ``where`` while rank 1 trains a third step: each
+    waits where the other will never come, which the first to ask sees."""
+    code, text, seconds = run_job(2, "leave", where, timeout=None)
+    assert code != 0, text
+    assert seconds < REPORTED_WITHIN_SECONDS, text
+    found = reports(text)
+    assert found, text
+    for rank, line in found.items():
+        assert "which this rank has not reached" in line and "they cannot arrive" in line, text
+        if rank == 1:
+            assert f"rank 0 waits in {call}" in line, text
+        else:
+            assert "rank 1 waits in allreduce_many" in line, text
+    assert "finished" not in text, text
