@@ -36,30 +36,30 @@ from fleetmpi.optimizer import lr
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--steps_per_epoch", type=int, default=200)
-    parser.add_argument("--batch_size", type=int, default=16, help="sequences per rank")
-    parser.add_argument("--block_size", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--n_layer", type=int, default=4)
-    parser.add_argument("--n_head", type=int, default=4)
-    parser.add_argument("--n_embd", type=int, default=128)
+    parser.add_argument("--steps-per-epoch", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--dropout", type=float, default=0.0)
-    parser.add_argument("--learning_rate", type=float, default=3e-3)
-    parser.add_argument("--warmup_steps", type=int, default=50)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--amp", action="store_true", help="mixed precision (float16 matmuls, "
                         "float32 master weights, dynamic loss scaling)")
     parser.add_argument("--recompute", action="store_true",
                         help="recompute every block in backward instead of keeping its "
                              "activations")
-    parser.add_argument("--gradient_merge", type=int, default=1, metavar="K",
+    parser.add_argument("--gradient-merge", type=int, default=1, metavar="K",
                         help="update once every K steps (gradients averaged over them)")
-    parser.add_argument("--val_every", type=int, default=10,
+    parser.add_argument("--val-every", type=int, default=10,
                         help="hold out every N-th file for validation")
-    parser.add_argument("--min_count", type=int, default=100,
+    parser.add_argument("--min-count", type=int, default=100,
                         help="bytes rarer than this in the training files share one symbol")
-    parser.add_argument("--eval_windows", type=int, default=256,
+    parser.add_argument("--eval-windows", type=int, default=256,
                         help="validation sequences, evenly spread over the validation text")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max_val_fraction", type=float, default=None,
+    parser.add_argument("--max-val-fraction", type=float, default=None,
                         help="exit with status 1 when the final validation loss is above this "
                              "fraction of the unigram baseline")
     return parser.parse_args(argv)

@@ -281,8 +281,8 @@ def test_gpt_trains_under_amp_with_float32_master_weights():
 def test_gpt_example_beats_the_unigram_baseline_in_a_short_run():
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--epochs", "2",
-         "--steps_per_epoch", "100", "--n_layer", "2", "--n_embd", "64", "--eval_windows", "64",
-         "--max_val_fraction", "0.9"],
+         "--steps-per-epoch", "100", "--n-layer", "2", "--n-embd", "64", "--eval-windows", "64",
+         "--max-val-fraction", "0.9"],
         capture_output=True, text=True, timeout=240,
         env=dict(os.environ, FLEETMPI_DEVICE="cpu"))
     assert result.returncode == 0, result.stdout + result.stderr
