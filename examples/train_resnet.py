@@ -34,8 +34,7 @@ def main():
     model = fleet.distributed_model(build(num_classes=classes))
     strategy = fleet.DistributedStrategy()
     strategy.fuse_all_optimizer_ops = True
-    strategy.fuse_bn_act_ops = True
-    strategy.fuse_elewise_add_act_ops = True
+    strategy.fuse_bn_act_ops = True  # ResNet's BatchNorm + ReLU pairs (it has no Linear + act)
     opt = fleet.distributed_optimizer(optimizer.Momentum(
         learning_rate=0.1, momentum=0.9, parameters=model.parameters(), weight_decay=1e-4),
         strategy)
