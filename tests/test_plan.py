@@ -278,3 +278,14 @@ def test_a_calibrated_prediction_for_two_ranks_is_made_from_measured_parts():
     assert math.isfinite(predicted.step_s) and predicted.step_s > 0, predicted
     alone = predict(workload, cluster, 1)
     assert predicted.step_s >= alone.step_s, (predicted, alone)
+
+
+def test_compute_is_stretched_by_the_ranks_of_a_node_over_its_cores_not_the_job():
+    """A cluster calibrated on this machine has its cores on every node: at 4096 ranks, 8 per
+    node on 2 cores, compute is stretched by 8 / 2, as at 8 ranks, never by 4096 / 2."""
+    link = Link("local", 1e-6, 1e-10)
+    cluster = Cluster(8, link, link, device=GPU, transport="mpi", cores=2)
+    workload = Workload(Buckets((4 << 20,), (1 << 20,)), 0.1, 32)
+    for ranks, stretch in [(1, 1.0), (2, 1.0), (8, 4.0), (64, 4.0), (4096, 4.0)]:
+        assert predict(workload, cluster, ranks).compute_s == pytest.approx(0.1 * stretch)
+    assert predict(workload, cluster, 4096).efficiency > 0.1

@@ -80,8 +80,8 @@ class Cluster:
     """``gpus_per_node`` ranks per node; ``intra``/``inter`` links; the ranks' ``device``;
     ``transport`` (``"nccl"``, or ``"mpi"`` where the shared-memory allreduce exists on one
     node); ``native``: the library allreduce's own link where it differs from ours; ``shm``;
-    ``cores``: when set, the ranks share that many cores (this machine) and compute slows by
-    ``ranks / cores`` once they outnumber them; ``concurrent_slowdown``: how much slower a
+    ``cores``: when set, the ranks of a node share that many cores (this machine) and compute
+    slows by ``ranks per node / cores`` once they outnumber them; ``concurrent_slowdown``: how much slower a
     rank computes while other ranks of its node compute too (measured on this machine)."""
 
     gpus_per_node: int
@@ -237,12 +237,12 @@ def predict(workload, cluster, ranks, algorithm="ring", overlap="none", sparsity
         raise ValueError(f"overlap={overlap!r} is not known; allowed: {', '.join(OVERLAPS)}")
     if not 0 <= sparsity < 1:
         raise ValueError(f"sparsity={sparsity!r} must lie in [0, 1)")
-    _, nodes = cluster.layout(ranks)
+    per_node, nodes = cluster.layout(ranks)
     compute = workload.compute_s
     if ranks > 1:
         compute *= cluster.concurrent_slowdown
-    if cluster.cores is not None:
-        compute *= max(1.0, ranks / cluster.cores)
+    if cluster.cores is not None:  # each node's ranks share its cores, not the job's
+        compute *= max(1.0, per_node / cluster.cores)
     if algorithm == "dgc":
         comm = dgc_seconds(workload.buckets, cluster, ranks, sparsity)
         picked = ("allgather",) if ranks > 1 else ()
