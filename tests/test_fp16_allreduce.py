@@ -47,7 +47,9 @@ def local_gradient():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_fp16_allreduce_stays_within_the_stated_bound_and_halves_the_bytes():
+def test_fp16_allreduce_stays_within_the_stated_bound_and_halves_the_bytes(monkeypatch):
+    # the gradients' bytes alone: without the non-finite check's one verdict per rank
+    monkeypatch.setenv("FLEETMPI_NONFINITE", "off")
     compressed, compressed_bytes = averaged_gradient(make_strategy(fp16_allreduce=True))
     exact, exact_bytes = averaged_gradient(make_strategy())
     size = fleet.worker_num()
