@@ -119,9 +119,10 @@ def check_counts(comm, counts, total=None, what=None):
                          f"is {total}")
 
 
-def agree(comm, collective, arrays, problem, layout, fields):
+def agree(comm, collective, arrays, problem, layout, fields, described=None):
     """Check that every rank called ``collective`` alike; ``layout`` (a tuple of integers
-    every rank must agree on, such as per-rank counts) joins the shapes' checksum.
+    every rank must agree on, such as per-rank counts) joins the shapes' checksum;
+    ``described`` (``arrays`` when None) is what a mismatch report prints.
 
     With ``check=True`` a call whose arguments this rank has seen agreed before, right after
     the same call as now (a step's sequence of calls repeats), makes no exchange: it adds its
@@ -151,7 +152,8 @@ def agree(comm, collective, arrays, problem, layout, fields):
     unchecked, history = comm._unchecked, comm._history
     comm._unchecked = comm._history = 0
     comm._previous = -1  # what every rank holds after a call that raised
-    agreement.agree(comm._control, collective, TABLES, problem, arrays, layout,
+    agreement.agree(comm._control, collective, TABLES, problem,
+                    arrays if described is None else described, layout,
                     unchecked=unchecked, history=history, **fields)
     if key is not None:
         comm._previous = comm._agreed[key] = row_code(call_row(collective, TABLES, **fields))

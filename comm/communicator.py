@@ -236,12 +236,13 @@ class Communicator:
     def _single_node(self):
         return self.transport_name == "mpi" and self.topology.local_size == self.size
 
-    def _agree(self, collective, arrays, problem, layout=None, **fields):
+    def _agree(self, collective, arrays, problem, layout=None, described=None, **fields):
         """Count the call's payload (unless its arguments were rejected) and check that every
-        rank called ``collective`` alike (``call_checks.agree``)."""
+        rank called ``collective`` alike (``call_checks.agree``); ``described``: what a
+        mismatch report prints, when ``arrays`` stand for it (``x[:0]`` for ``x``)."""
         if problem is None:
             self._count_payload(arrays, fields.get("compression"))
-        call_checks.agree(self, collective, arrays, problem, layout, fields)
+        call_checks.agree(self, collective, arrays, problem, layout, fields, described)
 
     def _note(self, algorithm):
         """Remember the algorithm a flat operation ran, for the timeline event of its call."""
@@ -516,7 +517,8 @@ class Communicator:
             offsets = count_offsets([x.size] * self.size)
             shape = (self.size,) + x.shape
         else:
-            self._agree("allgather", [] if problem else [x[:0]], problem, algorithm=algorithm)
+            self._agree("allgather", [] if problem else [x[:0]], problem, algorithm=algorithm,
+                        described=[] if problem else [x])
             rows = [int(v) for v in self._exchange_rows([x.shape[0]], "allgather")[:, 0]]
             if algorithm == "native" and len(set(rows)) > 1:
                 raise ValueError(f"algorithm='native' gathers equal shapes, but the ranks' "
@@ -553,7 +555,8 @@ class Communicator:
                 raise ValueError("alltoall needs an array with at least one dimension")
             self._splits(splits, x.shape[0], "alltoall")
         problem = capture(check)
-        self._agree("alltoall", [] if problem else [x[:0]], problem)
+        self._agree("alltoall", [] if problem else [x[:0]], problem,
+                    described=[] if problem else [x])
         mine = self._splits(splits, x.shape[0], "alltoall")
         received = [int(v) for v in self._exchange_rows(mine, "alltoall")[:, self.rank]]
         xp = array_module(x)
@@ -579,7 +582,8 @@ class Communicator:
                 raise ValueError("gather joins along the first axis and needs an array with at "
                                  "least one dimension")
         problem = capture(check)
-        self._agree("gather", [] if problem else [x[:0]], problem, root=root)
+        self._agree("gather", [] if problem else [x[:0]], problem, root=root,
+                    described=[] if problem else [x])
         rows = [int(v) for v in self._exchange_rows([x.shape[0]], "gather")[:, 0]]
         xp = array_module(x)
         offsets = count_offsets(rows, int(np.prod(x.shape[1:], dtype=np.int64)))
@@ -645,7 +649,8 @@ class Communicator:
         problem = capture(check)
         # The element count differs per rank by design; the counts themselves must agree.
         self._agree("allgatherv", [] if problem else [x[:0]], problem,
-                    layout=None if problem else tuple(int(c) for c in counts))
+                    layout=None if problem else tuple(int(c) for c in counts),
+                    described=[] if problem else [x])
         self._count_payload([x], None)
         return dispatch.allgather_flat(self, x, count_offsets(counts))
 

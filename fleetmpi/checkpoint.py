@@ -11,9 +11,12 @@ every rank has seen the new manifest does each rank remove its older files and t
 an earlier, crashed save of its own left behind. A crash at any point therefore leaves the
 previous checkpoint or the new one loadable, never a mix and never neither.
 
-Loading checks the manifest, the world size and the digest, reads everything, and only then
-applies it; if applying fails midway (a shape the model or optimizer refuses, a bad random
-state), the model, the optimizer and the random state are put back as they were.
+Loading checks the manifest (whose files must be plain names inside the folder, and not
+symbolic links pointing out of it), the world size and the digest, reads everything, and only
+then applies it; if applying fails midway (a shape the model or optimizer refuses, a bad random
+state), the model, the optimizer and the random state are put back as they were. In a job of
+several ranks the ranks then agree, so that all load or none does
+(``fleetmpi.checkpoint_agreement``).
 
 Re-sharding: the optimizer state of a ``sharding`` run is saved as each rank's shard with its
 range of the parameter space. Loading joins, for the range the loading optimizer updates, the
@@ -160,16 +163,34 @@ def read_manifest(directory):
         raise ValueError(f"{path} is not a {FORMAT} version {VERSION} manifest")
     files = manifest.get("files")
     if not isinstance(files, list) or not isinstance(manifest.get("world_size"), int) \
-            or len(files) != manifest["world_size"] \
+            or not 1 <= len(files) == manifest["world_size"] \
             or not all(isinstance(e, dict) and {"file", "sha256"} <= set(e) for e in files):
         raise ValueError(f"{path} does not list one file with its sha256 per rank of its "
                          "world_size; the checkpoint's manifest is damaged")
+    for entry in files:
+        name = entry["file"]
+        if not isinstance(name, str) or name in ("", ".", "..") \
+                or os.path.basename(name) != name:
+            raise ValueError(f"{path} names {name!r} as a checkpoint file; only a plain file "
+                             "name inside the checkpoint's folder is allowed (no folder, "
+                             "'..' or absolute path)")
     return manifest
 
 
+def _inside(path, directory):
+    """Whether ``path``, its symbolic links followed, lies in ``directory``."""
+    folder = os.path.realpath(directory)
+    return os.path.commonpath([os.path.realpath(path), folder]) == folder
+
+
 def _verified(directory, entry):
-    """The path of a manifest ``entry``'s file, after checking its digest."""
+    """The path of a manifest ``entry``'s file, after checking that it stays in the folder
+    (``read_manifest`` checked the name; a symbolic link must not point out) and its digest."""
     path = os.path.join(directory, entry["file"])
+    if os.path.islink(path) and not _inside(path, directory):
+        raise ValueError(f"{path}, named in the manifest of {directory!r}, is a symbolic link "
+                         f"to {os.path.realpath(path)!r}, outside the checkpoint's folder; "
+                         "only files inside it are loaded")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}, named in the manifest of {directory!r}, is missing; "
                                 "the checkpoint is incomplete")
@@ -234,7 +255,7 @@ def saved_model_value(directory, name):
 
 def load(directory, model, optimizer=None, replicated=False):
     """Restore this rank's model, optimizer and random state from ``directory``; returns
-    ``{"step": int, "extra": ...}``.
+    ``{"step": int, "extra": ...}``. Every rank must call it.
 
     The checkpoint must come from a job of the same size, unless its optimizer state is
     sharded, or ``replicated`` says that every rank holds the same model and optimizer state
@@ -243,12 +264,52 @@ def load(directory, model, optimizer=None, replicated=False):
     the shards of every file that holds part of it. In a job of another size rank ``r`` takes
     the model, random state and extra of the saved rank ``r % saved size`` (data parallelism
     keeps the parameters equal on every rank), and with ``replicated`` its optimizer state
-    too."""
-    _, rank, size = _world()
+    too.
+
+    In a job of several ranks, every rank loads or none does: when one rank refuses its part
+    (a damaged or missing file, a state its model refuses), every rank puts back what it had
+    and raises the same error, naming each refusing rank and why
+    (``fleetmpi.checkpoint_agreement``)."""
+    comm, rank, size = _world()
+    if size > 1:
+        return _load_agreed(comm, directory, model, optimizer, replicated)
+    _, states, info = _read_part(directory, rank, size, optimizer, replicated)
+    _apply_or_restore(model, optimizer, states, _current(model, optimizer))
+    return info
+
+
+def _load_agreed(comm, directory, model, optimizer, replicated):
+    """``load`` on every rank of ``comm``: each reads and applies its part, then the ranks
+    agree; if any refused, those that loaded put back what they had, and all raise."""
+    from .checkpoint_agreement import refusal
+
+    error = path = part = None
+    try:
+        part = _read_part(directory, comm.Get_rank(), comm.Get_size(), optimizer, replicated)
+    except Exception as exc:  # shared with the other ranks below, then raised on all
+        error = exc
+    before = _current(model, optimizer)     # on every rank: a tensor-parallel model gathers
+    if part is not None:
+        try:
+            _apply_or_restore(model, optimizer, part[1], before)
+        except Exception as exc:
+            error, path = exc, part[0]
+    refused = refusal(comm, directory, error, path)
+    if refused is not None:
+        if error is None:
+            _apply(model, optimizer, before)
+        raise refused from error
+    return part[2]
+
+
+def _read_part(directory, rank, size, optimizer, replicated):
+    """``(path, (model state, optimizer state, random state), info)``: what rank ``rank`` of
+    ``size`` loads, read and checked (``load``'s rules) but not yet applied."""
     manifest = read_manifest(directory)
     saved = manifest["world_size"]
     entry = manifest["files"][rank % saved]
-    stored, meta = _read(_verified(directory, entry))
+    path = _verified(directory, entry)
+    stored, meta = _read(path)
     sharded = optimizer is not None and "shard" in meta["optimizer"]
     if saved != size and not sharded and not replicated:
         raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "
@@ -261,9 +322,8 @@ def load(directory, model, optimizer=None, replicated=False):
     if sharded:
         state = _join_shards(directory, manifest, state, optimizer.shard_range)
     backend.check_rng_state(meta["rng_state"])
-    _apply_or_restore(model, optimizer, model_state, state,
-                      (meta["rng_state"], stored.get(_RNG_DEVICE)))
-    return {"step": meta["step"], "extra": meta["extra"]}
+    return (path, (model_state, state, (meta["rng_state"], stored.get(_RNG_DEVICE))),
+            {"step": meta["step"], "extra": meta["extra"]})
 
 
 def _set_rng(rng):
@@ -272,19 +332,27 @@ def _set_rng(rng):
     backend.set_rng_device_state(device_state)
 
 
-def _apply_or_restore(model, optimizer, model_state, optimizer_state, rng):
-    """Load the three states (``rng``: the rank generator's, and on a GPU its device state);
-    if one is refused, put back all three as they were."""
-    before = (model.state_dict(), optimizer.state_dict() if optimizer is not None else None,
-              (backend.rng_state(), backend.rng_device_state()))
+def _current(model, optimizer):
+    """The model's, the optimizer's and the random state as they are, in ``_apply``'s form."""
+    return (model.state_dict(), optimizer.state_dict() if optimizer is not None else None,
+            (backend.rng_state(), backend.rng_device_state()))
+
+
+def _apply(model, optimizer, states):
+    """Load the three ``states`` (the random one: the rank generator's, and on a GPU its
+    device state)."""
+    model_state, optimizer_state, rng = states
+    model.set_state_dict(model_state)
+    if optimizer is not None:
+        optimizer.set_state_dict(optimizer_state)
+    _set_rng(rng)
+
+
+def _apply_or_restore(model, optimizer, states, before):
+    """``_apply(states)``; if one of them is refused, put back ``before`` (``_current``'s) and
+    raise."""
     try:
-        model.set_state_dict(model_state)
-        if optimizer is not None:
-            optimizer.set_state_dict(optimizer_state)
-        _set_rng(rng)
+        _apply(model, optimizer, states)
     except BaseException:
-        model.set_state_dict(before[0])
-        if optimizer is not None:
-            optimizer.set_state_dict(before[1])
-        _set_rng(before[2])
+        _apply(model, optimizer, before)
         raise

@@ -8,6 +8,7 @@ Messages keep proto2 presence, as Paddle's do: a field holds a value only where 
 assigned (or loaded), so a saved prototxt states what the user set and nothing else; reading an
 unset field gives its default (for a repeated field with a ``default_list``, that list).
 """
+import decimal
 import difflib
 import math
 import numbers
@@ -122,6 +123,14 @@ def describe_allowed(field):
     return kind
 
 
+def _shown(value):
+    """``value`` as an error message writes it; an integer of more than 30 digits as its first
+    digits and power of ten (``1.000e+400``), since Python refuses to write out the longest."""
+    if isinstance(value, numbers.Integral) and abs(int(value)) >= 10 ** 30:
+        return format(decimal.Decimal(int(value)), ".3e")
+    return repr(value)
+
+
 def _coerce_scalar(field, value, where):
     """``value`` as the Python type the field stores, or TypeError/ConfigError naming ``where``."""
     def wrong_type():
@@ -148,10 +157,14 @@ def _coerce_scalar(field, value, where):
         coerced = int(value)
         low, high, name = _INT_BOUNDS[field.type]
         if not low <= coerced <= high:
-            raise ConfigError(f"{where} = {value!r} does not fit in {name}; allowed: "
+            raise ConfigError(f"{where} = {_shown(value)} does not fit in {name}; allowed: "
                               f"{describe_allowed(field)}")
     else:
-        coerced = float(value)
+        try:
+            coerced = float(value)
+        except OverflowError:
+            raise ConfigError(f"{where} = {_shown(value)} does not fit in a double; allowed: "
+                              f"{describe_allowed(field)}") from None
         if math.isnan(coerced):
             raise ConfigError(f"{where} = nan is not allowed; allowed: {describe_allowed(field)}")
     rng = field_range(field)

@@ -350,8 +350,8 @@ def describe_unfinished(directory, np):
     records = set(os.listdir(directory))
     places = [f"{rank} (pid {processes[rank][0]} on {processes[rank][1]})" if rank in processes
               else f"{rank} (never started)" for rank in missing]
-    places = [place + (", left after an uncaught exception while the others went on"
-                       if f"left.{rank}" in records else "")
+    places = [place + "".join(f", {text}" for name, _, text in rank_main.LEAVING.values()
+                              if f"{name}.{rank}" in records)
               for rank, place in zip(missing, places)]
     return f"fleetmpirun: rank(s) that did not run their script to its end: {'; '.join(places)}"
 

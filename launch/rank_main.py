@@ -39,8 +39,16 @@ import time
 # How long a rank that ends normally waits for its terminal copier to write what is left.
 COPIER_EXIT_SECONDS = 10.0
 # run_script's status for a rank that left the job after an uncaught exception while the
-# others go on (its process exits with 1).
+# others go on, and for one that SIGINT interrupted so (Ctrl-C, or the MPI launcher ending the
+# job: mpiexec.gforker sends SIGINT to the ranks still running, a hung one among them).
 LEFT = -1
+INTERRUPTED = -2
+# What such a rank records for fleetmpirun (``<name>.<rank>``), its process's exit status, and
+# what fleetmpirun's summary says of it.
+LEAVING = {LEFT: ("left", 1, "left after an uncaught exception while the others went on"),
+           INTERRUPTED: ("interrupted", 128 + signal.SIGINT,
+                         "interrupted by SIGINT (Ctrl-C, or the MPI launcher ending the job's "
+                         "ranks)")}
 
 
 def _launcher_env():
@@ -278,7 +286,8 @@ def run_script(script, args, rank=0, size=1):
     """Run ``script`` as ``__main__`` with ``sys.argv = [script] + args``; its exit code.
 
     An uncaught exception is reported by ``sys.excepthook`` (see the module docstring); it
-    ends the job, unless the script asked that it end this rank alone (status ``LEFT``)."""
+    ends the job, unless the script asked that it end this rank alone (status ``LEFT``, or
+    ``INTERRUPTED`` for a KeyboardInterrupt, which is no failure of the script's own)."""
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -292,7 +301,7 @@ def run_script(script, args, rank=0, size=1):
         error.with_traceback(_script_frames(error.__traceback__))
         sys.excepthook(type(error), error, error.__traceback__)
         if _leaves_alone():
-            return LEFT
+            return INTERRUPTED if isinstance(error, KeyboardInterrupt) else LEFT
         _abort_started_mpi(rank, size)
         return 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     return 0
@@ -337,9 +346,13 @@ def main(argv=None):
     if args.finished_dir:
         record(args.finished_dir, f"pid.{rank}", f"{os.getpid()} {socket.gethostname()}")
     code = run_script(args.script, args.script_args, rank, size)
-    if code in (0, LEFT) and args.finished_dir:
-        record(args.finished_dir, f"{'rank' if code == 0 else 'left'}.{rank}")
-    return 1 if code == LEFT else code
+    if code in LEAVING:
+        name, code, _ = LEAVING[code]
+    else:
+        name = "rank" if code == 0 else None
+    if name and args.finished_dir:
+        record(args.finished_dir, f"{name}.{rank}")
+    return code
 
 
 def record(directory, name, text=""):

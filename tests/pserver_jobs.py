@@ -11,6 +11,7 @@ after ``report <server>``.
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -258,7 +259,8 @@ def check_sparse_equals_dense(model, table, start_rows, start_fc, steps, n):
 def scenario_leave(args):
     """Worker 1 leaves after 2 steps: by an exception in sync mode, by exiting without
     stop_worker otherwise; or (scenario ``stall``) stops pushing for three timeouts; or
-    (scenario ``raise``) raises in any mode."""
+    (scenario ``raise``) raises in any mode; or (scenario ``interrupt``) hangs until SIGINT
+    ends it, as the MPI launcher ends a hung rank while it ends the job."""
     model = fleet.distributed_model(dense_model())
     opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for(args.mode, 2))
     if fleet.is_server():
@@ -268,6 +270,9 @@ def scenario_leave(args):
     for step in range(6):
         if w == 1 and step == 2 and args.scenario == "stall":
             time.sleep(3 * float(os.environ["FLEETMPI_PS_TIMEOUT"]))
+        elif w == 1 and step == 2 and args.scenario == "interrupt":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)
         elif w == 1 and step == 2:
             if args.mode == "sync" or args.scenario == "raise":
                 raise ValueError("worker 1 fails on purpose")
@@ -330,7 +335,7 @@ def main():
     join(args.servers)
     scenarios = {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
                  "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave,
-                 "raise": scenario_leave, "roles": scenario_roles}
+                 "raise": scenario_leave, "interrupt": scenario_leave, "roles": scenario_roles}
     scenarios[args.scenario](args)
 
 

@@ -133,9 +133,10 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
     manifest_path.write_text(json.dumps(four))
     with pytest.raises(ValueError, match="written by 4 rank"):
         checkpoint.load(str(tmp_path), model, opt)
-    manifest_path.write_text(json.dumps(dict(manifest, world_size=4)))
-    with pytest.raises(ValueError, match="one file with its sha256 per rank"):
-        checkpoint.load(str(tmp_path), model, opt)
+    for wrong in (dict(manifest, world_size=4), dict(manifest, world_size=0, files=[])):
+        manifest_path.write_text(json.dumps(wrong))
+        with pytest.raises(ValueError, match="one file with its sha256 per rank"):
+            checkpoint.load(str(tmp_path), model, opt)
     manifest["files"][0]["sha256"] = "0" * 64
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="does not match the SHA-256"):
@@ -146,21 +147,21 @@ def test_damaged_or_foreign_checkpoints_are_refused(tmp_path):
 
 # -- faults ----------------------------------------------------------------------------------
 
-def rank_file(directory):
-    return os.path.join(directory, checkpoint.read_manifest(directory)["files"][0]["file"])
+def rank_file(directory, rank=0):
+    return os.path.join(directory, checkpoint.read_manifest(directory)["files"][rank]["file"])
 
 
-def rewrite(directory, change):
-    """Rewrite the rank file with ``change(arrays)`` applied and give the manifest its new
-    digest, as a checkpoint that passes the digest check but holds bad contents."""
-    path = rank_file(directory)
+def rewrite(directory, change, rank=0):
+    """Rewrite rank ``rank``'s file with ``change(arrays)`` applied and give the manifest its
+    new digest, as a checkpoint that passes the digest check but holds bad contents."""
+    path = rank_file(directory, rank)
     with np.load(path, allow_pickle=False) as stored:
         arrays = {k: stored[k] for k in stored.files}
     change(arrays)
     with open(path, "wb") as f:
         np.savez(f, **arrays)
     manifest = checkpoint.read_manifest(directory)
-    manifest["files"][0]["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    manifest["files"][rank]["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     with open(os.path.join(directory, "manifest.json"), "w") as f:
         json.dump(manifest, f)
 
@@ -280,3 +281,138 @@ def test_a_crash_while_saving_the_same_step_again_keeps_the_checkpoint(tmp_path,
     names = sorted(os.listdir(tmp_path))
     assert names == ["manifest.json", os.path.basename(rank_file(str(tmp_path)))], names
 
+
+
+# -- a manifest names files inside its folder only -------------------------------------------
+
+def name_in_manifest(directory, name):
+    manifest = checkpoint.read_manifest(directory)
+    manifest["files"][0]["file"] = name
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "subfolder"])
+def test_a_manifest_entry_outside_the_folder_is_refused(tmp_path, where):
+    """The rank file, intact (its digest matches), moved out of the checkpoint's folder and
+    named there by the manifest: refused by its name alone."""
+    directory = tmp_path / "ckpt"
+    model, opt = build(0, False)
+    checkpoint.save(str(directory), model, opt, 1)
+    (tmp_path / "sub").mkdir()
+    moved = {"parent": tmp_path / "moved.npz", "absolute": tmp_path / "moved.npz",
+             "subfolder": directory / "sub" / "moved.npz"}[where]
+    moved.parent.mkdir(exist_ok=True)
+    os.replace(rank_file(str(directory)), moved)
+    name = {"parent": "../moved.npz", "absolute": str(moved), "subfolder": "sub/moved.npz"}
+    name_in_manifest(str(directory), name[where])
+    before = everything(model, opt)
+    with pytest.raises(ValueError, match=re.escape(repr(name[where])) + " as a checkpoint "
+                       "file; only a plain file name inside the checkpoint's folder"):
+        checkpoint.load(str(directory), model, opt)
+    assert_same(everything(model, opt), before)
+
+
+def test_a_symbolic_link_out_of_the_folder_is_refused_and_one_inside_is_followed(tmp_path):
+    directory = tmp_path / "ckpt"
+    model, opt = build(0, False)
+    checkpoint.save(str(directory), model, opt, 1)
+    path = rank_file(str(directory))
+    os.replace(path, tmp_path / "outside.npz")
+    os.symlink(tmp_path / "outside.npz", path)
+    with pytest.raises(ValueError, match=re.escape(path) + ", .* is a symbolic link to .*"
+                       "outside.npz', outside the checkpoint's folder"):
+        checkpoint.load(str(directory), model, opt)
+    os.remove(path)
+    os.replace(tmp_path / "outside.npz", directory / "inside.npz")
+    os.symlink("inside.npz", path)
+    assert checkpoint.load(str(directory), model, opt)["step"] == 1
+
+
+# -- every rank loads, or none does ----------------------------------------------------------
+
+def flip_a_byte(directory, rank):
+    path = rank_file(directory, rank)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+DAMAGE_ON_RANK_1 = {
+    "shape": (lambda d: rewrite(d, replace("model/fc1.bias", np.zeros(7)), rank=1),
+              ValueError, "state entry 'fc1.bias' has shape"),
+    "flipped_byte": (lambda d: flip_a_byte(d, 1), ValueError, "does not match the SHA-256"),
+    "missing": (lambda d: os.remove(rank_file(d, 1)), FileNotFoundError, "is missing"),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("replicated", [False, True], ids=["plain", "replicated"])
+@pytest.mark.parametrize("damage", sorted(DAMAGE_ON_RANK_1))
+def test_a_part_one_rank_refuses_is_a_load_every_rank_refuses(tmp_path_factory, damage,
+                                                              replicated):
+    """Rank 1's file alone is damaged: every rank raises the same error, naming rank 1 and
+    its file, and keeps the state it had (rank 0 had loaded its own part, and puts it back)."""
+    from mpi4py import MPI
+    from comm_support import ok
+
+    fleet.init(is_collective=True)
+    world = MPI.COMM_WORLD
+    directory = world.bcast(str(tmp_path_factory.mktemp("ckpt")) if world.rank == 0 else None)
+    model, opt = build(0, True)
+    train(model, opt, range(2), world.rank)
+    checkpoint.save(directory, model, opt, 2)
+    damaged = os.path.basename(rank_file(directory, 1))
+    change, kind, reason = DAMAGE_ON_RANK_1[damage]
+    if world.rank == 0:
+        change(directory)
+    world.Barrier()
+    model, opt = build(5, True)
+    train(model, opt, range(1), world.rank)
+    before = everything(model, opt)
+    try:
+        checkpoint.load(directory, model, opt, replicated=replicated)
+        error = None
+    except Exception as exc:
+        error = exc
+    errors = world.allgather(None if error is None else (type(error), str(error)))
+    ok(all(e == errors[0] for e in errors), f"the ranks' errors differ: {errors}")
+    ok(errors[0] is not None and errors[0][0] is kind, f"not a {kind.__name__}: {errors[0]}")
+    message = errors[0][1]
+    ok(f"rank 1: {directory}/{damaged}" in message and reason in message
+       and "rank 0" not in message and "loaded on none of the" in message, message)
+    try:
+        assert_same(everything(model, opt), before)
+        kept = True
+    except AssertionError:
+        kept = False
+    ok(kept, "a rank's model, optimizer or random state changed")
+    ok(opt.step_count == 1, f"step_count {opt.step_count}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_model_every_rank_refuses_is_named_once_for_all_ranks(tmp_path_factory):
+    """The same refusal on every rank (a checkpoint of another world size) is one reason,
+    with the ranks that gave it."""
+    from mpi4py import MPI
+    from comm_support import raises
+
+    fleet.init(is_collective=True)
+    world = MPI.COMM_WORLD
+    directory = world.bcast(str(tmp_path_factory.mktemp("ckpt")) if world.rank == 0 else None)
+    model, opt = build(0, True)
+    checkpoint.save(directory, model, opt, 1)
+    if world.rank == 0:
+        manifest = checkpoint.read_manifest(directory)
+        wider = dict(manifest, world_size=world.size + 1,
+                     files=manifest["files"] + manifest["files"][:1])
+        with open(os.path.join(directory, "manifest.json"), "w") as f:
+            json.dump(wider, f)
+    world.Barrier()
+    last = world.size - 1
+    with raises(ValueError, match=re.escape(f"loaded on none of the {world.size} ranks, "
+                                            "because not every rank could load its part; "
+                                            f"ranks 0-{last}: checkpoint in {directory!r} "
+                                            f"was written by {world.size + 1} rank(s)")):
+        checkpoint.load(directory, model, opt)

@@ -3,6 +3,8 @@ sharding stages 2 and 3 use), Horovod's allgather (first dimension free per rank
 with equal and explicit splits, gather to and scatter from a root. Uneven parts and empty
 parts at any world size; every rank checks its own result against what it computes of all
 ranks' inputs; arguments that disagree raise on every rank."""
+import re
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,33 @@ def test_allgather_refuses_native_for_unequal_rows_and_other_shapes_on_every_ran
         comm.allgather(rank_rows(comm.rank, comm.rank + 1), algorithm="native")
     with raises(ValueError, match="shapes differ"):
         comm.allgather(np.zeros((2, 3 if comm.rank == 0 else 4)))
+
+
+def mismatched_part(collective, rank, size):
+    """Rank ``rank``'s part for ``collective``: rows that differ per rank, as allowed, and a
+    row width (a dtype for allgatherv) that differs too, which is not. Dtypes and widths no
+    other test passes: a call that one rank alone has agreed on before skips the exchange
+    (``fleetmpi.comm.call_checks.agree``), and this test is about the exchange's report."""
+    if collective == "allgatherv":
+        return np.zeros(rank + 1, dtype=np.int16 if rank == 0 else np.uint16)
+    rows = (rank + 1) * size if collective == "alltoall" else rank + 1
+    return np.zeros((rows, 5 if rank == 0 else 6), dtype=np.int16)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("collective", ["allgather", "alltoall", "gather", "allgatherv"])
+def test_a_mismatch_prints_every_ranks_true_shape_on_every_rank(collective):
+    """The arguments agreed on stand for ``x[:0]`` (the first dimension may differ); the
+    report still prints each rank's whole array, as the caller passed it."""
+    comm = world()
+    x, counts = mismatched_part(collective, comm.rank, comm.size), list(range(1, comm.size + 1))
+    calls = {"allgather": lambda: comm.allgather(x), "alltoall": lambda: comm.alltoall(x),
+             "gather": lambda: comm.gather(x), "allgatherv": lambda: comm.allgatherv(x, counts)}
+    layout = f", counts {counts}" if collective == "allgatherv" else ""
+    parts = [mismatched_part(collective, r, comm.size) for r in range(comm.size)]
+    seen = ", ".join(f"rank {r}: {p.dtype} {p.shape}{layout}" for r, p in enumerate(parts))
+    with raises(ValueError, match=re.escape(f"shapes differ ({seen})")):
+        calls[collective]()
 
 
 @pytest.mark.mpi(min_size=2)

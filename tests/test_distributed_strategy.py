@@ -242,6 +242,23 @@ def test_loss_scaling_must_be_finite_in_float32():
     assert np.isfinite(np.float32(strategy.amp_configs["init_loss_scaling"]))
 
 
+def test_an_integer_too_large_for_a_double_is_refused_by_key_value_and_range():
+    """A Python integer beyond a double's range (float() overflows) is a ConfigError naming
+    the key, the value and the range, set whole or as one key, and changes nothing; so is
+    one too large for an integer field, and one Python will not write out in full."""
+    strategy = fleet.DistributedStrategy()
+    expected = (r"amp_configs\['init_loss_scaling'\] = 1\.000e\+400 does not fit in a double; "
+                r"allowed: a number in \(0, 3\.4028234663852886e\+38\]")
+    with pytest.raises(fleet.ConfigError, match=expected):
+        strategy.amp_configs = {"init_loss_scaling": 10**400}
+    with pytest.raises(fleet.ConfigError, match=expected):
+        strategy.amp_configs["init_loss_scaling"] = 10**400
+    assert strategy.amp_configs["init_loss_scaling"] == 32768.0
+    with pytest.raises(fleet.ConfigError, match=r"k_steps'\] = -1\.000e\+5000 does not fit"):
+        strategy.gradient_merge_configs = {"k_steps": -10**5000}
+    assert strategy.gradient_merge_configs["k_steps"] == 1
+
+
 def test_numpy_scalars_and_ints_for_floats_are_accepted():
     strategy = fleet.DistributedStrategy()
     strategy.lars_configs = {"epsilon": 0, "lars_coeff": np.float32(0.5)}

@@ -182,6 +182,19 @@ def test_an_async_or_geo_worker_that_raises_ends_alone_and_the_others_train_on(m
             "went on" in output, output
 
 
+def test_an_async_worker_that_sigint_ends_is_reported_as_interrupted_not_as_raising():
+    """Worker 1 hangs until a SIGINT ends it (as ``mpiexec.gforker`` ends a hung rank while
+    it ends the job): ``fleetmpirun`` names it as interrupted, not as a rank that left after
+    an exception of its own, and worker 0 trains to the end."""
+    code, output, _ = run_job(4, 2, "interrupt", "--mode", "async", fleetmpirun=True)
+    assert code != 0, output
+    assert_workers_ok(output, "leave async", 1)
+    assert re.search(r"did not run their script to its end: 1 \(pid \d+ on [^)]+\), "
+                     r"interrupted by SIGINT \(Ctrl-C, or the MPI launcher ending the job's "
+                     r"ranks\)$", output, re.M), output
+    assert "left after an uncaught exception" not in output, output
+
+
 def test_servers_save_shards_on_request_and_at_shutdown_and_a_new_job_resumes(tmp_path):
     """Job one: steps 0-2, worker 0 asks for a save after step 1, the servers save at
     shutdown. Job two loads the shards (blocks, Adam moments, step counts) and runs steps

@@ -4,6 +4,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -263,3 +265,32 @@ def test_each_rank_exchanges_log_p_messages():
         ok(sum(r for r, _ in counts) == comm.size - 1 == sum(s for _, s in counts))
     finally:
         counting.comm.Free()
+
+
+def test_the_report_comes_one_linger_after_the_stall_time_and_the_end_one_more():
+    """When the report and the end come, as docs/reliability.md and docs/launch.md state:
+    rank 0 waits the stall time, asks every rank whether it is there and waits
+    ``REPORT_LINGER_SECONDS`` for the answers (the missing rank never answers), writes the
+    report, and aborts ``REPORT_LINGER_SECONDS`` later. Times run from the late rank's
+    ``FAULT`` line; lower bounds are exact, upper ones leave room for a busy machine."""
+    stall_time, linger = 1.0, stall.REPORT_LINGER_SECONDS
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=str(stall_time))
+    job = subprocess.Popen(local_command(2, [sys.executable, JOB, "stall", "1", "allreduce",
+                                             "sleep"]),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    arrivals = []
+    reader = threading.Thread(target=lambda: arrivals.extend(
+        (time.time(), line) for line in job.stdout), daemon=True)
+    reader.start()
+    try:
+        job.wait(timeout=JOB_SECONDS)
+    finally:
+        job.kill()
+    ended = time.time()
+    reader.join(5)
+    text = "".join(line for _, line in arrivals)
+    fault = float(re.search(r"^FAULT (\S+)$", text, re.M).group(1))
+    report = next(t for t, line in arrivals if line.startswith("[fleetmpi] stall: rank 0/2"))
+    assert stall_time + linger - 0.05 <= report - fault <= stall_time + linger + 1.0, text
+    assert stall_time + 2 * linger - 0.05 <= ended - fault <= stall_time + 2 * linger + 2.0, \
+        text
