@@ -267,13 +267,13 @@ def test_each_rank_exchanges_log_p_messages():
         counting.comm.Free()
 
 
-def test_the_report_comes_one_linger_after_the_stall_time_and_the_end_one_more():
-    """When the report and the end come, as docs/reliability.md and docs/launch.md state:
-    rank 0 waits the stall time, asks every rank whether it is there and waits
-    ``REPORT_LINGER_SECONDS`` for the answers (the missing rank never answers), writes the
-    report, and aborts ``REPORT_LINGER_SECONDS`` later. Times run from the late rank's
-    ``FAULT`` line; lower bounds are exact, upper ones leave room for a busy machine."""
-    stall_time, linger = 1.0, stall.REPORT_LINGER_SECONDS
+def test_the_report_comes_at_the_stall_time_and_the_end_one_linger_later():
+    """When the report and the end come, as docs/reliability.md and docs/launch.md state: the
+    waiting rank's watchdog reports once the call has been in flight ``FLEETMPI_STALL_TIMEOUT``
+    (within a tick of its thread) and aborts ``REPORT_LINGER_SECONDS`` later, answering the
+    others meanwhile. Times run from the late rank's ``FAULT`` line; lower bounds are exact,
+    upper ones leave room for a busy machine."""
+    stall_time, linger = 1.0, stall_report.REPORT_LINGER_SECONDS
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=str(stall_time))
     job = subprocess.Popen(local_command(2, [sys.executable, JOB, "stall", "1", "allreduce",
                                              "sleep"]),
@@ -291,6 +291,5 @@ def test_the_report_comes_one_linger_after_the_stall_time_and_the_end_one_more()
     text = "".join(line for _, line in arrivals)
     fault = float(re.search(r"^FAULT (\S+)$", text, re.M).group(1))
     report = next(t for t, line in arrivals if line.startswith("[fleetmpi] stall: rank 0/2"))
-    assert stall_time + linger - 0.05 <= report - fault <= stall_time + linger + 1.0, text
-    assert stall_time + 2 * linger - 0.05 <= ended - fault <= stall_time + 2 * linger + 2.0, \
-        text
+    assert stall_time - 0.05 <= report - fault <= stall_time + 1.0, text
+    assert stall_time + linger - 0.05 <= ended - fault <= stall_time + linger + 2.0, text
