@@ -32,8 +32,9 @@ The cap: two more jobs at the largest rank count, each rank limiting its data se
 the phase it failed in. Data parallel and stage 3 each try to build the model and train
 ``--steps`` steps under it. The default cap lies midway between what stage 3 needs and what
 data parallel needs, both from the memory job. Stage 3 needs its construction peak: the model
-and Adam's state are built whole on every rank and sharded afterwards, so its construction
-holds data parallel's whole model state plus the shards for a moment. Data parallel needs its
+is built whole on every rank and sharded afterwards (Adam's state is made at the shard's size),
+so its construction holds data parallel's whole parameters and gradients plus the shards for a
+moment (``benchmarks/lazy_memory.py`` measures building under ``LazyGuard``). Data parallel needs its
 model state plus one step's transient. The cap therefore separates the two only when a step's
 transient exceeds the shards built at construction (1/N of the model state), which is why the
 default batch is 8 sequences: data parallel builds under the cap and fails in its first step.

@@ -47,6 +47,7 @@ from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, is
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
 from .log_writer import LogWriter
+from .nn.lazy import LazyGuard
 from .nn.summary import summary
 from .schema_view import ConfigError
 from .serialization import load, save
@@ -70,7 +71,7 @@ __all__ = [
     "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "Function",
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
-    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "load",
+    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "LazyGuard", "load",
     "local_rank", "local_size", "LogWriter", "matmul", "metric", "ModeError", "nn", "no_grad",
     "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "reshape",
     "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints", "server_index",

@@ -20,6 +20,8 @@ import weakref
 from . import backend, hybrid, paddle_flags, world
 from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
+from .log import logger
+from .nn import lazy
 from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
 from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
@@ -73,7 +75,9 @@ def strategy_communicator(strategy):
 
 def distributed_model(model, communicator=None):
     """Make ``model``'s parameters and buffers identical on every rank (rank 0's values, one
-    broadcast per flat buffer and one for the buffers) and return it. In parameter-server mode
+    broadcast per flat buffer and one for the buffers) and return it. Parameters built under
+    ``LazyGuard`` stay without values: ``distributed_optimizer`` gives them theirs, the same
+    on every rank (``nn.lazy``). In parameter-server mode
     nothing is broadcast: the model is remembered, and workers take its parameters from the
     servers in ``fleet.init_worker()``."""
     if world.roles() is not None:
@@ -86,7 +90,8 @@ def distributed_model(model, communicator=None):
                          "attributes after super().__init__(); check that its __init__ assigns "
                          "them there")
     comm = hybrid.parameter_communicator(_world_communicator(communicator))
-    flats = [buffer.data for buffer in model.flat_buffers()]
+    # A buffer built under LazyGuard has no values yet; every rank draws the same ones.
+    flats = [buffer.data for buffer in model.flat_buffers() if not buffer.deferred]
     if flats and comm is not None:
         comm.broadcast_many(flats, root=0)
     states = [b for _, b in model.named_buffers()]
@@ -157,6 +162,7 @@ class DistributedOptimizer:
             raise ValueError("auto_seconds, auto_allow and auto_memory_MB configure "
                              "strategy.auto, which is off")
         self.inner = optimizer
+        _materialize_unless_stage3(optimizer, strategy)
         if local:
             communicator = None
         elif world.worker_num() > 1 or communicator is not None:
@@ -362,6 +368,21 @@ class DistributedOptimizer:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def _materialize_unless_stage3(optimizer, strategy):
+    """Give the parameters of a model built under ``LazyGuard`` their values whole, unless
+    ``strategy`` is sharding stage 3, which produces only this rank's shard of them
+    (``Optimizer.shard``); says so when it does."""
+    if strategy.sharding and int(strategy.sharding_configs["stage"]) == 3:
+        return
+    sizes = {id(p.buffer): p.buffer.size * p.buffer.dtype.itemsize
+             for p in optimizer.parameters() if p.buffer is not None and p.buffer.deferred}
+    if lazy.materialize(optimizer.parameters()):
+        logger.warning("the model was built under LazyGuard, but this strategy keeps every "
+                       "parameter whole on each rank (only sharding stage 3 partitions them), "
+                       "so it is materialised whole: %.2f MiB of parameters and as much of "
+                       "gradients on this rank", sum(sizes.values()) / 2 ** 20)
 
 
 def _local_size(local):

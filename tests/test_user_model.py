@@ -3,6 +3,8 @@ residual branch, a weight used twice, a custom Function, a parameter from create
 trained with both idioms: N ranks match one process on the global batch, the two idioms match
 each other bit for bit, every strategy of the seeds' table runs on it, a branch not taken (on
 every rank or on some) neither hangs nor averages wrongly, and misuse gets a clear error."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -73,13 +75,16 @@ def sgd_momentum(parameters):
 
 
 def train_user_model(strategy=None, idiom="dygraph", local=False, skip=None, steps=STEPS,
-                     dtype="float64", make_optimizer=sgd_momentum):
-    """Train ``UserNet`` from seed 0: each rank on its shard of the global batch (the whole
-    batch when ``local``). Returns ``(model, optimizer, losses)``."""
+                     dtype="float64", make_optimizer=sgd_momentum, lazy=False):
+    """Train ``UserNet`` from seed 0 (built under ``LazyGuard`` when ``lazy``): each rank on
+    its shard of the global batch (the whole batch when ``local``). Returns ``(model,
+    optimizer, losses)``."""
     fleet.init(is_collective=True)
     size, rank = (1, 0) if local else (fleet.worker_num(), fleet.worker_index())
     backend.manual_seed(0)
-    model = fleet.distributed_model(UserNet(dtype, skip))
+    with fleet.LazyGuard() if lazy else contextlib.nullcontext():
+        net = UserNet(dtype, skip)
+    model = fleet.distributed_model(net)
     opt = fleet.distributed_optimizer(make_optimizer(model.parameters()),
                                       strategy or fleet.DistributedStrategy(), local=local)
     losses = []

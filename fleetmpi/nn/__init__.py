@@ -1,6 +1,6 @@
 """``fleetmpi.nn``: ``Layer`` (models as Paddle dygraph users write them), the built-in layers
 over ``fleetmpi.nn.functional``, parameters held in flat buffers, and ready-made models."""
-from . import functional, initializer
+from . import functional, initializer, lazy
 from .containers import LayerDict, LayerList, ResidualBlock, Sequential
 from .conv import AdaptiveAvgPool2D, AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
 from .flat import FlatBuffer, flatten
@@ -22,6 +22,6 @@ __all__ = [
     "Linear", "MLP", "MSELoss", "MaxPool2D", "ParallelCrossEntropy", "Parameter", "ReLU",
     "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "Softmax", "Tanh",
     "VocabParallelEmbedding", "basic_block", "bottleneck_block", "flatten", "functional",
-    "get_default_dtype", "gpt_pipeline", "initializer", "resnet101", "resnet20", "resnet50",
+    "get_default_dtype", "gpt_pipeline", "initializer", "lazy", "resnet101", "resnet20", "resnet50",
     "set_default_dtype"
 ]

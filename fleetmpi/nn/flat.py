@@ -13,7 +13,11 @@ from .. import backend
 
 class FlatBuffer:
     """The parameters of one dtype packed back to back: ``data`` and ``grad`` are 1-d arrays,
-    each parameter's ``data``/``grad`` a view of a slice of them."""
+    each parameter's ``data``/``grad`` a view of a slice of them.
+
+    ``deferred``: the buffer holds parameters built under ``LazyGuard`` (a parameter built
+    outside it joins them, its values kept as its initial values): ``data`` and ``grad`` are
+    None until ``materialize``, and ``read`` produces any range of the values meanwhile."""
 
     def __init__(self, parameters):
         dtypes = {np.dtype(p.dtype) for p in parameters}
@@ -26,6 +30,14 @@ class FlatBuffer:
         for p in self.parameters:
             self.offsets.append(offset)
             offset += p.size
+        self.deferred = not all(p.materialized for p in self.parameters)
+        if self.deferred:
+            self.data = self.grad = None
+            for p, start in zip(self.parameters, self.offsets):
+                if p.materialized:
+                    p.defer(backend.to_numpy(p.data).copy(), "layer built outside LazyGuard")
+                p._place(self, start)
+            return
         xp = backend.array_module()
         self.data = xp.empty(offset, dtype=self.dtype)
         self.grad = xp.zeros(offset, dtype=self.dtype)
@@ -40,6 +52,28 @@ class FlatBuffer:
     def size(self):
         return self.offsets[-1] + self.parameters[-1].size if self.parameters else 0
 
+    def materialize(self):
+        """Allocate the values and gradients of a deferred buffer and initialise them."""
+        xp = backend.array_module()
+        size = self.size
+        self.data = xp.empty(size, dtype=self.dtype)
+        self.grad = xp.zeros(size, dtype=self.dtype)
+        for p, start in zip(self.parameters, self.offsets):
+            p.deferred_init.fill(self.data[start:start + p.size], 0)
+            p._materialize(self, start)
+        self.deferred = False
+
+    def read(self, first, last, out):
+        """Write elements ``[first, last)`` of the values into ``out``; of a deferred buffer
+        each parameter's part is produced from its initializer, never the whole buffer."""
+        if not self.deferred:
+            out[...] = self.data[first:last]
+            return
+        for p, start in zip(self.parameters, self.offsets):
+            lo, hi = max(first, start), min(last, start + p.size)
+            if lo < hi:
+                p.deferred_init.fill(out[lo - first:hi - first], lo - start)
+
     def release_gradient(self, home):
         """Free the flat gradient; each parameter gets storage from ``home(parameter)`` when
         backward first needs it (sharding stages 2 and 3)."""
@@ -50,6 +84,7 @@ class FlatBuffer:
     def release_data(self):
         """Free the flat values; each parameter keeps a placeholder (sharding stage 3)."""
         self.data = None
+        self.deferred = False
         for p in self.parameters:
             p.release_data()
 

@@ -1,12 +1,22 @@
 """Initializers for ``Layer.create_parameter`` (``fleetmpi.nn.initializer``, Paddle's names).
 
 Each is called with the parameter's shape and returns host values drawn from the shared
-generator, so every rank builds the same initial model."""
+generator, so every rank builds the same initial model.
+
+The values are a stream in the parameter's flat (C) order: ``draw(shape, rng, count)`` gives
+the next ``count`` of them from ``rng`` and ``skip(shape, rng, count)`` moves ``rng`` past
+them, so a model built under ``LazyGuard`` can produce any range of a parameter in bounded
+pieces, equal bit for bit to the whole draw (NumPy's generators fill an array element after
+element, so pieces drawn one after another are the whole array's)."""
 import math
 
 import numpy as np
 
 from .. import backend
+
+# The most elements ``skip`` draws at once where it cannot jump (normal draws reject some
+# candidates, so their count is only known by drawing).
+SKIP_CHUNK = 1 << 18
 
 
 def _fans(shape):
@@ -20,44 +30,79 @@ def _fans(shape):
     return shape[1] * receptive, shape[0] * receptive
 
 
-class Constant:
+class Initializer:
+    """Base of the initializers: ``__call__(shape)`` draws the whole parameter from the
+    shared generator; subclasses define ``draw``."""
+
+    def __call__(self, shape):
+        return self.draw(shape, backend.shared_rng(), int(np.prod(shape))).reshape(shape)
+
+    def draw(self, shape, rng, count):
+        """The next ``count`` values (float64, 1-d) of a parameter of ``shape`` from ``rng``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define draw")
+
+    def skip(self, shape, rng, count):
+        """Move ``rng`` past the next ``count`` values of a parameter of ``shape``."""
+        for begin in range(0, count, SKIP_CHUNK):
+            self.draw(shape, rng, min(SKIP_CHUNK, count - begin))
+
+
+class _UniformDraws(Initializer):
+    """An initializer of uniform draws, one 64-bit output of the generator each, so ``skip``
+    jumps (``advance``) instead of drawing."""
+
+    def bounds(self, shape):
+        raise NotImplementedError(f"{type(self).__name__} does not define bounds")
+
+    def draw(self, shape, rng, count):
+        low, high = self.bounds(shape)
+        return rng.uniform(low, high, count)
+
+    def skip(self, shape, rng, count):
+        rng.bit_generator.advance(count)
+
+
+class Constant(Initializer):
     def __init__(self, value=0.0):
         self.value = float(value)
 
-    def __call__(self, shape):
-        return np.full(shape, self.value)
+    def draw(self, shape, rng, count):
+        return np.full(count, self.value)
+
+    def skip(self, shape, rng, count):
+        pass
 
 
-class Normal:
+class Normal(Initializer):
     def __init__(self, mean=0.0, std=1.0):
         self.mean, self.std = float(mean), float(std)
 
-    def __call__(self, shape):
-        return self.mean + self.std * backend.shared_rng().standard_normal(shape)
+    def draw(self, shape, rng, count):
+        return self.mean + self.std * rng.standard_normal(count)
 
 
-class Uniform:
+class Uniform(_UniformDraws):
     def __init__(self, low=-1.0, high=1.0):
         self.low, self.high = float(low), float(high)
 
-    def __call__(self, shape):
-        return backend.shared_rng().uniform(self.low, self.high, shape)
+    def bounds(self, shape):
+        return self.low, self.high
 
 
-class XavierUniform:
-    def __call__(self, shape):
+class XavierUniform(_UniformDraws):
+    def bounds(self, shape):
         fan_in, fan_out = _fans(shape)
         bound = math.sqrt(6.0 / (fan_in + fan_out))
-        return backend.shared_rng().uniform(-bound, bound, shape)
+        return -bound, bound
 
 
-class XavierNormal:
-    def __call__(self, shape):
+class XavierNormal(Initializer):
+    def draw(self, shape, rng, count):
         fan_in, fan_out = _fans(shape)
-        return math.sqrt(2.0 / (fan_in + fan_out)) * backend.shared_rng().standard_normal(shape)
+        return math.sqrt(2.0 / (fan_in + fan_out)) * rng.standard_normal(count)
 
 
-class KaimingNormal:
-    def __call__(self, shape):
+class KaimingNormal(Initializer):
+    def draw(self, shape, rng, count):
         fan_in, _ = _fans(shape)
-        return math.sqrt(2.0 / fan_in) * backend.shared_rng().standard_normal(shape)
+        return math.sqrt(2.0 / fan_in) * rng.standard_normal(count)

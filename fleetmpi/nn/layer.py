@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import backend
 from ..autograd import as_array, nan_inf
-from . import initializer
+from . import initializer, lazy
 from .flat import flatten
 from .parameter import Parameter
 
@@ -134,22 +134,27 @@ class Layer:
         """A new Parameter of ``shape`` (Paddle's signature): values from
         ``default_initializer`` (an initializer of ``fleetmpi.nn.initializer``, any callable
         of the shape, or an array of that shape), else zeros for a bias and Xavier-uniform for
-        the rest. Assign it to an attribute to register it."""
+        the rest. Assign it to an attribute to register it. Under ``LazyGuard`` the
+        initializer is recorded, not run (``nn.lazy``)."""
         shape = tuple(int(n) for n in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
         if any(n < 1 for n in shape):
             raise ValueError(f"create_parameter shape {shape} must have sizes >= 1")
         if default_initializer is None:
             default_initializer = initializer.Constant(0.0) if is_bias \
                 else initializer.XavierUniform()
-        values = default_initializer(shape) if callable(default_initializer) \
-            else np.asarray(default_initializer)
-        values = np.asarray(backend.to_numpy(as_array(values)))
-        if tuple(values.shape) != shape:
-            raise ValueError(f"create_parameter: the initializer gave shape "
-                             f"{tuple(values.shape)} for a parameter of shape {shape}")
         dtype = self.dtype if dtype is None else _check_float_dtype(dtype)
         trainable = getattr(attr, "trainable", True)
-        param = Parameter(values.astype(dtype), trainable=trainable)
+        if lazy.building():
+            init = lazy.DeferredInit(default_initializer, shape, dtype, type(self).__name__)
+            param = Parameter(None, trainable=trainable, deferred_init=init)
+        else:
+            values = default_initializer(shape) if callable(default_initializer) \
+                else np.asarray(default_initializer)
+            values = np.asarray(backend.to_numpy(as_array(values)))
+            if tuple(values.shape) != shape:
+                raise ValueError(f"create_parameter: the initializer gave shape "
+                                 f"{tuple(values.shape)} for a parameter of shape {shape}")
+            param = Parameter(values.astype(dtype), trainable=trainable)
         param.pipeline_stage = self.pipeline_stage
         return param
 

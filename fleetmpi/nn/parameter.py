@@ -11,11 +11,14 @@ The interface strategies use, besides a tensor's ``data``, ``grad``, ``name``, `
   stages 2 and 3 keep gradients in buckets).
 * ``bind_data``, ``release_data``, ``bind_keeper``: values that exist only while used
   (sharding stage 3).
+* ``materialized``, ``deferred_init``: whether the parameter has values, and how it gets them
+  when it was built under ``LazyGuard`` (``nn.lazy``).
 """
 import numpy as np
 
 from .. import backend
 from ..autograd import Tensor
+from .lazy import ABSENT, DeferredInit
 
 
 class Parameter(Tensor):
@@ -36,16 +39,29 @@ class Parameter(Tensor):
     and ``grad`` is None outside that time. Under stage 3 the values too exist only while a
     layer uses them (``release_data``/``bind_data``, with the keeper of ``bind_keeper``
     gathering them); in between ``data`` is a placeholder of the right shape that holds NaN
-    and takes no memory."""
+    and takes no memory.
 
-    def __init__(self, value, trainable=True):
+    Built under ``LazyGuard`` (``deferred_init`` given, ``value`` None) it has neither values
+    nor gradient until its flat buffer is materialised (``nn.lazy``)."""
+
+    def __init__(self, value, trainable=True, deferred_init=None):
+        self.deferred_init = deferred_init
+        if deferred_init is not None:
+            value = _placeholder(deferred_init.shape, deferred_init.dtype)
         super().__init__(backend.asarray(value), stop_gradient=not trainable)
         self._grad_is_zero = False
-        self.grad = backend.array_module().zeros_like(self.data)
+        self.grad = None if deferred_init else backend.array_module().zeros_like(self.data)
         self._grad_home = None
         self.buffer = None
         self.offset = None
         self.pipeline_stage = None
+        if deferred_init is not None:
+            self.bind_keeper(ABSENT)
+
+    @property
+    def materialized(self):
+        """False while the parameter, built under ``LazyGuard``, has no values anywhere."""
+        return self.deferred_init is None
 
     @property
     def grad(self):
@@ -125,9 +141,26 @@ class Parameter(Tensor):
 
     def release_data(self):
         """Drop the values, keeping shape and dtype in a placeholder that holds NaN (so a
-        computation that reads them by mistake shows it) and takes no memory."""
-        xp = backend.array_module()
-        self.data = xp.broadcast_to(xp.full((), np.nan, dtype=self.data.dtype), self.data.shape)
+        computation that reads them by mistake shows it) and takes no memory; the values live
+        elsewhere from now on (a keeper's shard), also for one built under ``LazyGuard``."""
+        self.data = _placeholder(self.data.shape, self.data.dtype)
+        self.deferred_init = None
+
+    def set_value(self, value):
+        """Overwrite the values (Paddle's ``set_value``); under ``LazyGuard`` ``value`` becomes
+        the parameter's initial values, sliced when they are materialised."""
+        if self.deferred_init is None:
+            return super().set_value(value)
+        self.defer(value.data if isinstance(value, Tensor) else value, self.deferred_init.layer)
+
+    def defer(self, values, layer):
+        """Hold no values from now on; ``values`` (an array of the parameter's shape) are the
+        initial values when the flat buffer is materialised. ``layer``: what built it, for
+        the error that using it raises."""
+        self.deferred_init = DeferredInit(values, self.shape, self.dtype, layer)
+        self.data = _placeholder(self.shape, self.dtype)
+        self._grad = None
+        self.bind_keeper(ABSENT)
 
     @property
     def trainable(self):
@@ -136,6 +169,17 @@ class Parameter(Tensor):
     @trainable.setter
     def trainable(self, value):
         self.stop_gradient = not value
+
+    def _place(self, buffer, offset):
+        """Belong at ``offset`` of ``buffer`` before it has values (``LazyGuard``)."""
+        self.buffer = buffer
+        self.offset = offset
+
+    def _materialize(self, buffer, offset):
+        """Take the values the deferred buffer ``buffer`` now holds at ``offset``."""
+        self.deferred_init = None
+        self._keeper = None
+        self._bind(buffer, offset)
 
     def _bind(self, buffer, offset):
         stop = offset + self.size
@@ -151,3 +195,9 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return f"Parameter({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def _placeholder(shape, dtype):
+    """An array of ``shape`` and ``dtype`` that holds NaN and takes no memory."""
+    xp = backend.array_module()
+    return xp.broadcast_to(xp.full((), np.nan, dtype=dtype), shape)

@@ -176,9 +176,17 @@ class Optimizer:
         self._sum_over_shards = None
         self.shard_gradient = None
         self.shard_parameters = None
-        xp = backend.array_module()
-        self.run_states = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
-                            for name in self.state_names} for run in self.runs]
+        self._run_states = None
+
+    @property
+    def run_states(self):
+        """The state of each run the update covers (module docstring). Allocated when first
+        used, so that an optimizer sharded before then never holds the whole space's."""
+        if self._run_states is None:
+            xp = backend.array_module()
+            self._run_states = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
+                                 for name in self.state_names} for run in self.runs]
+        return self._run_states
 
     def narrow(self, parameters):
         """Update only ``parameters``, some of this optimizer's, from now on: runs and state
@@ -370,8 +378,9 @@ class Optimizer:
         when nothing else is held elsewhere. ``own_gradient``: the update reads the gradient
         from ``shard_gradient``, a zeroed flat array of the shard's length, instead of the flat
         buffers (sharding stage 2). ``own_parameters``: it updates ``shard_parameters``, a
-        copy of the shard's values taken now, instead of the flat buffers (stage 3). An
-        optimizer is sharded once."""
+        copy of the shard's values taken now (of a model built under ``LazyGuard``, produced
+        for the shard alone), instead of the flat buffers (stage 3). State not allocated yet
+        is allocated for the shard alone. An optimizer is sharded once."""
         if self._shard is not None:
             raise RuntimeError(f"this {type(self).__name__} is already sharded to "
                                f"{self._shard}; build a new optimizer to shard it otherwise")
@@ -386,8 +395,9 @@ class Optimizer:
             self.shard_gradient = xp.zeros(stop - start, dtype=dtype)
         if own_parameters:
             self.shard_parameters = xp.empty(stop - start, dtype=dtype)
+        held_so_far = self._run_states or [None] * len(self.runs)
         pieces, spans, state = [], [], []
-        for run, (low, high), run_state in zip(self.runs, self.run_spans, self.run_states):
+        for run, (low, high), run_state in zip(self.runs, self.run_spans, held_so_far):
             lo, hi = max(start, low), min(stop, high)
             if lo >= hi:
                 continue
@@ -396,14 +406,15 @@ class Optimizer:
             data = grad = None
             if own_parameters:
                 data = self.shard_parameters[lo - start:hi - start]
-                data[...] = run.buffer.data[first:last]
+                run.buffer.read(first, last, data)
             if own_gradient:
                 grad = self.shard_gradient[lo - start:hi - start]
             pieces.append(BufferRun(run.buffer, first, last, held, data, grad))
             spans.append((lo, hi))
-            state.append({name: flat[lo - low:hi - low].copy()
-                          for name, flat in run_state.items()})
-        self._update_runs, self._spans, self.run_states = pieces, spans, state
+            state.append({name: xp.zeros(hi - lo, dtype=dtype) if run_state is None
+                          else run_state[name][lo - low:hi - low].copy()
+                          for name in self.state_names})
+        self._update_runs, self._spans, self._run_states = pieces, spans, state
         self._shard = (int(start), int(stop))
         self._sum_over_shards = sum_over_shards
 
