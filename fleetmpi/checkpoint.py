@@ -79,12 +79,40 @@ def _exchange(comm, row):
     return gather_rows(comm, np.asarray(row, dtype=np.int64), "checkpoint.save")
 
 
-def _save_token(comm):
-    """Eight hex digits that name this save, drawn by rank 0 and the same on every rank."""
-    token = np.frombuffer(os.urandom(8), dtype=np.int64).copy()
-    if comm is not None:
-        token = _exchange(comm, token)[0]
+def _hex(token):
     return token.tobytes()[:4].hex()
+
+
+def _save_token(comm, rank, directory):
+    """Eight hex digits that name this save, drawn by rank 0 and the same on every rank. In a
+    job of several ranks rank 0 first leaves a marker of that name in ``directory``, which
+    ``_check_shared`` then looks for."""
+    token = np.frombuffer(os.urandom(8), dtype=np.int64).copy()
+    if comm is None:
+        return _hex(token)
+    if rank == 0:
+        files.open_for_writing(_marker(directory, _hex(token))).close()
+    return _hex(_exchange(comm, token)[0])
+
+
+def _marker(directory, save):
+    return os.path.join(directory, f".shared-{save}")
+
+
+def _check_shared(comm, rank, directory, save):
+    """Refuse, on every rank, a ``directory`` that is not the same folder on every rank (a
+    node-local path on several nodes, say): the ranks that do not see rank 0's marker are
+    named, before anything is written."""
+    marker = _marker(directory, save)
+    seen = _exchange(comm, [int(os.path.exists(marker))])[:, 0]
+    if rank == 0:
+        os.remove(marker)
+    apart = np.flatnonzero(seen == 0)
+    if apart.size:
+        raise ValueError(
+            f"checkpoint.save({directory!r}): rank(s) {', '.join(map(str, apart))} do not see "
+            "the folder rank 0 writes to; a checkpoint folder must be one folder shared by "
+            "every rank (a shared file system, not a node-local disk)")
 
 
 def _gather_digests(comm, digest):
@@ -117,7 +145,9 @@ def save(directory, model, optimizer, step, extra=None):
     if device_state is not None:
         arrays[_RNG_DEVICE] = device_state
     arrays[_META] = np.array(json.dumps(meta))
-    save = _save_token(comm)
+    save = _save_token(comm, rank, directory)
+    if comm is not None:
+        _check_shared(comm, rank, directory, save)
     path = os.path.join(directory, _rank_file(step, rank, save))
     files.write_atomically(path, lambda f: np.savez(f, **arrays),
                            _temporary_prefix(f"rank{rank}"))
@@ -137,14 +167,16 @@ def save(directory, model, optimizer, step, extra=None):
 
 def _remove_stale(directory, rank, current):
     """This rank's checkpoint files other than ``current`` and the temporaries its crashed
-    saves left (rank 0 also the manifest's), once the manifest names the new files."""
+    saves left (rank 0 also the manifest's and the shared-folder markers'), once the manifest
+    names the new files."""
     owners = [_temporary_prefix(f"rank{rank}")] + ([_temporary_prefix("manifest")]
                                                    if rank == 0 else [])
     for name in os.listdir(directory):
         match = _RANK_FILE.fullmatch(name)
         stale_file = match is not None and int(match.group(1)) == rank and name != current
         stale_temporary = name.endswith(".part") and name.startswith(tuple(owners))
-        if stale_file or stale_temporary:
+        stale_marker = rank == 0 and name.startswith(os.path.basename(_marker("", "")))
+        if stale_file or stale_temporary or stale_marker:
             os.remove(os.path.join(directory, name))
 
 

@@ -52,7 +52,7 @@ def _gather_texts(comm, kind, text):
 
 
 def _message(directory, texts):
-    from .comm.stall import ranks_text
+    from .comm.stall_report import ranks_text
 
     by_reason = {}
     for rank, text in enumerate(texts):

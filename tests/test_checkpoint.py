@@ -365,6 +365,7 @@ def test_a_part_one_rank_refuses_is_a_load_every_rank_refuses(tmp_path_factory, 
     checkpoint.save(directory, model, opt, 2)
     damaged = os.path.basename(rank_file(directory, 1))
     change, kind, reason = DAMAGE_ON_RANK_1[damage]
+    world.Barrier()  # every rank has read the manifest before rank 0 rewrites it
     if world.rank == 0:
         change(directory)
     world.Barrier()
@@ -416,3 +417,25 @@ def test_a_model_every_rank_refuses_is_named_once_for_all_ranks(tmp_path_factory
                                             f"ranks 0-{last}: checkpoint in {directory!r} "
                                             f"was written by {world.size + 1} rank(s)")):
         checkpoint.load(directory, model, opt)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_folder_the_ranks_do_not_share_is_refused_before_anything_is_written(
+        tmp_path_factory):
+    """Each rank its own folder under one name stands for a node-local disk on each node:
+    every rank refuses, naming the ranks that do not see rank 0's folder, and writes nothing."""
+    from mpi4py import MPI
+    from comm_support import ok, raises
+
+    fleet.init(is_collective=True)
+    world = MPI.COMM_WORLD
+    own = str(tmp_path_factory.mktemp(f"local-rank{world.rank}"))
+    model, opt = build(0, True)
+    others = ", ".join(str(r) for r in range(1, world.size))
+    with raises(ValueError, match=re.escape(f"rank(s) {others} do not see the folder rank 0 "
+                                            "writes to")):
+        checkpoint.save(own, model, opt, 1)
+    ok(os.listdir(own) == [], f"rank {world.rank} left {os.listdir(own)}")
+    shared = world.bcast(str(tmp_path_factory.mktemp("shared")) if world.rank == 0 else None)
+    checkpoint.save(shared, model, opt, 2)
+    ok(not [n for n in os.listdir(shared) if n.startswith(".shared-")], "a marker was left")
