@@ -55,6 +55,7 @@ from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionS
 from .fleet_util import UtilBase, util
 from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
+from . import meta_parallel
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
@@ -71,7 +72,8 @@ __all__ = [
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "Function",
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
     "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "load",
-    "local_rank", "local_size", "LogWriter", "matmul", "metric", "ModeError", "nn", "no_grad",
+    "local_rank", "local_size", "LogWriter", "matmul", "meta_parallel", "metric", "ModeError",
+    "nn", "no_grad",
     "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "reshape",
     "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints", "server_index",
     "server_num", "split", "split_stages", "stack", "stop_worker", "summary", "Tensor",

@@ -83,7 +83,9 @@ class Layer:
     as they are assigned. ``pipeline_stage``: the pipeline stage the layer belongs to (None:
     none given; module docstring), given to its parameters too."""
 
-    def __init__(self, dtype=None):
+    def __init__(self, dtype=None, name_scope=None):
+        if name_scope is not None and not isinstance(name_scope, str):
+            raise ValueError(f"a layer's name must be a string or None, not {name_scope!r}")
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_children", OrderedDict())
@@ -92,8 +94,14 @@ class Layer:
         self.training = True
         self.dtype = _check_float_dtype(dtype) if dtype is not None else _default_dtype
         self.pipeline_stage = None
+        self._name_scope = name_scope
         for hook in _construction_hooks:
             hook(self)
+
+    def full_name(self):
+        """The layer's name: the ``name`` (Paddle's ``name_scope``) it was built with, else its
+        class name in lower case."""
+        return self._name_scope or type(self).__name__.lower()
 
     # -- registration -----------------------------------------------------------------------
     def _registries(self, name):
