@@ -41,12 +41,13 @@ try:
 except RuntimeError as _error:
     raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
 
-from . import autograd, device, io, metric, nn, optimizer, utils
+from . import autograd, device, framework, io, metric, nn, optimizer, utils
 from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, is_grad_enabled,
                        matmul, no_grad, reshape, split, stack, to_tensor, transpose)
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
 from .log_writer import LogWriter
+from .nn.param_attr import ParamAttr
 from .nn.summary import summary
 from .schema_view import ConfigError
 from .serialization import load, save
@@ -69,14 +70,13 @@ __version__ = "0.1.0"
 __all__ = [
     "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError", "concat",
     "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer",
-    "DistributedStrategy", "enable_grad", "ExecutionStrategy", "Function",
+    "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
     "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "load",
     "local_rank", "local_size", "LogWriter", "matmul", "meta_parallel", "metric", "ModeError",
-    "nn", "no_grad",
-    "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "reshape",
-    "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints", "server_index",
-    "server_num", "split", "split_stages", "stack", "stop_worker", "summary", "Tensor",
-    "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils", "worker_endpoints",
-    "worker_index", "worker_num",
+    "nn", "no_grad", "node_index", "node_num", "NonFiniteError", "optimizer",
+    "PaddleCloudRoleMaker", "ParamAttr", "reshape", "Role", "run_server", "save",
+    "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
+    "split_stages", "stack", "stop_worker", "summary", "Tensor", "to_tensor", "transpose",
+    "UserDefinedRoleMaker", "util", "utils", "worker_endpoints", "worker_index", "worker_num",
 ]

@@ -82,8 +82,9 @@ class CausalSelfAttention(Layer):
             self.qkv = Linear(n_embd, 3 * n_embd, dtype=dtype)
             self.proj = Linear(n_embd, n_embd, dtype=dtype)
         else:
-            self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, has_bias=True, gather_output=False,
-                                            mp_group=mp_group, dtype=dtype, output_blocks=3)
+            self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, has_bias=True,
+                                            gather_output=False, mp_group=mp_group, dtype=dtype,
+                                            output_blocks=3)
             self.proj = RowParallelLinear(n_embd, n_embd, input_is_parallel=True,
                                           mp_group=mp_group, dtype=dtype)
 
@@ -207,7 +208,7 @@ class GPTHead(Layer):
     def __init__(self, vocab_size, n_embd, dtype=None, mp_group=None):
         super().__init__(dtype)
         self.ln_f = LayerNorm(n_embd, dtype=dtype)
-        self.out = Linear(n_embd, vocab_size, bias=False, dtype=dtype) if mp_group is None \
+        self.out = Linear(n_embd, vocab_size, bias_attr=False, dtype=dtype) if mp_group is None \
             else ColumnParallelLinear(n_embd, vocab_size, has_bias=False, gather_output=False,
                                       mp_group=mp_group, dtype=dtype)
 

@@ -38,8 +38,11 @@ class Parameter(Tensor):
     gathering them); in between ``data`` is a placeholder of the right shape that holds NaN
     and takes no memory."""
 
-    def __init__(self, value, trainable=True):
+    def __init__(self, value, trainable=True, name=None):
         super().__init__(backend.asarray(value), stop_gradient=not trainable)
+        # A name a ParamAttr gave is kept; the others are named by their path in the model.
+        self.named_by_attr = name is not None
+        self.name = name
         self._grad_is_zero = False
         self.grad = backend.array_module().zeros_like(self.data)
         self._grad_home = None

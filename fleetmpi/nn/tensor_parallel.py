@@ -14,6 +14,8 @@ and keeps its own slice, so a tensor-parallel model built from a seed starts fro
 of the serial model built from that seed. ``full_weight_shape`` and ``weight_part`` say which
 slice a rank holds (``initialize_weight`` uses them to re-initialise a layer the same way).
 """
+import dataclasses
+
 import numpy as np
 
 from .. import backend
@@ -23,6 +25,7 @@ from . import functional as F
 from . import initializer
 from .functional.loss import _check_reduction
 from .layer import Layer
+from .param_attr import needed
 from .basic_layers import check_input, check_positive_int
 
 
@@ -68,12 +71,15 @@ class TensorParallelLayer(Layer):
 
     def _part_parameter(self, full_shape, part, attr=None, default_initializer=None,
                         is_bias=False):
-        """A parameter holding ``part`` of a ``full_shape`` weight drawn whole."""
-        if default_initializer is None:
-            default_initializer = initializer.Constant(0.0) if is_bias \
-                else initializer.XavierUniform()
-        values = default_initializer(tuple(full_shape))[part]
-        return self.create_parameter(values.shape, attr, default_initializer=values)
+        """A parameter holding ``part`` of a ``full_shape`` weight drawn whole (from the
+        initializer of ``attr``, the ``weight_attr``, when it has one)."""
+        attr = needed(attr, "weight_attr")
+        init = attr.initializer or default_initializer
+        if init is None:
+            init = initializer.Constant(0.0) if is_bias else initializer.XavierUniform()
+        values = init(tuple(full_shape))[part]
+        return self.create_parameter(values.shape, dataclasses.replace(attr, initializer=None),
+                                     default_initializer=values)
 
     def _range(self, width, rank=None):
         rank = self.mp_rank if rank is None else rank
