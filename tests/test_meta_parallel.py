@@ -205,3 +205,52 @@ def test_gpt_with_dropout_keeps_the_replicated_activations_equal_over_the_group(
     loss.backward()
     ok(np.isfinite(float(loss)))
     fleet.init(is_collective=True, strategy=fleet.DistributedStrategy())
+
+
+class TinyParallelNet(nn.Layer):
+    def __init__(self):
+        super().__init__()
+        self.fc = fleet.meta_parallel.ColumnParallelLinear(4, 8, has_bias=True,
+                                                          gather_output=False)
+        self.out = fleet.meta_parallel.RowParallelLinear(8, 3, input_is_parallel=True)
+
+    def forward(self, x):
+        return self.out(F.relu(self.fc(x)))
+
+
+def train_tiny(strategy_for_optimizer, steps=2):
+    backend.manual_seed(2)
+    model = fleet.distributed_model(TinyParallelNet())
+    opt = fleet.distributed_optimizer(
+        fleet.optimizer.Momentum(learning_rate=0.1, momentum=0.9,
+                                 parameters=model.parameters()),
+        *strategy_for_optimizer)
+    rng = np.random.default_rng(fleet.worker_index() // 2)
+    for _ in range(steps):
+        x, y = rng.standard_normal((4, 4)), rng.integers(0, 3, 4)
+        loss = F.cross_entropy(model(to_tensor(x)), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    return opt, host(model.out.weight.numpy()).copy()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distributed_optimizer_without_a_strategy_runs_the_one_given_to_init():
+    """As in Paddle: fleet.init(is_collective=True, strategy=...) with mp_degree 2, then
+    distributed_model(model) and distributed_optimizer(opt) with no strategy train exactly as
+    with the strategy passed again."""
+    fleet.init(is_collective=True)
+    if fleet.worker_num() not in (2, 4):
+        pytest.skip("mp_degree 2 over 2 or 4 ranks")
+    strategy = make_strategy(hybrid_configs={"mp_degree": 2}, gradient_merge=True,
+                             gradient_merge_configs={"k_steps": 2})
+    fleet.init(is_collective=True, strategy=strategy)
+    opt, implied = train_tiny(())
+    ok(opt.strategy.gradient_merge and opt.hybrid is not None,
+       "distributed_optimizer did not take fleet.init's strategy")
+    fleet.init(is_collective=True, strategy=strategy)
+    _, given = train_tiny((strategy,))
+    equal(implied, given)
+    strategy.gradient_merge = False         # the strategy init kept is a copy, as Paddle's
+    ok(fleet.world.init_strategy().gradient_merge, "fleet.init kept the caller's object")
