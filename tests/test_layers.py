@@ -39,7 +39,7 @@ LAYERS = (
                  "fleetmpi.serialization", "fleetmpi.log_writer")),
     ("strategies", ("fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.distributed_strategy",
                     "fleetmpi.schema_view", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
-                    "fleetmpi.role_maker")),
+                    "fleetmpi.paddle_values", "fleetmpi.role_maker")),
     ("launch", ("fleetmpi.launch",)),
     ("fleet API", ("fleetmpi",)),
 )
