@@ -77,7 +77,7 @@ def run_layout(name, layout, args):
     for step in range(args.steps + 1):
         fleet.barrier_worker()
         start = time.perf_counter()
-        loss = float(opt.minimize(model, nn.ParallelCrossEntropy(), x, y))
+        loss = float(opt.minimize(model, nn.ParallelCrossEntropy(reduction="mean"), x, y))
         backend.synchronize()
         if step:
             times.append(time.perf_counter() - start)

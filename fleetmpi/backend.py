@@ -8,7 +8,8 @@ left alone), since oversubscribed BLAS threads make every rank many times slower
 
 Randomness comes in two kinds. Initial weights must be the same on every rank, so they are drawn
 on the host from ``shared_rng`` (seeded by the seed alone; the same on CPU and GPU). Dropout masks
-must differ between ranks, so they come from ``rank_rng`` (seeded by the seed and the rank). Data
+must differ between ranks, so they come from ``rank_rng`` (seeded by the seed and the rank's
+model-parallel group; ``fleetmpi.rng_tracker`` holds the generators of split activations). Data
 order is split between ranks by the sampler from one shared permutation per epoch.
 """
 import contextlib
@@ -28,6 +29,7 @@ _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS
 _xp = None
 _thread_limit = None
 _seed = 0
+_model_parallel_degree = 1
 _shared_rng = None
 _rank_rng = None
 
@@ -166,19 +168,35 @@ def shared_rng():
     return _shared_rng
 
 
-def _rank():
-    return job.worker_index() if job.joined() else 0
+def set_model_parallel_degree(degree):
+    """Make the ranks of each model-parallel group (``degree`` neighbouring ranks, the layout's
+    innermost axis) share one rank generator, so that they drop an activation they all hold
+    alike; ``fleetmpi.rng_tracker`` gives them generators of their own for split activations.
+    The hybrid layout sets it (1 without one)."""
+    global _model_parallel_degree, _rank_rng
+    if degree != _model_parallel_degree:
+        _model_parallel_degree = degree
+        _rank_rng = None
+
+
+def _generator_index():
+    """This rank's model-parallel group: its rank generator's place in the seed."""
+    return (job.worker_index() if job.joined() else 0) // _model_parallel_degree
+
+
+def device_generator(sequence):
+    """A generator on the backend's device seeded from the ``np.random.SeedSequence``."""
+    if on_gpu():
+        return array_module().random.default_rng(int(sequence.generate_state(1)[0]))
+    return np.random.default_rng(sequence)
 
 
 def rank_rng():
-    """A generator on the backend's device that differs between ranks (dropout masks)."""
+    """A generator on the backend's device that differs between ranks (dropout masks), but
+    not between the ranks of one model-parallel group (``set_model_parallel_degree``)."""
     global _rank_rng
     if _rank_rng is None:
-        sequence = np.random.SeedSequence([_seed, 1, _rank()])
-        if on_gpu():
-            _rank_rng = array_module().random.default_rng(int(sequence.generate_state(1)[0]))
-        else:
-            _rank_rng = np.random.default_rng(sequence)
+        _rank_rng = device_generator(np.random.SeedSequence([_seed, 1, _generator_index()]))
     return _rank_rng
 
 
@@ -192,9 +210,10 @@ def rank_rng_snapshot(generator=None):
     return generator.bit_generator.state
 
 
-def restore_rank_rng(snapshot):
-    """Put the rank generator back to what ``rank_rng_snapshot`` returned."""
-    generator = rank_rng()
+def restore_rank_rng(snapshot, generator=None):
+    """Put ``generator`` (the rank generator by default) back to what ``rank_rng_snapshot``
+    returned."""
+    generator = rank_rng() if generator is None else generator
     if on_gpu():
         generator.bit_generator._state[...] = snapshot
     else:

@@ -9,8 +9,8 @@ import types
 
 from google.protobuf import text_format
 
-from . import schema_view
-from . import prototxt
+from . import paddle_values, prototxt, schema_view
+from .paddle_fields import PADDLE_ONLY
 from .proto import distributed_strategy_pb2 as schema
 
 
@@ -76,7 +76,9 @@ class _MessageObject:
             raise TypeError(f"{field.name} must be assigned a {sub_class.__name__} or a dict "
                             f"of its fields, not a {type(value).__name__}")
         mapping = schema_view.require_mapping(value, field.name)
-        schema_view.ConfigView(getattr(self._message, field.name), field.name).update(mapping)
+        view = self._present(field) if sub_class is None else \
+            schema_view.ConfigView(getattr(self._message, field.name), field.name)
+        view.update(mapping)
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._message.DESCRIPTOR.fields_by_name))
@@ -111,9 +113,36 @@ class _MessageObject:
 
 
 class BuildStrategy(_MessageObject):
-    """Graph-building switches (op fusion, in-place reuse); the fields of Fleet's BuildStrategy."""
+    """Graph-building switches (op fusion, in-place reuse); the fields of Fleet's BuildStrategy.
+
+    ``nccl_comm_num`` (an attribute of Paddle's static ``BuildStrategy``) is the strategy's
+    field of that name: ``strategy.build_strategy.nccl_comm_num = 2`` sets it, and a
+    ``BuildStrategy`` of its own keeps the value until it is assigned to a strategy's
+    ``build_strategy``."""
 
     _message_class = schema.BuildStrategy
+    _strategy = None          # the strategy whose build_strategy this object is a view of
+    _nccl_comm_num = None     # the value given to an object of its own
+
+    def _extra_names(self):
+        return ("nccl_comm_num",)
+
+    def __getattr__(self, name):
+        if name != "nccl_comm_num":
+            return super().__getattr__(name)
+        if self._strategy is not None:
+            return self._strategy.nccl_comm_num
+        return _NCCL_COMM_NUM.default_value if self._nccl_comm_num is None \
+            else self._nccl_comm_num
+
+    def __setattr__(self, name, value):
+        if name != "nccl_comm_num":
+            super().__setattr__(name, value)
+        elif self._strategy is not None:
+            self._strategy.nccl_comm_num = value
+        else:
+            object.__setattr__(self, "_nccl_comm_num", schema_view.coerce(
+                _NCCL_COMM_NUM, value, "BuildStrategy.nccl_comm_num"))
 
 
 class ExecutionStrategy(_MessageObject):
@@ -121,6 +150,8 @@ class ExecutionStrategy(_MessageObject):
 
     _message_class = schema.ExecutionStrategy
 
+
+_NCCL_COMM_NUM = schema.DistributedStrategy.DESCRIPTOR.fields_by_name["nccl_comm_num"]
 
 # The seeds' collective-training guide also sets these on the strategy itself; they are
 # names for fields of build_strategy and execution_strategy, not fields of their own.
@@ -130,6 +161,25 @@ SHORTCUTS = dict(
 )
 
 
+class _PaddleOnlyKeys:
+    """The keys of a ``*_configs`` message that Paddle's message has and fleetmpi's lacks
+    (``pipeline_configs["micro_batch_size"]``), for ``schema_view.ConfigView``: kept by the
+    strategy and reported, as a loaded file's are."""
+
+    def __init__(self, strategy, name, keys):
+        self.strategy, self.prefix, self.names = strategy, name + ".", keys
+
+    def get(self, key):
+        return paddle_values.value_of(self.strategy._paddle_only.get(self.prefix + key))
+
+    def rendered(self, values):
+        return {self.prefix + key: [paddle_values.render(self.prefix + key, value)]
+                for key, value in values.items()}
+
+    def keep(self, texts):
+        self.strategy._keep(texts)
+
+
 class DistributedStrategy(_MessageObject):
     """What a distributed training job should do: Fleet's strategy fields, configs and defaults.
 
@@ -137,29 +187,58 @@ class DistributedStrategy(_MessageObject):
     the keys given (``strategy.amp_configs["incr_ratio"] = 3.0`` works too);
     ``strategy.build_strategy`` and ``strategy.execution_strategy`` are live objects, and
     can be assigned a ``BuildStrategy``/``ExecutionStrategy`` or a dict of their fields.
+    Paddle 2.1-2.4's fields that fleetmpi lacks (``find_unused_parameters``,
+    ``pipeline_configs["micro_batch_size"]``, ...: ``fleetmpi.paddle_fields``) are kept as a
+    loaded file's are, and reported as not applied with the reason.
     """
 
     _message_class = schema.DistributedStrategy
     _sub_objects = {"build_strategy": BuildStrategy, "execution_strategy": ExecutionStrategy}
 
     def _extra_names(self):
-        return tuple(SHORTCUTS)
+        return tuple(SHORTCUTS) + tuple(paddle_values.names_under(""))
 
     def __getattr__(self, name):
         if name in SHORTCUTS:
             owner, field = SHORTCUTS[name]
             return getattr(getattr(self, owner), field)
+        if name in PADDLE_ONLY:
+            return paddle_values.value_of(self._paddle_only.get(name))
         return super().__getattr__(name)
 
     def __setattr__(self, name, value):
         if name in SHORTCUTS:
             owner, field = SHORTCUTS[name]
             setattr(getattr(self, owner), field, value)
+        elif name in PADDLE_ONLY:
+            self._keep({name: [paddle_values.render(name, value)]})
         else:
             super().__setattr__(name, value)
 
+    def _present(self, field):
+        keys = paddle_values.names_under(field.name + ".")
+        if field.name == "build_strategy":
+            view = super()._present(field)
+            object.__setattr__(view, "_strategy", self)
+            return view
+        if field.name in self._sub_objects or not keys:
+            return super()._present(field)
+        return schema_view.ConfigView(getattr(self._message, field.name), field.name,
+                                      _PaddleOnlyKeys(self, field.name, keys))
+
+    def _assign_message(self, field, value):
+        super()._assign_message(field, value)
+        if isinstance(value, BuildStrategy) and value._nccl_comm_num is not None:
+            self.nccl_comm_num = value._nccl_comm_num
+
+    def _keep(self, texts):
+        """Keep Paddle-only fields, ``{dotted path: [text]}`` (``fleetmpi.paddle_values``)."""
+        object.__setattr__(self, "_paddle_only",
+                           types.MappingProxyType(dict(self._paddle_only, **texts)))
+
     # Fields of Paddle's message that fleetmpi does not have, as a loaded file held them
-    # (``fleetmpi.prototxt``); written back by save_to_prototxt.
+    # (``fleetmpi.prototxt``) or the script set them (``fleetmpi.paddle_values``); written back
+    # by save_to_prototxt.
     _paddle_only = types.MappingProxyType({})
 
     def paddle_only_fields(self):
@@ -168,7 +247,8 @@ class DistributedStrategy(_MessageObject):
         return {path: list(texts) for path, texts in self._paddle_only.items()}
 
     def __eq__(self, other):
-        return super().__eq__(other) and dict(self._paddle_only) == dict(other._paddle_only)
+        return super().__eq__(other) and paddle_values.values(self._paddle_only) == \
+            paddle_values.values(other._paddle_only)
 
     __hash__ = None
 

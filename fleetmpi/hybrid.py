@@ -24,6 +24,7 @@ import copy
 
 from . import backend
 from .comm import hybrid_topology
+from .rng_tracker import MODEL_PARALLEL_RNG, get_rng_state_tracker
 from .comm.communicator import Communicator
 from .comm.hybrid_topology import DEGREE_NAMES, HybridCommunicateGroup, resolve_degrees
 
@@ -58,21 +59,43 @@ def strategy_communicator(strategy, topology):
                         hierarchical_allreduce_inter_nranks=inter if inter > 1 else None)
 
 
+def model_parallel_random_seed(seed=None):
+    """Paddle's ``meta_parallel.model_parallel_random_seed``: with ``seed``, reseed every
+    generator with it (the same on every rank: initial weights, and the dropout of activations
+    a model-parallel group holds whole); then give the tracker's ``"model_parallel_rng"`` a
+    seed of this model-parallel rank's own (Paddle's ``seed * 1024 + 100 * rank``, from the
+    current seed when ``seed`` is None), for the dropout of this rank's part of a split
+    activation (``fleetmpi.rng_tracker``)."""
+    if seed is not None:
+        backend.manual_seed(seed)
+    layout = hybrid_topology.current()
+    rank = 0 if layout is None else layout.get_model_parallel_rank()
+    tracker = get_rng_state_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, backend.get_seed() * 1024 + 100 * rank)
+
+
 def build_layout(strategy, topology):
     """For ``fleet.init(strategy=...)``: build and make current the layout of ``strategy``
-    over the world ``topology``, after reseeding with ``tensor_init_seed`` when it is set.
-    A strategy that is not hybrid clears the layout."""
+    over the world ``topology``. ``tensor_init_seed`` >= 0 reseeds every generator; under a
+    model-parallel degree above 1, ``model_parallel_random_seed`` seeds the tracker's
+    ``"model_parallel_rng"`` (as Paddle's ``fleet.init``). A strategy that is not hybrid
+    clears the layout."""
     if not is_hybrid(strategy):
         if strategy.hybrid_configs["dp_degree"] != -1:
             resolve_degrees(hybrid_configs(strategy), topology.size)
         hybrid_topology.set_current(None)
+        backend.set_model_parallel_degree(1)
         return None
     seed = int(strategy.tensor_parallel_configs["tensor_init_seed"])
-    if seed >= 0:
-        backend.manual_seed(seed)
     degrees = resolve_degrees(hybrid_configs(strategy), topology.size)
     group = HybridCommunicateGroup(strategy_communicator(strategy, topology), degrees)
     hybrid_topology.set_current(group)
+    backend.set_model_parallel_degree(degrees["model"])
+    if degrees["model"] > 1:
+        model_parallel_random_seed(seed if seed >= 0 else None)
+    elif seed >= 0:
+        backend.manual_seed(seed)
     return group
 
 
@@ -157,6 +180,7 @@ def run_of(strategy, optimizer, world_communicator, local):
     if group is None or group.communicator.size != world_size:
         group = HybridCommunicateGroup(world_communicator, degrees)
         hybrid_topology.set_current(group)
+        backend.set_model_parallel_degree(degrees["model"])
     elif group.degrees != degrees:
         raise ValueError(f"the strategy's hybrid degrees {_named(degrees)} differ from the "
                          f"layout fleet.init built ({_named(group.degrees)}); pass the same "

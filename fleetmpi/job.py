@@ -48,7 +48,7 @@ def worker_index():
 def worker_num():
     """The number of workers: the world size in collective mode, the workers alone in
     parameter-server mode."""
-    return topology().size if roles() is None else _role_maker.worker_num
+    return topology().size if roles() is None else _role_maker.worker_num()
 
 
 def is_first_worker():

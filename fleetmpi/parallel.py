@@ -410,8 +410,9 @@ def _parameter_server_optimizer(optimizer, strategy):
 
 def distributed_optimizer(optimizer, strategy=None, communicator=None, local=False,
                           auto_seconds=None, auto_allow=None, auto_memory_MB=None):
-    """Wrap ``optimizer`` for distributed training under ``strategy`` (the default
-    ``DistributedStrategy`` when None). ``local=True`` runs the strategies on this process
+    """Wrap ``optimizer`` for distributed training under ``strategy``; when None, the one
+    given to ``fleet.init(strategy=...)`` (as Paddle's), else the default
+    ``DistributedStrategy``. ``local=True`` runs the strategies on this process
     alone, with no communication: the single-process math a multi-rank run must match.
 
     ``strategy.auto = True`` chooses the strategy by measuring it on the first ``minimize``
@@ -423,6 +424,8 @@ def distributed_optimizer(optimizer, strategy=None, communicator=None, local=Fal
     In parameter-server mode (``fleet.init(is_collective=False)``) it returns a
     ``ParameterServerOptimizer``: ``a_sync`` and ``a_sync_configs`` choose synchronous,
     asynchronous or GEO training (see ``fleetmpi.strategies.ps``)."""
+    if strategy is None:
+        strategy = world.init_strategy()
     if not local and world.roles() is not None:
         return _parameter_server_optimizer(optimizer, strategy)
     return DistributedOptimizer(optimizer, strategy, communicator, local, auto_seconds,

@@ -74,9 +74,11 @@ class RoleMakerBase:
     """A process's mode, role, index among the processes of that role, and the endpoints.
 
     ``current_id`` or ``worker_endpoints`` may be None until ``bind``: collective mode takes
-    them from the MPI world."""
+    them from the MPI world, and so does a query before ``fleet.init``. Built with no arguments
+    (as Paddle's base class) it is a collective worker whose place the MPI world decides."""
 
-    def __init__(self, is_collective, role, current_id, worker_endpoints, server_endpoints):
+    def __init__(self, is_collective=True, role=Role.WORKER, current_id=None,
+                 worker_endpoints=None, server_endpoints=()):
         if not isinstance(role, Role):
             raise ValueError(f"role must be fleetmpi.Role.WORKER or fleetmpi.Role.SERVER, "
                              f"not {role!r}")
@@ -95,18 +97,39 @@ class RoleMakerBase:
             self._check_id()
 
     def _check_id(self):
-        limit = self.worker_num if self.is_worker() else self.server_num
+        limit = self.worker_num() if self.is_worker() else self.server_num()
         if self.current_id >= limit:
             raise ValueError(f"current_id {self.current_id} is out of range for a "
                              f"{self.role.name.lower()}: there are {limit}")
 
-    @property
-    def worker_num(self):
-        return len(self.worker_endpoints)
+    def _placed(self):
+        """Fill in what the MPI world decides when ``bind`` has not yet run, so that a role
+        maker answers before ``fleet.init`` as Paddle's does."""
+        if self.worker_endpoints is None or self.current_id is None:
+            from mpi4py import MPI
 
-    @property
+            self.bind(MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size())
+        return self
+
+    def worker_num(self):
+        """The number of workers."""
+        return len(self._placed().worker_endpoints)
+
     def server_num(self):
+        """The number of servers (0 in collective mode)."""
         return len(self.server_endpoints)
+
+    def worker_index(self):
+        """This process's index among the processes of its role (Paddle's ``worker_index``
+        answers a server's index too)."""
+        return self._placed().current_id
+
+    def server_index(self):
+        """This process's index among the servers; a ModeError on a worker."""
+        if not self.is_server():
+            raise ModeError(f"server_index: this process is worker {self.worker_index()}, "
+                            "not a server")
+        return self.current_id
 
     def is_worker(self):
         return self.role is Role.WORKER
@@ -114,28 +137,31 @@ class RoleMakerBase:
     def is_server(self):
         return self.role is Role.SERVER
 
+    def is_first_worker(self):
+        return self.is_worker() and self.worker_index() == 0
+
     def world_rank(self):
         """The MPI rank this role belongs to (see the module docstring)."""
-        return self.current_id if self.is_worker() else self.worker_num + self.current_id
+        return self.current_id if self.is_worker() else self.worker_num() + self.current_id
 
     def bind(self, rank, size):
         """Fill in what the MPI world decides (collective mode) and raise ValueError unless
         this role fits the world of ``size`` ranks at ``rank``."""
         if self.worker_endpoints is None:
-            self.worker_endpoints = endpoint_labels(size - self.server_num)
+            self.worker_endpoints = endpoint_labels(size - self.server_num())
         if self.current_id is None:
             self.current_id = rank
         self._check_id()
-        if size != self.worker_num + self.server_num:
-            raise ValueError(f"the role maker describes {self.worker_num} worker(s) and "
-                             f"{self.server_num} server(s), but the MPI world has {size} "
-                             f"rank(s); start {self.worker_num + self.server_num}")
+        if size != self.worker_num() + self.server_num():
+            raise ValueError(f"the role maker describes {self.worker_num()} worker(s) and "
+                             f"{self.server_num()} server(s), but the MPI world has {size} "
+                             f"rank(s); start {self.worker_num() + self.server_num()}")
         if rank != self.world_rank():
             raise ValueError(f"MPI rank {rank} cannot be {self.role.name.lower()} "
-                             f"{self.current_id}: workers are ranks 0..{self.worker_num - 1}"
-                             + (f", servers ranks {self.worker_num}.."
-                                f"{self.worker_num + self.server_num - 1}"
-                                if self.server_num else ""))
+                             f"{self.current_id}: workers are ranks 0..{self.worker_num() - 1}"
+                             + (f", servers ranks {self.worker_num()}.."
+                                f"{self.worker_num() + self.server_num() - 1}"
+                                if self.server_num() else ""))
         return self
 
     def current_endpoint(self):
@@ -146,7 +172,8 @@ class RoleMakerBase:
     def __repr__(self):
         mode = "collective" if self.is_collective else "parameter-server"
         return (f"{type(self).__name__}({mode}, {self.role.name.lower()} {self.current_id}, "
-                f"worker_num={len(self.worker_endpoints or ())}, server_num={self.server_num})")
+                f"worker_num={len(self.worker_endpoints or ())}, "
+                f"server_num={self.server_num()})")
 
 
 class UserDefinedRoleMaker(RoleMakerBase):

@@ -249,14 +249,23 @@ class ConfigView(MutableMapping):
     if any of them is invalid.
     """
 
-    def __init__(self, message, name):
+    def __init__(self, message, name, extra=None):
         self._message = message
         self._name = name
+        # Keys of Paddle's message that this one lacks (``DistributedStrategy`` keeps them):
+        # an object with ``names``, ``get(key)``, ``rendered({key: value})`` (checks, returns
+        # what ``keep`` takes) and ``keep``.
+        self._extra = extra
+
+    def _extra_names(self):
+        return () if self._extra is None else self._extra.names
 
     def _field(self, key):
-        return lookup_field(self._message, key, self._name)
+        return lookup_field(self._message, key, self._name, self._extra_names())
 
     def __getitem__(self, key):
+        if key in self._extra_names():
+            return self._extra.get(key)
         field = self._field(key)
         value = get_value(self._message, field)
         return ConfigList(value, self, field.name) if _is_repeated(field) else value
@@ -275,10 +284,14 @@ class ConfigView(MutableMapping):
 
     def update(self, values=(), **kwargs):
         values = dict(values, **kwargs)
-        checked = [(self._field(k), v) for k, v in values.items()]
+        extra = {k: v for k, v in values.items() if k in self._extra_names()}
+        checked = [(self._field(k), v) for k, v in values.items() if k not in extra]
         checked = [(f, coerce(f, v, f"{self._name}[{f.name!r}]")) for f, v in checked]
+        kept = self._extra.rendered(extra) if extra else None
         for field, value in checked:
             set_value(self._message, field, value)
+        if kept:
+            self._extra.keep(kept)
 
     def __repr__(self):
         return repr(dict(self))

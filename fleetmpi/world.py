@@ -1,5 +1,6 @@
 """``fleet.init`` and the role queries of Fleet's API. What ``init`` learns is kept in
 ``fleetmpi.job``, which every layer may read; the queries here are its, re-exported."""
+import copy
 import os
 
 import numpy as np
@@ -7,6 +8,8 @@ import numpy as np
 from . import failure, job, log
 from .job import (is_first_worker, local_rank, local_size, node_index, node_num,  # noqa: F401
                   role_maker, roles, topology, worker_index, worker_num)
+
+_init_strategy = None
 
 
 def init(role_maker=None, is_collective=True, strategy=None):
@@ -20,7 +23,8 @@ def init(role_maker=None, is_collective=True, strategy=None):
     mode); without one, ``is_collective`` chooses, with the roles from the launcher's variables
     (``fleetmpi.role_maker``).
     In collective mode a ``strategy`` whose ``hybrid_configs`` set degrees lays the ranks out
-    over them (``fleetmpi.hybrid``), on every call.
+    over them (``fleetmpi.hybrid``), on every call; ``distributed_optimizer`` given no strategy
+    runs the latest one given here.
     """
     from .role_maker import PaddleCloudRoleMaker, RoleMakerBase
 
@@ -59,10 +63,22 @@ def init(role_maker=None, is_collective=True, strategy=None):
 
 
 def _build_layout(strategy):
-    if strategy is not None and job.role_maker().is_collective:
+    """Keep a copy of ``strategy`` (``init_strategy``) and, in collective mode, lay the ranks
+    out over its degrees."""
+    global _init_strategy
+    if strategy is None:
+        return
+    _init_strategy = copy.deepcopy(strategy)
+    if job.role_maker().is_collective:
         from .hybrid import build_layout
 
         build_layout(strategy, job.topology())
+
+
+def init_strategy():
+    """A copy of the strategy the latest ``fleet.init(strategy=...)`` was given (None when
+    none was): what ``distributed_optimizer`` runs when it is given none, as in Paddle."""
+    return None if _init_strategy is None else copy.deepcopy(_init_strategy)
 
 
 def barrier_worker():

@@ -69,9 +69,10 @@ def fusion_limits(strategy):
 def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
     """Buckets over the contiguous runs of the optimizer's parameters, each holding at most
     ``bucket_bytes`` (a parameter bigger than that alone) and the parameters of at most
-    ``max_layers`` layers (its whole part: ``fuse_grad_size_in_TFLOPS`` is a float, as in
-    Paddle); ``bucket_bytes=None`` gives one bucket per parameter (no fusion)."""
-    max_layers = None if max_layers is None else int(max_layers)
+    ``max_layers`` layers (its whole part, at least one: ``fuse_grad_size_in_TFLOPS`` is any
+    positive float, as in Paddle); ``bucket_bytes=None`` gives one bucket per parameter (no
+    fusion)."""
+    max_layers = None if max_layers is None else max(1, int(max_layers))
     buckets = []
     for run in runs:
         current, current_bytes, layers = [], 0, set()

@@ -32,6 +32,7 @@ its sublayers as its ``forward`` does, without fusing them.
 from .. import backend
 from ..autograd import as_array, no_grad
 from ..nn import Sequential
+from ..rng_tracker import get_rng_state_tracker
 
 
 def count_stages(parameters):
@@ -153,6 +154,7 @@ def _forward_watched(model, x):
     leaves no trace in the training."""
     buffers = [(b, b.copy()) for _, b in model.named_buffers()]
     draws = backend.rank_rng_snapshot()
+    tracked = get_rng_state_tracker().get_states_tracker()
     log = _CallLog(model)
     try:
         with no_grad():
@@ -162,6 +164,7 @@ def _forward_watched(model, x):
         for buffer, saved in buffers:
             buffer[...] = saved
         backend.restore_rank_rng(draws)
+        get_rng_state_tracker().set_states_tracker(tracked)
     return output, log.calls
 
 

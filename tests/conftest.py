@@ -21,9 +21,12 @@ def float64_layers():
 @pytest.fixture(autouse=True)
 def no_hybrid_layout_after():
     """A test that lays the ranks out with hybrid_configs leaves no layout to the next one
-    (layers built without a group would take its model-parallel group)."""
+    (layers built without a group would take its model-parallel group, dropout would share
+    its masks over it), and no strategy of fleet.init for the next distributed_optimizer."""
     yield
     hybrid_topology.set_current(None)
+    backend.set_model_parallel_degree(1)
+    fleet.world._init_strategy = None
 
 
 @pytest.fixture

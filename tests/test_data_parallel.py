@@ -179,6 +179,19 @@ def test_each_bucket_algorithm_is_chosen_once_per_plan_and_passed_to_its_reducti
     assert comm.reduced == chosen * 3
 
 
+@pytest.mark.parametrize("layers", [0.25, 1, 1.9])
+def test_fuse_grad_size_in_tflops_below_two_gives_a_bucket_per_layer(monkeypatch, layers):
+    """Any positive value is allowed (Paddle's float); its whole part, at least one, is the
+    most layers a bucket holds."""
+    monkeypatch.setenv(knobs.OVERLAP_ALLREDUCE.name, "0")
+    model = make_model()
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_grad_size_in_TFLOPS = layers
+    reduction = GradientAllreduce(strategy, optimizer.SGD(parameters=model.parameters()),
+                                  ChoiceRecorder())
+    assert sorted(int(b.grad.nbytes) for b in reduction.buckets) == [416, 896, 1632]
+
+
 def test_digits_example_reaches_97_percent_at_two_ranks():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     result = subprocess.run(local_command(2, [sys.executable,

@@ -304,6 +304,15 @@ def test_range_is_named_in_the_error():
         strategy.dgc_configs = {"sparsity": [1.5]}
 
 
+def test_fuse_grad_size_in_tflops_takes_any_positive_float_as_paddle():
+    strategy = fleet.DistributedStrategy()
+    strategy.fuse_grad_size_in_TFLOPS = 0.5
+    assert strategy.fuse_grad_size_in_TFLOPS == 0.5
+    for bad in (0, -0.5):
+        with pytest.raises(fleet.ConfigError, match=r"fuse_grad_size_in_TFLOPS.*\(0, inf\)"):
+            strategy.fuse_grad_size_in_TFLOPS = bad
+
+
 def test_nan_is_refused():
     strategy = fleet.DistributedStrategy()
     with pytest.raises(fleet.ConfigError, match="lars_coeff"):

@@ -21,7 +21,7 @@ MODELS = {
     "linear_gelu": lambda: nn.MLP([6, 7, 3], activation="gelu"),
     "conv_bias_relu": lambda: nn.Sequential(nn.Conv2D(2, 3, 3, padding=1), nn.ReLU(),
                                             nn.GlobalAvgPool(), nn.Linear(3, 3)),
-    "bn_relu": lambda: nn.Sequential(nn.Linear(6, 5, bias=False), nn.BatchNorm1D(5), nn.ReLU(),
+    "bn_relu": lambda: nn.Sequential(nn.Linear(6, 5, bias_attr=False), nn.BatchNorm1D(5), nn.ReLU(),
                                      nn.Linear(5, 3)),
     "resnet_block": lambda: nn.Sequential(nn.basic_block(2, 4, stride=2), nn.GlobalAvgPool()),
 }

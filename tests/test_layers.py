@@ -3,7 +3,8 @@ points down (or within its layer), and no module imports itself back through oth
 
 Layers, bottom to top (a module belongs to the first group whose prefix it starts with):
 
-1. backend: the array backend, the knobs, logging, files, the timeline, failure handling,
+1. backend: the array backend and the RNG state tracker, the knobs, logging, files, the
+   timeline, failure handling,
    ``fleetmpi.job`` (this process's place, plain state), the CUDA graph capture checks and
    ``fleetmpi.device`` (``CUDAGraph``);
 2. comm: ``fleetmpi.comm``;
@@ -29,7 +30,8 @@ LAYERS = (
     ("backend", ("fleetmpi.backend", "fleetmpi.knobs", "fleetmpi.log", "fleetmpi.files",
                  "fleetmpi.cuda_source", "fleetmpi.host_memory", "fleetmpi.timeline",
                  "fleetmpi.failure", "fleetmpi.job", "fleetmpi.paddle_flags",
-                 "fleetmpi.launcher_env", "fleetmpi.capture_checks", "fleetmpi.device")),
+                 "fleetmpi.launcher_env", "fleetmpi.capture_checks", "fleetmpi.device",
+                 "fleetmpi.rng_tracker")),
     ("comm", ("fleetmpi.comm",)),
     ("trainer", ("fleetmpi.autograd", "fleetmpi.nn", "fleetmpi.optimizer", "fleetmpi.kernels",
                  "fleetmpi.data", "fleetmpi.checkpoint", "fleetmpi.checkpoint_agreement",
@@ -37,7 +39,7 @@ LAYERS = (
                  "fleetmpi.io", "fleetmpi.serialization", "fleetmpi.log_writer")),
     ("strategies", ("fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.distributed_strategy",
                     "fleetmpi.schema_view", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
-                    "fleetmpi.role_maker")),
+                    "fleetmpi.paddle_values", "fleetmpi.role_maker")),
     ("launch", ("fleetmpi.launch",)),
     ("fleet API", ("fleetmpi",)),
 )

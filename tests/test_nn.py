@@ -18,7 +18,7 @@ def rand(*shape, seed=0):
 
 LAYERS = {
     "linear": lambda: (nn.Linear(4, 3), rand(5, 4)),
-    "linear_no_bias": lambda: (nn.Linear(4, 3, bias=False), rand(5, 4)),
+    "linear_no_bias": lambda: (nn.Linear(4, 3, bias_attr=False), rand(5, 4)),
     "conv2d": lambda: (nn.Conv2D(2, 3, 3, stride=2, padding=1), rand(2, 2, 5, 5)),
     "conv2d_rect": lambda: (nn.Conv2D(2, 2, (1, 3), stride=(2, 1)), rand(2, 2, 4, 5)),
     "batchnorm1d": lambda: (nn.BatchNorm1D(3), rand(6, 3)),

@@ -152,3 +152,70 @@ def test_a_misspelt_name_is_still_refused_naming_the_line(tmp_path):
                                                 r"Paddle 2.0-2.2's \(did you mean "
                                                 r"'sharding_configs.segment_broadcast_MB'\?\)"):
         fleet.DistributedStrategy().load_from_prototxt(str(path))
+
+
+def _set_as_attributes(trainer_desc=True):
+    """Paddle 2.1-2.4's fields as a script sets them (``trainer_desc_configs`` came after
+    2.2, whose message the strict parse uses)."""
+    strategy = fleet.DistributedStrategy()
+    strategy.find_unused_parameters = True
+    strategy.last_comm_group_size_MB = 1.5
+    strategy.pipeline_configs["micro_batch_size"] = 4
+    strategy.pipeline_configs = {"schedule_mode": "1F1B", "accumulate_steps": 3}
+    if trainer_desc:
+        strategy.trainer_desc_configs = {"dump_fields_path": "out/", "dump_param": ["w", "b"]}
+    return strategy
+
+
+def test_paddle_only_fields_set_as_attributes_read_back_save_and_are_reported(tmp_path,
+                                                                             paddle_message):
+    strategy = _set_as_attributes()
+    assert strategy.find_unused_parameters is True and strategy.last_comm_group_size_MB == 1.5
+    assert strategy.pipeline_configs["micro_batch_size"] == 4
+    assert strategy.pipeline_configs["accumulate_steps"] == 3
+    assert strategy.pipeline_configs["schedule_mode"] == "1F1B"
+    assert strategy.trainer_desc_configs == {"dump_fields_path": "out/", "dump_param": ["w", "b"]}
+    assert fleet.DistributedStrategy().find_unused_parameters is None     # unset
+    kept = {"find_unused_parameters", "last_comm_group_size_MB", "trainer_desc_configs",
+            "pipeline_configs.micro_batch_size", "pipeline_configs.accumulate_steps"}
+    assert set(strategy.paddle_only_fields()) == kept
+    path = tmp_path / "set.prototxt"
+    strategy.save_to_prototxt(str(path))
+    assert fleet.DistributedStrategy().load_from_prototxt(str(path)) == strategy
+    _set_as_attributes(trainer_desc=False).save_to_prototxt(str(path))
+    paddle = paddle_message()
+    text_format.Parse(path.read_text(), paddle)     # strict: Paddle 2.2's message reads it
+    assert paddle.find_unused_parameters and paddle.pipeline_configs.micro_batch_size == 4
+    assert paddle.pipeline_configs.accumulate_steps == 3
+    model = nn.Linear(4, 2)
+    fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1, parameters=model.parameters()),
+                                strategy, local=True)
+    reasons = fleet.applied_strategy().not_applied
+    for name in kept:
+        assert PADDLE_ONLY[name] in reasons[name], name
+
+
+def test_a_misspelt_attribute_or_key_is_refused_with_the_nearest_name():
+    strategy = fleet.DistributedStrategy()
+    with pytest.raises(AttributeError, match="'find_unused_parameter' .*did you mean "
+                                             "'find_unused_parameters'"):
+        strategy.find_unused_parameter = True
+    with pytest.raises(KeyError, match="'micro_batch_sise' .*did you mean 'micro_batch_size'"):
+        strategy.pipeline_configs["micro_batch_sise"] = 2
+    with pytest.raises(ValueError, match="last_comm_group_size_MB = \\{1\\}: Paddle's field "
+                                         "holds a number"):
+        strategy.last_comm_group_size_MB = {1}
+    assert strategy.paddle_only_fields() == {}
+
+
+def test_build_strategy_nccl_comm_num_sets_the_strategys_field():
+    strategy = fleet.DistributedStrategy()
+    strategy.build_strategy.nccl_comm_num = 3
+    assert strategy.nccl_comm_num == 3 == strategy.build_strategy.nccl_comm_num
+    build = fleet.BuildStrategy()           # Paddle's way: a BuildStrategy of its own, assigned
+    build.nccl_comm_num = 2
+    build.fuse_bn_act_ops = True
+    strategy.build_strategy = build
+    assert strategy.nccl_comm_num == 2 and strategy.build_strategy.fuse_bn_act_ops
+    with pytest.raises(fleet.ConfigError, match=r"nccl_comm_num = 0 .*\[1, inf\)"):
+        build.nccl_comm_num = 0

@@ -107,7 +107,7 @@ def test_the_planner_counts_the_allreduces_a_tensor_parallel_gpt_step_makes():
     group.allreduce = counting
     try:
         tokens = np.random.default_rng(0).integers(0, 12, (batch, seq + 1))
-        loss = nn.ParallelCrossEntropy()(model(tokens[:, :-1]), tokens[:, 1:])
+        loss = nn.ParallelCrossEntropy(reduction="mean")(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
     finally:
         del group.allreduce

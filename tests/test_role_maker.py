@@ -18,7 +18,7 @@ def test_user_defined_role_maker_as_paddle_writes_it():
     server = fleet.UserDefinedRoleMaker(current_id=1, role=fleet.Role.SERVER, worker_num=2,
                                         server_endpoints=servers)
     assert server.is_server() and not server.is_worker() and not server.is_collective
-    assert (server.world_rank(), server.server_num, server.worker_num) == (3, 2, 2)
+    assert (server.world_rank(), server.server_num(), server.worker_num()) == (3, 2, 2)
     assert server.current_endpoint() == "10.0.0.2:6001"
     assert server.bind(3, 4) is server
     worker = fleet.UserDefinedRoleMaker(current_id=1, role=fleet.Role.WORKER, worker_num=2,
@@ -54,7 +54,7 @@ def test_cloud_role_maker_reads_paddle_parameter_server_variables():
            "10.1.1.2:7000", "PADDLE_TRAINERS_NUM": "3", "POD_IP": "10.1.1.2",
            "PADDLE_PORT": "7000"}
     server = PaddleCloudRoleMaker(is_collective=False, environ=env)
-    assert (server.role, server.current_id, server.worker_num, server.server_num) == (
+    assert (server.role, server.current_id, server.worker_num(), server.server_num()) == (
         fleet.Role.SERVER, 1, 3, 2)
     assert server.server_endpoints == ["10.1.1.1:7000", "10.1.1.2:7000"]
     server.bind(4, 5)
@@ -79,7 +79,7 @@ def test_cloud_role_maker_collective_follows_the_world_or_the_launcher():
     launched = {"PADDLE_TRAINER_ENDPOINTS": "h1:1,h1:2,h2:1", "PADDLE_TRAINER_ID": "1",
                 "PADDLE_CURRENT_ENDPOINT": "h1:2"}
     roles = PaddleCloudRoleMaker(is_collective=True, environ=launched).bind(1, 3)
-    assert roles.worker_endpoints == ["h1:1", "h1:2", "h2:1"] and roles.server_num == 0
+    assert roles.worker_endpoints == ["h1:1", "h1:2", "h2:1"] and roles.server_num() == 0
     with pytest.raises(ValueError, match="PADDLE_TRAINER_ID='1' but this process is MPI rank 2"):
         PaddleCloudRoleMaker(is_collective=True, environ=launched).bind(2, 3)
     with pytest.raises(ValueError, match="PADDLE_CURRENT_ENDPOINT='h1:2' but MPI rank 0"):
@@ -176,3 +176,48 @@ def test_fleetmpirun_gives_each_rank_paddles_collective_variables(tmp_path):
     assert done.returncode == 0, output
     for rank, endpoint in enumerate(endpoint_labels(2)):
         assert f"rank {rank} is {endpoint}" in output, output
+
+
+def test_role_makers_answer_before_fleet_init():
+    """Paddle's queries of a role maker answer from its variables or the MPI world, with no
+    fleet.init; the base class needs no arguments (a collective worker placed by MPI)."""
+    from mpi4py import MPI
+
+    from fleetmpi.role_maker import RoleMakerBase
+
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    for roles in (RoleMakerBase(), PaddleCloudRoleMaker(is_collective=True, environ={})):
+        assert (roles.worker_num(), roles.worker_index()) == (size, rank)
+        assert roles.is_worker() and not roles.is_server() and roles.server_num() == 0
+        assert roles.is_first_worker() == (rank == 0)
+    env = {"TRAINING_ROLE": "PSERVER", "PADDLE_PSERVERS_IP_PORT_LIST": "h:1,h:2,h:3",
+           "PADDLE_TRAINERS_NUM": "4", "POD_IP": "h", "PADDLE_PORT": "3"}
+    server = PaddleCloudRoleMaker(environ=env)
+    assert (server.worker_num(), server.server_num(), server.server_index()) == (4, 3, 2)
+    assert server.is_server() and not server.is_worker() and server.worker_index() == 2
+    worker = PaddleCloudRoleMaker(environ=dict(env, TRAINING_ROLE="TRAINER",
+                                               PADDLE_TRAINER_ID="3"))
+    assert (worker.worker_num(), worker.worker_index(), worker.is_worker()) == (4, 3, True)
+    with pytest.raises(fleet.ModeError, match="server_index: this process is worker 3"):
+        worker.server_index()
+
+
+def test_a_collective_role_maker_answers_before_init_on_every_rank_of_fleetmpirun(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(
+        "import fleetmpi as fleet\n"
+        "from fleetmpi import role_maker\n"
+        "roles = role_maker.PaddleCloudRoleMaker(is_collective=True)\n"
+        "early = (roles.worker_num(), roles.worker_index(), roles.is_worker(),"
+        " roles.is_server())\n"
+        "fleet.init(roles)\n"
+        "late = (fleet.worker_num(), fleet.worker_index(), fleet.is_worker(), fleet.is_server())\n"
+        "assert early == late, (early, late)\n"
+        "print(f'rank {late[1]} of {late[0]} answered early', flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
+    done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    for rank in range(2):
+        assert f"rank {rank} of 2 answered early" in output, output

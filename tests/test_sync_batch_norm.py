@@ -179,7 +179,7 @@ def bn_mlp():
 def bn_convnet():
     """A convolution with BatchNorm2D and ReLU, a residual basic block, pooling, a linear head."""
     return nn.Sequential(
-        ("conv", nn.Conv2D(2, 4, 3, padding=1, bias=False, dtype="float64")),
+        ("conv", nn.Conv2D(2, 4, 3, padding=1, bias_attr=False, dtype="float64")),
         ("bn", nn.BatchNorm2D(4, dtype="float64")), ("relu", nn.ReLU()),
         ("block", nn.basic_block(4, 6, stride=2, dtype="float64")),
         ("pool", nn.GlobalAvgPool()), ("fc", nn.Linear(6, CLASSES, dtype="float64")))
@@ -299,7 +299,7 @@ class ConvUnit(nn.Layer):
 
     def __init__(self, in_channels, out_channels):
         super().__init__(dtype="float64")
-        self.conv = nn.Conv2D(in_channels, out_channels, 3, padding=1, bias=False,
+        self.conv = nn.Conv2D(in_channels, out_channels, 3, padding=1, bias_attr=False,
                               dtype="float64")
         self.norm = nn.BatchNorm2D(out_channels, dtype="float64")
 

@@ -13,7 +13,8 @@ where gradient reduction starts) only after the recomputation added to it, and i
 the recomputation finished them, which is the order of the run without recompute.
 
 The recomputation repeats the first run bit for bit: the same operations on the same inputs,
-the rank generator replaying its draws (dropout masks), the autocast policy that was current
+the rank generator and the generators of the RNG state tracker (``fleetmpi.rng_tracker``)
+replaying their draws (dropout masks), the autocast policy that was current
 at forward entered again (amp), and the layers' buffers (batch-norm running statistics) put
 back afterwards as the first run left them, so they move once per step. Gradients are those of
 the run without recompute bit for bit, with one exception: an input used more than once inside
@@ -36,6 +37,7 @@ lowers.
 import functools
 
 from .. import backend
+from ..rng_tracker import get_rng_state_tracker
 from . import function as _function
 from . import grad_mode
 from .autocast import autocast, current_policy
@@ -63,25 +65,42 @@ class _DrawRecorder:
 
 
 def run_recording_draws(run):
-    """``run()`` with the rank generator watched; returns ``(result, state or None)``, the
-    state to replay its draws from (None when it drew nothing)."""
+    """``run()`` with the rank generator and the tracker's generators watched; returns
+    ``(result, states)``, ``{name: state}`` to replay the draws from (the rank generator's
+    under None), empty when it drew nothing."""
+    tracker = get_rng_state_tracker()
+    named = dict(tracker.generators)
+    recorders = {name: _DrawRecorder(g) for name, g in named.items()}
     recorder = _DrawRecorder(backend.rank_rng())
-    with backend.rank_rng_replaced(recorder):
-        result = run()
-    return result, recorder.state
+    tracker.generators.update(recorders)
+    try:
+        with backend.rank_rng_replaced(recorder):
+            result = run()
+    finally:
+        for name, generator in named.items():
+            if tracker.generators.get(name) is recorders[name]:
+                tracker.generators[name] = generator
+    recorders[None] = recorder
+    return result, {name: r.state for name, r in recorders.items() if r.state is not None}
 
 
-def run_replaying_draws(run, state):
-    """``run()`` with the rank generator set back to ``state`` (when not None), and left
-    afterwards as it was before."""
-    if state is None:
+def _generator(name):
+    return backend.rank_rng() if name is None else get_rng_state_tracker().generators[name]
+
+
+def run_replaying_draws(run, states):
+    """``run()`` with the generators set back to ``states`` (what ``run_recording_draws``
+    returned, None or empty: nothing to replay), and left afterwards as they were before."""
+    if not states:
         return run()
-    now = backend.rank_rng_snapshot()
-    backend.restore_rank_rng(state)
+    now = {name: backend.rank_rng_snapshot(_generator(name)) for name in states}
+    for name, state in states.items():
+        backend.restore_rank_rng(state, _generator(name))
     try:
         return run()
     finally:
-        backend.restore_rank_rng(now)
+        for name, state in now.items():
+            backend.restore_rank_rng(state, _generator(name))
 
 
 def run_keeping_buffers(buffers, run):

@@ -6,6 +6,7 @@ from ..autograd import Tensor, as_array
 from . import functional as F
 from . import initializer
 from .layer import Layer
+from .param_attr import needed, to_attr
 from .sparse import SparseTable
 
 
@@ -31,13 +32,15 @@ class Linear(Layer):
     ``(in_features, out_features)`` (Paddle's layout), Xavier-uniform initialised; ``bias``
     starts at zero."""
 
-    def __init__(self, in_features, out_features, bias=True, dtype=None, bias_attr=None):
-        super().__init__(dtype)
+    def __init__(self, in_features, out_features, weight_attr=None, bias_attr=None, name=None,
+                 dtype=None):
+        super().__init__(dtype, name)
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
-        self.weight = self.create_parameter((in_features, out_features))
-        has_bias = bias and bias_attr is not False
-        self.bias = self.create_parameter((out_features,), is_bias=True) if has_bias else None
+        self.weight = self.create_parameter((in_features, out_features),
+                                            needed(weight_attr, "weight_attr"))
+        self.bias = self.create_parameter((out_features,), to_attr(bias_attr, "bias_attr"),
+                                          is_bias=True)
 
     def extra_repr(self):
         return f"{self.in_features}, {self.out_features}, bias={self.bias is not None}"
@@ -122,17 +125,26 @@ class Embedding(Layer):
 
     ``sparse=True`` (parameter-server mode): the table is a ``SparseTable`` whose rows live on
     the servers; the layer has no dense parameter, looks up only the rows a batch touches and
-    leaves their gradient in ``table.grad_ids`` / ``table.grad_values``."""
+    leaves their gradient in ``table.grad_ids`` / ``table.grad_values``; ``weight_attr`` then
+    has no parameter to describe and must be None."""
 
-    def __init__(self, num_embeddings, embedding_dim, dtype=None, sparse=False):
-        super().__init__(dtype)
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, sparse=False,
+                 weight_attr=None, name=None, dtype=None):
+        super().__init__(dtype, name)
+        if padding_idx is not None:
+            raise ValueError(f"Embedding padding_idx={padding_idx!r}: only None is supported "
+                             "(every row is looked up and trained)")
         self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
         self.sparse = bool(sparse)
         if self.sparse:
+            if weight_attr is not None:
+                raise ValueError("Embedding(sparse=True) keeps its rows on the parameter "
+                                 f"servers; weight_attr must be None, not {weight_attr!r}")
             self.table = SparseTable(num_embeddings, embedding_dim, self.dtype)
         else:
             self.weight = self.create_parameter((num_embeddings, embedding_dim),
+                                                needed(weight_attr, "weight_attr"),
                                                 default_initializer=initializer.Normal())
 
     def extra_repr(self):

@@ -6,6 +6,7 @@ from . import functional as F
 from . import initializer
 from .functional.conv import pair
 from .layer import Layer
+from .param_attr import needed, to_attr
 from .basic_layers import check_input, check_positive_int
 
 
@@ -13,9 +14,9 @@ class Conv2D(Layer):
     """2-d convolution, ``weight`` of shape ``(out_channels, in_channels, KH, KW)``,
     Kaiming-normal initialised; optional per-channel ``bias`` starting at zero."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True,
-                 dtype=None):
-        super().__init__(dtype)
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 weight_attr=None, bias_attr=None, name=None, dtype=None):
+        super().__init__(dtype, name)
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.out_channels = check_positive_int("out_channels", out_channels)
         self.kernel_size = pair("kernel_size", kernel_size)
@@ -23,9 +24,10 @@ class Conv2D(Layer):
         self.padding = pair("padding", padding, minimum=0)
         fan_in = in_channels * self.kernel_size[0] * self.kernel_size[1]
         self.weight = self.create_parameter(
-            (out_channels, in_channels) + self.kernel_size,
+            (out_channels, in_channels) + self.kernel_size, needed(weight_attr, "weight_attr"),
             default_initializer=initializer.Normal(0.0, math.sqrt(2.0 / fan_in)))
-        self.bias = self.create_parameter((out_channels,), is_bias=True) if bias else None
+        self.bias = self.create_parameter((out_channels,), to_attr(bias_attr, "bias_attr"),
+                                          is_bias=True)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

@@ -21,13 +21,20 @@ hidden features and ``vocab_size / size`` rows of the token embedding; two allre
 block in forward (after the attention and the MLP) and two in backward (into their inputs).
 The logits are then this rank's part of the vocabulary (``parallel_output``, the default; the
 loss is ``nn.ParallelCrossEntropy``) or gathered whole. Every part starts as the slice of the
-serial model's weight from the same seed. Dropout is refused there: its masks come from each
-rank's own generator, while the ranks of a group must drop the same activations.
+serial model's weight from the same seed. Dropout follows Paddle's rule: the attention
+probabilities (each rank's own heads) are dropped inside the RNG state tracker's
+``"model_parallel_rng"`` (``fleetmpi.rng_tracker``; ``fleet.init`` seeds it per model-parallel
+rank), so each rank draws its own masks; the residual and embedding dropouts act on activations
+every rank of the group holds whole, and draw the same masks there from the rank generator,
+which the group shares.
 """
+import contextlib
+
 import math
 
 from .. import backend
 from ..autograd import matmul
+from ..rng_tracker import get_rng_state_tracker
 from . import functional as F
 from . import initializer
 from .containers import LayerList, Sequential
@@ -70,12 +77,14 @@ class CausalSelfAttention(Layer):
         self.n_head = _heads_part(n_head, mp_group)
         self.head_size = n_embd // n_head
         self.dropout = dropout
+        self.mp_group = mp_group
         if mp_group is None:
             self.qkv = Linear(n_embd, 3 * n_embd, dtype=dtype)
             self.proj = Linear(n_embd, n_embd, dtype=dtype)
         else:
-            self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, gather_output=False,
-                                            mp_group=mp_group, dtype=dtype, output_blocks=3)
+            self.qkv = ColumnParallelLinear(n_embd, 3 * n_embd, has_bias=True,
+                                            gather_output=False, mp_group=mp_group, dtype=dtype,
+                                            output_blocks=3)
             self.proj = RowParallelLinear(n_embd, n_embd, input_is_parallel=True,
                                           mp_group=mp_group, dtype=dtype)
 
@@ -83,8 +92,10 @@ class CausalSelfAttention(Layer):
         batch, seq, _ = x.shape
         heads = [t.reshape([batch, seq, self.n_head, self.head_size])
                  .transpose([0, 2, 1, 3]) for t in self.qkv(x).split(3, axis=-1)]
-        y = F.scaled_dot_product_attention(*heads, dropout_p=self.dropout, is_causal=True,
-                                           training=self.training)
+        split = self.mp_group is not None and self.dropout and self.training
+        with get_rng_state_tracker().rng_state() if split else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(*heads, dropout_p=self.dropout, is_causal=True,
+                                               training=self.training)
         y = y.transpose([0, 2, 1, 3]).reshape([batch, seq, self.n_head * self.head_size])
         return self.proj(y)
 
@@ -99,7 +110,7 @@ class FeedForward(Sequential):
             fc = Linear(n_embd, 4 * n_embd, dtype=dtype)
             proj = Linear(4 * n_embd, n_embd, dtype=dtype)
         else:
-            fc = ColumnParallelLinear(n_embd, 4 * n_embd, gather_output=False,
+            fc = ColumnParallelLinear(n_embd, 4 * n_embd, has_bias=True, gather_output=False,
                                       mp_group=mp_group, dtype=dtype)
             proj = RowParallelLinear(4 * n_embd, n_embd, input_is_parallel=True,
                                      mp_group=mp_group, dtype=dtype)
@@ -143,11 +154,6 @@ class GPT(Layer):
         if self.mp_group is None:
             self.wte = Embedding(vocab_size, n_embd, dtype=dtype)
         else:
-            if dropout:
-                raise ValueError(f"GPT with dropout={dropout} over a model-parallel group of "
-                                 f"{self.mp_group.size} ranks: dropout masks come from each "
-                                 f"rank's own generator, while the ranks of the group must "
-                                 f"drop the same activations; use dropout=0.0")
             self.wte = VocabParallelEmbedding(vocab_size, n_embd, mp_group=self.mp_group,
                                               dtype=dtype)
         self.wpe = Embedding(block_size, n_embd, dtype=dtype)
@@ -202,7 +208,7 @@ class GPTHead(Layer):
     def __init__(self, vocab_size, n_embd, dtype=None, mp_group=None):
         super().__init__(dtype)
         self.ln_f = LayerNorm(n_embd, dtype=dtype)
-        self.out = Linear(n_embd, vocab_size, bias=False, dtype=dtype) if mp_group is None \
+        self.out = Linear(n_embd, vocab_size, bias_attr=False, dtype=dtype) if mp_group is None \
             else ColumnParallelLinear(n_embd, vocab_size, has_bias=False, gather_output=False,
                                       mp_group=mp_group, dtype=dtype)
 
@@ -227,10 +233,6 @@ def gpt_pipeline(vocab_size, block_size, n_layer, n_head, n_embd, stages=1, drop
         raise ValueError(f"gpt_pipeline: {stages} stages need at least {stages - 1} blocks, "
                          f"n_layer is {n_layer}")
     mp_group = model_parallel_group(mp_group)
-    if mp_group is not None and dropout:
-        raise ValueError(f"gpt_pipeline with dropout={dropout} over a model-parallel group of "
-                         f"{mp_group.size} ranks: the ranks of the group must drop the same "
-                         f"activations; use dropout=0.0")
 
     def on_stage(stage, build):
         layer = build()

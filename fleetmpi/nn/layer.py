@@ -31,6 +31,7 @@ from .. import backend
 from ..autograd import as_array, nan_inf
 from . import initializer, lazy
 from .flat import flatten
+from .param_attr import to_attr
 from .parameter import Parameter
 
 _default_dtype = np.dtype("float32")
@@ -83,7 +84,9 @@ class Layer:
     as they are assigned. ``pipeline_stage``: the pipeline stage the layer belongs to (None:
     none given; module docstring), given to its parameters too."""
 
-    def __init__(self, dtype=None):
+    def __init__(self, dtype=None, name_scope=None):
+        if name_scope is not None and not isinstance(name_scope, str):
+            raise ValueError(f"a layer's name must be a string or None, not {name_scope!r}")
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_children", OrderedDict())
@@ -92,8 +95,14 @@ class Layer:
         self.training = True
         self.dtype = _check_float_dtype(dtype) if dtype is not None else _default_dtype
         self.pipeline_stage = None
+        self._name_scope = name_scope
         for hook in _construction_hooks:
             hook(self)
+
+    def full_name(self):
+        """The layer's name: the ``name`` (Paddle's ``name_scope``) it was built with, else its
+        class name in lower case."""
+        return self._name_scope or type(self).__name__.lower()
 
     # -- registration -----------------------------------------------------------------------
     def _registries(self, name):
@@ -131,30 +140,33 @@ class Layer:
 
     def create_parameter(self, shape, attr=None, dtype=None, is_bias=False,
                          default_initializer=None):
-        """A new Parameter of ``shape`` (Paddle's signature): values from
-        ``default_initializer`` (an initializer of ``fleetmpi.nn.initializer``, any callable
-        of the shape, or an array of that shape), else zeros for a bias and Xavier-uniform for
-        the rest. Assign it to an attribute to register it. Under ``LazyGuard`` the
-        initializer is recorded, not run (``nn.lazy``)."""
+        """A new Parameter of ``shape`` (Paddle's signature): ``attr`` a ``ParamAttr`` or what
+        a layer argument takes (``nn.param_attr``; False: no parameter, None is returned);
+        values from its initializer, else ``default_initializer`` (an initializer of
+        ``fleetmpi.nn.initializer``, any callable of the shape, or an array of that shape),
+        else zeros for a bias and Xavier-uniform for the rest. Assign it to an attribute to
+        register it. Under ``LazyGuard`` the initializer is recorded, not run (``nn.lazy``)."""
+        attr = to_attr(attr, "attr")
+        if attr is False:
+            return None
         shape = tuple(int(n) for n in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
         if any(n < 1 for n in shape):
             raise ValueError(f"create_parameter shape {shape} must have sizes >= 1")
-        if default_initializer is None:
-            default_initializer = initializer.Constant(0.0) if is_bias \
-                else initializer.XavierUniform()
+        init = attr.initializer or default_initializer
+        if init is None:
+            init = initializer.Constant(0.0) if is_bias else initializer.XavierUniform()
         dtype = self.dtype if dtype is None else _check_float_dtype(dtype)
-        trainable = getattr(attr, "trainable", True)
         if lazy.building():
-            init = lazy.DeferredInit(default_initializer, shape, dtype, type(self).__name__)
-            param = Parameter(None, trainable=trainable, deferred_init=init)
+            deferred = lazy.DeferredInit(init, shape, dtype, type(self).__name__)
+            param = Parameter(None, trainable=attr.trainable, deferred_init=deferred,
+                              name=attr.name)
         else:
-            values = default_initializer(shape) if callable(default_initializer) \
-                else np.asarray(default_initializer)
+            values = init(shape) if callable(init) else np.asarray(init)
             values = np.asarray(backend.to_numpy(as_array(values)))
             if tuple(values.shape) != shape:
                 raise ValueError(f"create_parameter: the initializer gave shape "
                                  f"{tuple(values.shape)} for a parameter of shape {shape}")
-            param = Parameter(values.astype(dtype), trainable=trainable)
+            param = Parameter(values.astype(dtype), trainable=attr.trainable, name=attr.name)
         param.pipeline_stage = self.pipeline_stage
         return param
 
@@ -225,13 +237,15 @@ class Layer:
         """``(dotted name, Parameter)`` in registration order, each parameter once; the
         parameters are flattened first (one contiguous buffer per dtype, laid out in reverse
         registration order, which is the order backward usually completes them) unless they
-        already are. The layer that flattens names the parameters (``Parameter.name``)."""
+        already are. The layer that flattens names the parameters (``Parameter.name``) that
+        their ``ParamAttr`` did not name."""
         named = self._named_parameters_unflat(prefix)
         before = [p.buffer for _, p in named]
         flatten([p for _, p in reversed(named)])
         if any(p.buffer is not old for (_, p), old in zip(named, before)):
             for name, p in named:
-                p.name = name
+                if not p.named_by_attr:
+                    p.name = name
         return named
 
     def parameters(self, include_sublayers=True):

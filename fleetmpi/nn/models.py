@@ -36,7 +36,7 @@ class MLP(Sequential):
 def conv_bn(in_channels, out_channels, kernel_size, stride, relu, dtype):
     """Conv2D (no bias) + BatchNorm2D (+ ReLU) as named layers."""
     layers = [("conv", Conv2D(in_channels, out_channels, kernel_size, stride,
-                              kernel_size // 2, bias=False, dtype=dtype)),
+                              kernel_size // 2, bias_attr=False, dtype=dtype)),
               ("bn", BatchNorm2D(out_channels, dtype=dtype))]
     if relu:
         layers.append(("relu", ReLU()))

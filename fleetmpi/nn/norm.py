@@ -7,7 +7,17 @@ import numpy as np
 from . import functional as F
 from . import initializer
 from .layer import Layer
+from .param_attr import fixed_when_false
 from .basic_layers import check_input, check_positive_int
+
+
+def _scale_and_shift(layer, shape, weight_attr, bias_attr):
+    """A norm layer's ``weight`` (ones) and ``bias`` (zeros); an attr False makes that one a
+    constant that is not trained, as Paddle's batch norm does."""
+    weight = layer.create_parameter(shape, fixed_when_false(weight_attr, "weight_attr"),
+                                    default_initializer=initializer.Constant(1.0))
+    bias = layer.create_parameter(shape, fixed_when_false(bias_attr, "bias_attr"), is_bias=True)
+    return weight, bias
 
 
 class BatchNorm(Layer):
@@ -26,8 +36,9 @@ class BatchNorm(Layer):
 
     input_ndims = (2, 3, 4)
 
-    def __init__(self, num_features, momentum=0.9, epsilon=1e-5, dtype=None):
-        super().__init__(dtype)
+    def __init__(self, num_features, momentum=0.9, epsilon=1e-5, weight_attr=None,
+                 bias_attr=None, name=None, dtype=None):
+        super().__init__(dtype, name)
         self.num_features = check_positive_int("num_features", num_features)
         if not 0 <= momentum <= 1:
             raise ValueError(f"BatchNorm momentum must lie in [0, 1], not {momentum!r}")
@@ -36,9 +47,7 @@ class BatchNorm(Layer):
         self.momentum = float(momentum)
         self.epsilon = float(epsilon)
         self.sync_communicator = None
-        self.weight = self.create_parameter((num_features,),
-                                            default_initializer=initializer.Constant(1.0))
-        self.bias = self.create_parameter((num_features,), is_bias=True)
+        self.weight, self.bias = _scale_and_shift(self, (num_features,), weight_attr, bias_attr)
         self.register_buffer("_mean", np.zeros(num_features, dtype=self.dtype))
         self.register_buffer("_variance", np.ones(num_features, dtype=self.dtype))
 
@@ -75,15 +84,15 @@ class LayerNorm(Layer):
     """Normalization of each sample over its trailing ``normalized_shape`` axes, with a learned
     ``weight`` (ones) and ``bias`` (zeros) of that shape."""
 
-    def __init__(self, normalized_shape, epsilon=1e-5, dtype=None):
-        super().__init__(dtype)
+    def __init__(self, normalized_shape, epsilon=1e-5, weight_attr=None, bias_attr=None,
+                 name=None, dtype=None):
+        super().__init__(dtype, name)
         shape = (normalized_shape,) if isinstance(normalized_shape, (int, np.integer)) \
             else tuple(normalized_shape)
         self.normalized_shape = tuple(check_positive_int("normalized_shape", n) for n in shape)
         self.epsilon = float(epsilon)
-        self.weight = self.create_parameter(self.normalized_shape,
-                                            default_initializer=initializer.Constant(1.0))
-        self.bias = self.create_parameter(self.normalized_shape, is_bias=True)
+        self.weight, self.bias = _scale_and_shift(self, self.normalized_shape, weight_attr,
+                                                  bias_attr)
 
     def extra_repr(self):
         return f"{list(self.normalized_shape)}, epsilon={self.epsilon}"

@@ -44,11 +44,14 @@ class Parameter(Tensor):
     Built under ``LazyGuard`` (``deferred_init`` given, ``value`` None) it has neither values
     nor gradient until its flat buffer is materialised (``nn.lazy``)."""
 
-    def __init__(self, value, trainable=True, deferred_init=None):
+    def __init__(self, value, trainable=True, deferred_init=None, name=None):
         self.deferred_init = deferred_init
         if deferred_init is not None:
             value = _placeholder(deferred_init.shape, deferred_init.dtype)
         super().__init__(backend.asarray(value), stop_gradient=not trainable)
+        # A name a ParamAttr gave is kept; the others are named by their path in the model.
+        self.named_by_attr = name is not None
+        self.name = name
         self._grad_is_zero = False
         self.grad = None if deferred_init else backend.array_module().zeros_like(self.data)
         self._grad_home = None

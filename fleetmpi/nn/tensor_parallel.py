@@ -14,6 +14,8 @@ and keeps its own slice, so a tensor-parallel model built from a seed starts fro
 of the serial model built from that seed. ``full_weight_shape`` and ``weight_part`` say which
 slice a rank holds (``initialize_weight`` uses them to re-initialise a layer the same way).
 """
+import dataclasses
+
 import numpy as np
 
 from .. import backend
@@ -23,6 +25,7 @@ from . import functional as F
 from . import initializer
 from .functional.loss import _check_reduction
 from .layer import Layer
+from .param_attr import needed
 from .basic_layers import check_input, check_positive_int
 
 
@@ -51,23 +54,32 @@ def initialize_weight(layer, init):
     layer.weight.set_value(init(tuple(shape))[getattr(layer, "weight_part", ...)])
 
 
+def _check_fuse_matmul_bias(value):
+    if not isinstance(value, bool):
+        raise ValueError(f"fuse_matmul_bias must be True or False, not {value!r}")
+
+
 class TensorParallelLayer(Layer):
     """A layer whose parameters are split over a model-parallel group (``split_index`` says
     which part each rank holds)."""
 
-    def __init__(self, mp_group, dtype):
-        super().__init__(dtype)
+    def __init__(self, mp_group, dtype, name=None):
+        super().__init__(dtype, name_scope=name)
         self.mp_group = model_parallel_group(mp_group)
         self.mp_rank = 0 if self.mp_group is None else self.mp_group.rank
         self.mp_size = 1 if self.mp_group is None else self.mp_group.size
 
-    def _part_parameter(self, full_shape, part, default_initializer=None, is_bias=False):
-        """A parameter holding ``part`` of a ``full_shape`` weight drawn whole."""
-        if default_initializer is None:
-            default_initializer = initializer.Constant(0.0) if is_bias \
-                else initializer.XavierUniform()
-        values = default_initializer(tuple(full_shape))[part]
-        return self.create_parameter(values.shape, default_initializer=values)
+    def _part_parameter(self, full_shape, part, attr=None, default_initializer=None,
+                        is_bias=False):
+        """A parameter holding ``part`` of a ``full_shape`` weight drawn whole (from the
+        initializer of ``attr``, the ``weight_attr``, when it has one)."""
+        attr = needed(attr, "weight_attr")
+        init = attr.initializer or default_initializer
+        if init is None:
+            init = initializer.Constant(0.0) if is_bias else initializer.XavierUniform()
+        values = init(tuple(full_shape))[part]
+        return self.create_parameter(values.shape, dataclasses.replace(attr, initializer=None),
+                                     default_initializer=values)
 
     def _range(self, width, rank=None):
         rank = self.mp_rank if rank is None else rank
@@ -86,13 +98,19 @@ class ColumnParallelLinear(TensorParallelLayer):
     whole output, False leaves each rank its part (for a ``RowParallelLinear`` with
     ``input_is_parallel=True``, or ``ParallelCrossEntropy``).
 
+    Paddle's arguments and defaults: ``has_bias=None`` (or False) makes no bias, as Paddle's
+    layer; ``fuse_matmul_bias`` is accepted either way, the product and the bias being one
+    operation (``F.linear``) here already.
+
     ``output_blocks`` (not a Paddle argument): the output features are that many equal blocks
     each split over the ranks, so a fused query-key-value projection keeps its own heads of
     each block on a rank; needs ``gather_output=False``."""
 
-    def __init__(self, in_features, out_features, has_bias=True, gather_output=True,
-                 mp_group=None, dtype=None, output_blocks=1):
-        super().__init__(mp_group, dtype)
+    def __init__(self, in_features, out_features, weight_attr=None, has_bias=None,
+                 gather_output=True, fuse_matmul_bias=False, mp_group=None, name=None, dtype=None,
+                 output_blocks=1):
+        super().__init__(mp_group, dtype, name)
+        _check_fuse_matmul_bias(fuse_matmul_bias)
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
         self.output_blocks = check_positive_int("output_blocks", output_blocks)
@@ -108,7 +126,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         self.full_weight_shape = (in_features, out_features)
         self._block = block
         self.weight_part = self.split_index("weight", self.mp_rank)
-        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part)
+        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part, weight_attr)
         self.bias = self._part_parameter((out_features,), self.weight_part[1], is_bias=True) \
             if has_bias else None
 
@@ -143,16 +161,18 @@ class RowParallelLinear(TensorParallelLayer):
     ``ColumnParallelLinear``'s output without ``gather_output``); False: the whole input,
     of which the layer takes its part."""
 
-    def __init__(self, in_features, out_features, has_bias=True, input_is_parallel=False,
-                 mp_group=None, dtype=None):
-        super().__init__(mp_group, dtype)
+    def __init__(self, in_features, out_features, weight_attr=None, has_bias=True,
+                 input_is_parallel=False, fuse_matmul_bias=False, mp_group=None, name=None,
+                 dtype=None):
+        super().__init__(mp_group, dtype, name)
+        _check_fuse_matmul_bias(fuse_matmul_bias)
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
         self.input_is_parallel = bool(input_is_parallel)
         self._rows = _split("in_features", in_features, self.mp_group)
         self.full_weight_shape = (in_features, out_features)
         self.weight_part = self.split_index("weight", self.mp_rank)
-        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part)
+        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part, weight_attr)
         self.bias = self.create_parameter((out_features,), is_bias=True) if has_bias else None
 
     def split_index(self, name, rank):
@@ -177,15 +197,16 @@ class VocabParallelEmbedding(TensorParallelLayer):
     ``[rank * V / size, (rank + 1) * V / size)``, looks up the ids in its range (zeros for the
     others) and the group sums the lookups."""
 
-    def __init__(self, num_embeddings, embedding_dim, mp_group=None, dtype=None):
-        super().__init__(mp_group, dtype)
+    def __init__(self, num_embeddings, embedding_dim, weight_attr=None, mp_group=None, name=None,
+                 dtype=None):
+        super().__init__(mp_group, dtype, name)
         self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
         self._rows = _split("num_embeddings", num_embeddings, self.mp_group)
         self.vocab_start = self.mp_rank * self._rows
         self.full_weight_shape = (num_embeddings, embedding_dim)
         self.weight_part = self.split_index("weight", self.mp_rank)
-        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part,
+        self.weight = self._part_parameter(self.full_weight_shape, self.weight_part, weight_attr,
                                            initializer.Normal())
 
     def split_index(self, name, rank):
@@ -209,13 +230,21 @@ class VocabParallelEmbedding(TensorParallelLayer):
 class ParallelCrossEntropy(Layer):
     """Softmax cross entropy of logits split over the vocabulary across the model-parallel
     group (``functional.parallel_cross_entropy``); the loss of the whole logits on every
-    rank, the logits never gathered."""
+    rank, the logits never gathered.
 
-    def __init__(self, mp_group=None, reduction="mean"):
-        super().__init__()
+    As Paddle's layer it returns the loss of each token, of shape ``(..., 1)`` for logits
+    ``(..., V / size)`` (``reduction="none"``, the default); ``reduction="mean"`` or
+    ``"sum"`` (not a Paddle argument) reduces them in the same operation."""
+
+    def __init__(self, mp_group=None, name=None, reduction="none"):
+        super().__init__(name_scope=name)
         _check_reduction(reduction)
         self.mp_group = model_parallel_group(mp_group)
         self.reduction = reduction
 
+    def extra_repr(self):
+        return f"reduction={self.reduction!r}"
+
     def forward(self, input, label):  # noqa: A002 - Paddle's argument name
-        return F.parallel_cross_entropy(input, label, self.mp_group, self.reduction)
+        loss = F.parallel_cross_entropy(input, label, self.mp_group, self.reduction)
+        return loss.reshape(list(loss.shape) + [1]) if self.reduction == "none" else loss

@@ -155,15 +155,22 @@ class Optimizer:
         self.fuse_all_optimizer_ops = False
 
     def _hold(self, parameters):
-        """Update ``parameters`` over the whole space they make, from zero state."""
+        """Update the trainable ones of ``parameters`` over the whole space they make, from
+        zero state."""
         if parameters is None:
             raise ValueError(f"{type(self).__name__} needs parameters=model.parameters()")
-        parameters = list(parameters)
-        if not parameters:
+        given = list(parameters)
+        if not given:
             raise ValueError(f"{type(self).__name__} got an empty parameter list: the model "
                              "has no parameters. A Layer registers the sublayers and "
                              "parameters assigned to its attributes after super().__init__(); "
                              "check that the model's __init__ assigns them there")
+        # Paddle leaves a parameter that is not trainable (stop_gradient) out of the update.
+        parameters = [p for p in given if not p.stop_gradient]
+        if not parameters:
+            raise ValueError(f"{type(self).__name__} got {len(given)} parameter(s), none "
+                             "trainable (ParamAttr(trainable=False) or stop_gradient=True): "
+                             "there is nothing to update")
         self._parameters = parameters
         self._parameter_ids = frozenset(map(id, parameters))
         self.runs = _group_into_runs(parameters)

@@ -61,7 +61,7 @@ def is_worker():
 
 def server_num():
     """The number of servers (0 in collective mode)."""
-    return job.role_maker().server_num
+    return job.role_maker().server_num()
 
 
 def server_index():
@@ -118,11 +118,11 @@ def init_server(dirname=None):
 
     roles = _ready("init_server", "server")
     state = ServerState(_optimizer.inner.parameters(), sparse_tables(_model), _optimizer.inner,
-                        roles.current_id, roles.server_num)
+                        roles.current_id, roles.server_num())
     if dirname is not None:
-        arrays, meta = load_shard(dirname, roles.current_id, roles.server_num)
+        arrays, meta = load_shard(dirname, roles.current_id, roles.server_num())
         state.load(arrays, meta, f"the shard of server {roles.current_id} in {dirname}")
-    _server = Server(_comm, state, _optimizer.mode, roles.worker_num)
+    _server = Server(_comm, state, _optimizer.mode, roles.worker_num())
 
 
 def run_server(save_dirname=None):

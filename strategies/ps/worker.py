@@ -37,8 +37,8 @@ class Client:
     def __init__(self, comm, roles, parameters, tables, mode, inner, timeout=None):
         self.comm = comm
         self.worker = roles.current_id
-        self.worker_num = roles.worker_num
-        self.server_num = roles.server_num
+        self.worker_num = roles.worker_num()
+        self.server_num = roles.server_num()
         self.parameters = parameters
         self.tables = tables
         self.mode = mode
