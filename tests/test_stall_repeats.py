@@ -24,8 +24,11 @@ COLLECTIVES = ["allreduce", "allreduce_many", "broadcast", "broadcast_many", "ba
 
 def run_job(n, *args, timeout="1"):
     """``(return code, output, seconds)`` of ``stall_jobs.py args`` on ``n`` ranks, with
-    ``FLEETMPI_STALL_TIMEOUT=timeout`` (None: unset, the default)."""
-    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout or "")
+    ``FLEETMPI_STALL_TIMEOUT=timeout`` (None: unset, the default). The non-finite check is
+    off, so that a training step makes one call (its gradient reduction), whose number the
+    reports give."""
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout or "",
+               FLEETMPI_NONFINITE="off")
     if timeout is None:
         del env["FLEETMPI_STALL_TIMEOUT"]
     start = time.monotonic()
