@@ -63,12 +63,14 @@ def test_set_epoch_reshuffles_the_same_way_on_every_rank():
 
 class Squares(Dataset):
     """Sample i: (a float32 row of i, i squared); a sample named in ``fail`` raises, one in
-    ``die`` ends its worker, one in ``slow`` sleeps first."""
+    ``die`` ends its worker, one in ``slow`` sleeps first (30 s), one in ``late`` 0.5 s."""
 
-    def __init__(self, size=23, fail=(), die=(), slow=()):
-        self.size, self.fail, self.die, self.slow = size, fail, die, slow
+    def __init__(self, size=23, fail=(), die=(), slow=(), late=()):
+        self.size, self.fail, self.die, self.slow, self.late = size, fail, die, slow, late
 
     def __getitem__(self, index):
+        if index in self.late:
+            time.sleep(0.5)
         if index in self.fail:
             raise KeyError(f"sample {index} is damaged")
         if index in self.die and get_worker_info() is not None:
@@ -101,7 +103,9 @@ def test_workers_give_the_batches_of_the_main_process_in_order(num_workers):
 
 
 def test_a_worker_that_raises_ends_the_loop_with_its_traceback():
-    loader = DataLoader(Squares(fail={9}), batch_size=4, num_workers=2)
+    """Batch 2 (worker 0) fails while batch 1 (worker 1) is still being made: the loop hands
+    out batch 1 first, then raises."""
+    loader = DataLoader(Squares(fail={9}, late={4}), batch_size=4, num_workers=2)
     seen = []
     with pytest.raises(WorkerError) as error:
         for x, _ in loader:

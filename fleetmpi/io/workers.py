@@ -46,6 +46,7 @@ def _work(worker_id, num_workers, dataset, seed, fetch, worker_init_fn, tasks, r
     import numpy as np
 
     np.random.seed(seed % 2**32)
+    number = None  # the batch being made: a failure takes its place in the order
     try:
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
@@ -54,15 +55,25 @@ def _work(worker_id, num_workers, dataset, seed, fetch, worker_init_fn, tasks, r
             if task is None:
                 return
             if task == STREAM:
-                for number, batch in enumerate(fetch()):
-                    results.put(((worker_id, number), batch, None))
+                number = (worker_id, 0)
+                for batch in fetch():
+                    results.put((number, batch, None))
+                    number = (worker_id, number[1] + 1)
                 results.put(((worker_id, END), None, None))
                 continue
             number, indices = task
             results.put((number, fetch(indices), None))
     except BaseException:  # noqa: BLE001 - every failure goes back to the loop, with its text
-        results.put((None, None, f"DataLoader worker {worker_id} (pid {os.getpid()}) raised:\n"
-                                 + traceback.format_exc()))
+        results.put((number, None, f"DataLoader worker {worker_id} (pid {os.getpid()}) "
+                                   "raised:\n" + traceback.format_exc()))
+
+
+class _Failed:
+    """A batch a worker failed to make: the loop raises its text when the batch's turn comes,
+    after the batches before it."""
+
+    def __init__(self, text):
+        self.text = text
 
 
 class WorkerPool:
@@ -100,12 +111,9 @@ class WorkerPool:
             if handed == sent:
                 return
             while handed not in ready:
-                number, batch, failure = self._next_result()
-                if failure is not None:
-                    self.close()
-                    raise WorkerError(failure)
+                number, batch = self._next_batch()
                 ready[number] = batch
-            yield ready.pop(handed)
+            yield self._checked(ready.pop(handed))
             handed += 1
 
     def stream(self):
@@ -118,23 +126,32 @@ class WorkerPool:
         while buffers:
             worker = sorted(buffers)[turn % len(buffers)]
             while not buffers[worker]:
-                (source, number), batch, failure = self._unpacked(self._next_result())
-                if failure is not None:
-                    self.close()
-                    raise WorkerError(failure)
+                (source, number), batch = self._next_batch()
                 buffers[source].append(ended if number == END else batch)
             item = buffers[worker].pop(0)
             if item is ended:
                 del buffers[worker]
                 turn = turn % len(buffers) if buffers else 0
                 continue
-            yield item
+            yield self._checked(item)
             turn += 1
 
-    @staticmethod
-    def _unpacked(result):
-        number, batch, failure = result
-        return (number if number is not None else (None, None)), batch, failure
+    def _next_batch(self):
+        """``(number, batch)`` of the next result, a failure as a ``_Failed`` batch; a worker
+        that failed before it made any batch (its ``worker_init_fn``) ends the loop at once."""
+        number, batch, failure = self._next_result()
+        if failure is None:
+            return number, batch
+        if number is None:
+            self.close()
+            raise WorkerError(failure)
+        return number, _Failed(failure)
+
+    def _checked(self, batch):
+        if isinstance(batch, _Failed):
+            self.close()
+            raise WorkerError(batch.text)
+        return batch
 
     def _next_result(self):
         waited = 0.0
