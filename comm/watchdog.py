@@ -292,6 +292,18 @@ class Watchdog:
                         sends.append(watch.comm.Isend(count, dest=rank, tag=FINISHED_TAG))
                     except MPI.Exception:  # a rank that has gone already
                         pass
+        # Wait until the other ranks have announced their end too (what MPI_Finalize, which
+        # comes next, waits for anyway), answering their questions meanwhile: no message is
+        # left unmatched at MPI_Finalize, which a job of hundreds of communicators did not
+        # survive. A rank still in a call hears this one's end and ends the job.
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            for watch in list(self.watches):
+                if not self._listen(watch):
+                    self.watches.remove(watch)
+            if all(len(w.finished) >= w.size - 1 for w in self.watches):
+                break
+            time.sleep(1e-3)
         deadline = time.monotonic() + FINISH_SECONDS
         while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
             time.sleep(1e-3)

@@ -66,7 +66,7 @@ def launcher_main(n, job_timeout, pytest_args, junit_dir=None):
         rc = open(rc_path).read() if os.path.exists(rc_path) else "never finished"
         log_path = os.path.join(log_dir, f"rank-{rank}.log")
         text = open(log_path).read() if os.path.exists(log_path) else "(no output)\n"
-        if rank == 0 or rc != "0":
+        if rank == 0 or rc != "0" or launched != 0:
             print(f"--- rank {rank} of {n} (pytest exit: {rc}) ---")
             print(text, end="")
         else:
