@@ -8,9 +8,12 @@
         bar.end_epoch(loss=mean_loss)
     bar.close()
 
-On a terminal (``stream.isatty()``) the bar is redrawn in place with ``\\r``, at most every
-``min_interval`` seconds, showing the loss of the latest step, the samples per second since the
-start and the estimated time left. When the stream is a file or a pipe (a log of
+On a terminal (``stream.isatty()``) the bar is redrawn in place, at most every ``min_interval``
+seconds, showing the loss of the latest step, the samples per second since the start and the
+estimated time left. tqdm draws it when it is installed (``pip install 'fleetmpi[progress]'``:
+the bar users know, fitted to the terminal's width); otherwise a plain bar of ``#`` written with
+``\\r``. Either way the figures and the redraw rate are this class's, so the loss is read only
+when a redraw shows it. When the stream is a file or a pipe (a log of
 ``fleetmpirun --log_dir``, a Slurm output file) carriage returns would pile up into one huge
 line, so the bar stays off and ``end_epoch`` writes one line per epoch instead. Ranks other than
 0 write nothing. The loss is read (``float``, a device synchronisation on a GPU) only when it is
@@ -20,12 +23,12 @@ shown.
 elsewhere), ``bar``, ``lines`` or ``off``. ``bar`` is for launchers that hand the ranks a pipe
 even when they run in a terminal (MPICH's ``mpiexec`` does): the pipe cannot tell.
 """
+import importlib.util
 import math
 import sys
 import time
 
 from .knobs import PROGRESS
-
 
 
 def format_duration(seconds):
@@ -48,11 +51,13 @@ class ProgressBar:
 
     ``stream``: where to write (default ``sys.stdout``); ``rank``: this process's rank (default
     the fleet world's, 0 before ``fleet.init``); ``mode``: see the module docstring (default
-    ``FLEETMPI_PROGRESS``, else ``auto``); ``clock``: a seconds counter (tests pass a fake one).
+    ``FLEETMPI_PROGRESS``, else ``auto``); ``clock``: a seconds counter (tests pass a fake one);
+    ``use_tqdm``: draw the terminal bar with tqdm (default: when it is installed; ``True``
+    without it raises ImportError naming the extra).
     """
 
     def __init__(self, total_steps, epochs=None, stream=None, rank=None, mode=None, width=30,
-                 min_interval=0.1, clock=time.perf_counter):
+                 min_interval=0.1, clock=time.perf_counter, use_tqdm=None):
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps={total_steps!r} must be a positive integer")
         if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int)
@@ -76,6 +81,13 @@ class ProgressBar:
         self.loss = None
         self.last_draw = None
         self.drawn_width = 0
+        if use_tqdm is None:
+            use_tqdm = importlib.util.find_spec("tqdm") is not None
+        elif use_tqdm and importlib.util.find_spec("tqdm") is None:
+            raise ImportError("ProgressBar(use_tqdm=True) needs tqdm: "
+                              "pip install 'fleetmpi[progress]' (or tqdm)")
+        self.use_tqdm = use_tqdm
+        self.tqdm = None
 
     def rate(self):
         """Samples per second since the start (0 before any time has passed)."""
@@ -114,17 +126,40 @@ class ProgressBar:
                 self._draw()
                 self.last_draw = now
 
+    def _head(self):
+        return "" if self.epochs is None else f"epoch {min(self.epoch + 1, self.epochs)}/" \
+                                              f"{self.epochs} "
+
     def _draw(self):
+        if self.use_tqdm:
+            self._draw_tqdm()
+            return
         filled = min(self.width, self.width * self.steps // self.total_steps)
         bar = "#" * filled + "-" * (self.width - filled)
-        head = "" if self.epochs is None else f"epoch {min(self.epoch + 1, self.epochs)}/" \
-                                              f"{self.epochs} "
-        text = (f"{head}[{bar}] {self.steps}/{self.total_steps} "
+        text = (f"{self._head()}[{bar}] {self.steps}/{self.total_steps} "
                 f"{self._figures(self.loss)}")
         padding = " " * max(self.drawn_width - len(text), 0)
         self.stream.write("\r" + text + padding)
         self.stream.flush()
         self.drawn_width = len(text)
+
+    def _draw_tqdm(self):
+        """One frame through tqdm: its bar, this class's counts and figures. The tqdm object is
+        made at the first frame, with that frame's figures (made earlier it would draw an empty
+        bar at once)."""
+        if self.tqdm is None:
+            from tqdm import tqdm
+
+            self.tqdm = tqdm(total=self.total_steps, initial=self.steps, desc=self._head(),
+                             postfix=self._figures(self.loss), file=self.stream, mininterval=0,
+                             dynamic_ncols=True, disable=False, leave=True,
+                             bar_format="{desc}{percentage:3.0f}%|{bar}| "
+                                        "{n_fmt}/{total_fmt}{postfix}")
+            return
+        self.tqdm.n = self.steps
+        self.tqdm.set_description_str(self._head(), refresh=False)
+        self.tqdm.set_postfix_str(self._figures(self.loss), refresh=False)
+        self.tqdm.refresh()
 
     def end_epoch(self, loss=None):
         """An epoch is over; off a terminal, write its line (``loss``: the epoch's, else the
@@ -143,6 +178,9 @@ class ProgressBar:
         """Write ``line`` below the bar (the bar is redrawn by the next step)."""
         if not self.enabled:
             return
+        if self.tqdm is not None:
+            self.tqdm.write(line, file=self.stream)
+            return
         if self.terminal and self.drawn_width:
             self.stream.write("\n")
             self.drawn_width = 0
@@ -151,6 +189,11 @@ class ProgressBar:
 
     def close(self):
         """End the bar's line on a terminal."""
+        if self.tqdm is not None:
+            self.tqdm.close()
+            self.tqdm = None
+            self.drawn_width = 0
+            return
         if self.enabled and self.terminal and self.drawn_width:
             self.stream.write("\n")
             self.stream.flush()

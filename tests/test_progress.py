@@ -62,7 +62,8 @@ def run_epochs(stream, rank=0, mode=None, epochs=2, steps_per_epoch=5, min_inter
 def test_bar_on_a_terminal_shows_loss_rate_and_eta():
     stream = Terminal()
     clock = Clock()
-    bar = ProgressBar(10, epochs=2, stream=stream, rank=0, min_interval=0.0, clock=clock)
+    bar = ProgressBar(10, epochs=2, stream=stream, rank=0, min_interval=0.0, clock=clock,
+                      use_tqdm=False)
     for _ in range(4):
         clock.now += 0.5
         bar.step(32, loss=0.5)
@@ -77,10 +78,12 @@ def test_bar_on_a_terminal_shows_loss_rate_and_eta():
     assert stream.getvalue() == text + "\n"
 
 
-def test_bar_redraws_at_most_every_min_interval_and_reads_the_loss_only_then():
+@pytest.mark.parametrize("use_tqdm", [False, True], ids=["plain", "tqdm"])
+def test_bar_redraws_at_most_every_min_interval_and_reads_the_loss_only_then(use_tqdm):
     stream = Terminal()
     clock = Clock()
-    bar = ProgressBar(100, stream=stream, rank=0, min_interval=1.0, clock=clock)
+    bar = ProgressBar(100, stream=stream, rank=0, min_interval=1.0, clock=clock,
+                      use_tqdm=use_tqdm)
     losses = [Loss(float(i)) for i in range(100)]
     for loss in losses:
         clock.now += 0.25
@@ -89,13 +92,14 @@ def test_bar_redraws_at_most_every_min_interval_and_reads_the_loss_only_then():
     # the first step, then every fourth (1 s apart), and the last one
     assert draws == 1 + 24 + 1
     assert sum(loss.reads for loss in losses) == draws
-    assert stream.getvalue().endswith("100/100 loss 99.0000 32 samples/s ETA 0:00")
+    assert stream.getvalue().endswith("100/100" + ("," if use_tqdm else "")
+                                      + " loss 99.0000 32 samples/s ETA 0:00")
 
 
 def test_shorter_redraw_clears_the_rest_of_the_line():
     stream = Terminal()
     clock = Clock()
-    bar = ProgressBar(2, stream=stream, rank=0, min_interval=0.0, clock=clock)
+    bar = ProgressBar(2, stream=stream, rank=0, min_interval=0.0, clock=clock, use_tqdm=False)
     clock.now += 0.001
     bar.step(10_000_000, loss=123456.0)
     first = stream.getvalue()[1:]
@@ -103,6 +107,38 @@ def test_shorter_redraw_clears_the_rest_of_the_line():
     bar.step(1, loss=1.0)
     second = stream.getvalue()[1 + len(first) + 1:]
     assert len(second) == len(first) and second.endswith(" ")
+
+
+def test_tqdm_draws_the_bar_with_the_same_figures():
+    stream = Terminal()
+    clock = Clock()
+    bar = ProgressBar(10, epochs=2, stream=stream, rank=0, min_interval=0.0, clock=clock,
+                      use_tqdm=True)
+    for _ in range(4):
+        clock.now += 0.5
+        bar.step(32, loss=0.5)
+    frames = stream.getvalue().split("\r")[1:]
+    assert len(frames) == 4 and "\n" not in stream.getvalue()
+    assert frames[-1] == "epoch 1/2  40%|####      | 4/10, loss 0.5000 64 samples/s ETA 0:03"
+    bar.write("evaluated: accuracy 0.97")
+    clock.now += 0.5
+    bar.step(32, loss=0.25)
+    text = stream.getvalue()
+    assert "\revaluated: accuracy 0.97\n" in text, text
+    assert text.endswith("5/10, loss 0.2500 64 samples/s ETA 0:03")
+    bar.close()
+    assert stream.getvalue().endswith("\n")
+
+
+def test_tqdm_asked_for_but_missing(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tqdm" else find_spec(name, *a))
+    with pytest.raises(ImportError, match=r"fleetmpi\[progress\]"):
+        ProgressBar(1, use_tqdm=True)
+    assert ProgressBar(1).use_tqdm is False
 
 
 def test_plain_lines_when_not_a_terminal():
@@ -127,8 +163,10 @@ def test_modes(monkeypatch):
     assert "\r" not in lines.getvalue() and lines.getvalue().count("\n") == 2
     monkeypatch.setenv(knobs.PROGRESS.name, "bar")
     piped = io.StringIO()
-    run_epochs(piped)
-    assert piped.getvalue().count("\r") == 10 and piped.getvalue().endswith("\n")
+    bar = run_epochs(piped)
+    # a frame per step; tqdm draws the last frame again as it closes
+    assert piped.getvalue().count("\r") == 10 + bar.use_tqdm
+    assert piped.getvalue().endswith("\n")
     monkeypatch.setenv(knobs.PROGRESS.name, "fancy")
     with pytest.raises(ValueError,
                        match="FLEETMPI_PROGRESS='fancy' must be auto, bar, lines or off"):
