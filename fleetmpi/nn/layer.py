@@ -23,12 +23,13 @@ The interface strategies use, besides a model's public methods (``parameters``,
 * ``nn.Sequential.steps()`` and a layer's ``forward_act(x, act)``: the steps a Sequential runs
   with kernel fusion, for a strategy that runs or cuts them itself (pipeline, recompute).
 """
+import warnings
 from collections import OrderedDict
 
 import numpy as np
 
 from .. import backend
-from ..autograd import as_array, nan_inf
+from ..autograd import Tensor, as_array, cast, nan_inf
 from . import initializer, lazy
 from .flat import flatten
 from .param_attr import to_attr
@@ -336,6 +337,8 @@ class Layer:
         return HookRemoveHelper(self._forward_post_hooks, hook)
 
     def __call__(self, *inputs, **kwargs):
+        if any(getattr(x, "dtype", None) == np.float64 for x in inputs):
+            inputs = self._float64_inputs_cast(inputs)
         for hook in self._forward_pre_hooks:
             replaced = hook(self, inputs)
             if replaced is not None:
@@ -350,6 +353,29 @@ class Layer:
             if replaced is not None:
                 output = replaced
         return output
+
+    def _float64_inputs_cast(self, inputs):
+        """``inputs`` with their float64 arrays and Tensors cast to the dtype of this layer's
+        floating parameters when those are narrower (NumPy's default float64 data would
+        otherwise promote every operation of a float32 model to float64, silently doubling its
+        memory and time), warning once per call site; unchanged when the layer has no
+        parameters or float64 ones. (The parameters are looked at unflattened: flattening a
+        sublayer's on its own would break the model's flat buffer.)"""
+        dtype = next((p.dtype for _, p in self._named_parameters_unflat("")
+                      if backend.is_floating(p.dtype)), None)
+        if dtype is None or np.dtype(dtype) == np.float64:
+            return inputs
+        warnings.warn(f"{type(self).__name__} got float64 input while its parameters are "
+                      f"{np.dtype(dtype).name}: the input is cast to {np.dtype(dtype).name} "
+                      f"(cast the data once, e.g. x.astype('float32'), to avoid the cast each "
+                      f"call)", UserWarning, stacklevel=3)
+        return tuple(self._cast_input(x, dtype) for x in inputs)
+
+    @staticmethod
+    def _cast_input(x, dtype):
+        if getattr(x, "dtype", None) != np.float64:
+            return x
+        return cast(x, dtype) if isinstance(x, Tensor) else x.astype(dtype)
 
     def extra_repr(self):
         return ""
