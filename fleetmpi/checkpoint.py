@@ -37,7 +37,7 @@ FORMAT = "fleetmpi-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 _META = "meta"
-_MODEL = "model/"
+MODEL_PREFIX = "model/"
 _OPTIMIZER = "optimizer/"
 _RNG_DEVICE = "rng/device_state"
 
@@ -131,8 +131,9 @@ def save(directory, model, optimizer, step, extra=None):
     step = int(step)
     comm, rank, size = _world()
     os.makedirs(directory, exist_ok=True)
-    arrays = {_MODEL + name: value for name, value in model.state_dict().items()}
+    arrays = {MODEL_PREFIX + name: value for name, value in model.state_dict().items()}
     scalars = {}
+    trained = _trained(model, optimizer)
     if optimizer is not None:
         for key, value in optimizer.state_dict().items():
             if isinstance(value, np.ndarray):
@@ -140,7 +141,8 @@ def save(directory, model, optimizer, step, extra=None):
             else:
                 scalars[key] = value
     meta = {"step": step, "rank": rank, "world_size": size, "optimizer": scalars,
-            "rng_state": backend.rng_state(), "extra": extra}
+            "rng_state": backend.rng_state(), "extra": extra, "trained": trained,
+            "parts": _parts(model)}
     device_state = backend.rng_device_state()
     if device_state is not None:
         arrays[_RNG_DEVICE] = device_state
@@ -163,6 +165,27 @@ def save(directory, model, optimizer, step, extra=None):
         _exchange(comm, [0])
     _remove_stale(directory, rank, os.path.basename(path))
     return path
+
+
+def _trained(model, optimizer):
+    """The names of the parameters ``optimizer`` updates when that is not all of ``model``'s
+    (a pipeline stage's): which rank's copy of a parameter is the trained one, for
+    ``fleetmpi.checkpoint_export``; None when it updates them all or is not given."""
+    inner = getattr(optimizer, "inner", optimizer)
+    if inner is None or not hasattr(inner, "owns") or not hasattr(model, "named_parameters"):
+        return None
+    named = model.named_parameters()
+    trained = [name for name, p in named if inner.owns(p)]
+    return None if len(trained) == len(named) else trained
+
+
+def _parts(model):
+    """The names of the parameters whose saved values are this rank's part of a split
+    (tensor-parallel) parameter, for ``fleetmpi.checkpoint_export``; a model view that saves
+    them whole says so with ``saves_whole``."""
+    if getattr(model, "saves_whole", False) or not hasattr(model, "named_parameters"):
+        return []
+    return [name for name, p in model.named_parameters() if getattr(p, "is_distributed", False)]
 
 
 def _remove_stale(directory, rank, current):
@@ -215,7 +238,7 @@ def _inside(path, directory):
     return os.path.commonpath([os.path.realpath(path), folder]) == folder
 
 
-def _verified(directory, entry):
+def verified_file(directory, entry):
     """The path of a manifest ``entry``'s file, after checking that it stays in the folder
     (``read_manifest`` checked the name; a symbolic link must not point out) and its digest."""
     path = os.path.join(directory, entry["file"])
@@ -234,6 +257,12 @@ def _verified(directory, entry):
 
 def _meta(stored):
     return json.loads(str(stored[_META]))
+
+
+def read_meta(path):
+    """The metadata of the checkpoint file ``path`` (step, rank, optimizer scalars, ...)."""
+    with np.load(path, allow_pickle=False) as stored:
+        return _meta(stored)
 
 
 def _read(path):
@@ -259,7 +288,7 @@ def _join_shards(directory, manifest, state, own):
     joined = {k: np.empty(stop - start, dtype=state[k].dtype) for k in keys}
     covered = np.zeros(stop - start, dtype=bool)
     for entry in manifest["files"]:
-        stored, meta = _read(_verified(directory, entry))
+        stored, meta = _read(verified_file(directory, entry))
         a, b, _ = meta["optimizer"]["shard"]
         lo, hi = max(a, start), min(b, stop)
         if lo >= hi or covered[lo - start:hi - start].all():
@@ -281,8 +310,8 @@ def saved_model_value(directory, name):
     ``directory`` (after checking its digest), or None when it holds no such entry: what a
     loader checks before loading anything."""
     entry = read_manifest(directory)["files"][0]
-    stored, _ = _read(_verified(directory, entry))
-    return stored.get(_MODEL + name)
+    stored, _ = _read(verified_file(directory, entry))
+    return stored.get(MODEL_PREFIX + name)
 
 
 def load(directory, model, optimizer=None, replicated=False):
@@ -340,7 +369,7 @@ def _read_part(directory, rank, size, optimizer, replicated):
     manifest = read_manifest(directory)
     saved = manifest["world_size"]
     entry = manifest["files"][rank % saved]
-    path = _verified(directory, entry)
+    path = verified_file(directory, entry)
     stored, meta = _read(path)
     sharded = optimizer is not None and "shard" in meta["optimizer"]
     if saved != size and not sharded and not replicated:
@@ -348,7 +377,7 @@ def _read_part(directory, rank, size, optimizer, replicated):
                          f"this job has {size} (only the optimizer state of a sharding "
                          "run is re-sharded to another number of ranks, or a state that "
                          "load(..., replicated=True) is told every rank holds alike)")
-    model_state = {k[len(_MODEL):]: v for k, v in stored.items() if k.startswith(_MODEL)}
+    model_state = {k[len(MODEL_PREFIX):]: v for k, v in stored.items() if k.startswith(MODEL_PREFIX)}
     state = dict(meta["optimizer"])
     state.update({k[len(_OPTIMIZER):]: v for k, v in stored.items() if k.startswith(_OPTIMIZER)})
     if sharded:

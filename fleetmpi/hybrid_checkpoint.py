@@ -78,8 +78,13 @@ class _SerialView:
     """What ``fleetmpi.checkpoint`` sees of a tensor-parallel model: the serial state, with
     the model-parallel degree that wrote it; loading cuts it to this rank's parts."""
 
+    saves_whole = True
+
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
+
+    def named_parameters(self):
+        return self.model.named_parameters()
 
     def state_dict(self):
         state = merged_state_dict(self.model)

@@ -42,7 +42,10 @@ class Parameter(Tensor):
     and takes no memory.
 
     Built under ``LazyGuard`` (``deferred_init`` given, ``value`` None) it has neither values
-    nor gradient until its flat buffer is materialised (``nn.lazy``)."""
+    nor gradient until its flat buffer is materialised (``nn.lazy``).
+
+    ``is_distributed`` (Paddle's name): the parameter is this rank's part of a parameter split
+    over a model-parallel group (a tensor-parallel layer's), not the whole of it."""
 
     def __init__(self, value, trainable=True, deferred_init=None, name=None):
         self.deferred_init = deferred_init
@@ -58,6 +61,7 @@ class Parameter(Tensor):
         self.buffer = None
         self.offset = None
         self.pipeline_stage = None
+        self.is_distributed = False
         if deferred_init is not None:
             self.bind_keeper(ABSENT)
 

@@ -78,8 +78,11 @@ class TensorParallelLayer(Layer):
         if init is None:
             init = initializer.Constant(0.0) if is_bias else initializer.XavierUniform()
         values = init(tuple(full_shape))[part]
-        return self.create_parameter(values.shape, dataclasses.replace(attr, initializer=None),
-                                     default_initializer=values)
+        parameter = self.create_parameter(values.shape,
+                                          dataclasses.replace(attr, initializer=None),
+                                          default_initializer=values)
+        parameter.is_distributed = self.mp_size > 1 and tuple(values.shape) != tuple(full_shape)
+        return parameter
 
     def _range(self, width, rank=None):
         rank = self.mp_rank if rank is None else rank
