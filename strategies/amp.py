@@ -51,12 +51,11 @@ lamb's) seeing ``apply_update`` as before.
 """
 import numpy as np
 
-from .. import backend, capture_checks, kernels
 from ..autograd import Function, autocast
 from ..log import RateLimited
 from . import amp_precision
 from .base import Strategy
-from .loss_scaling import LossScaling
+from .loss_scaling import LossScaling, check_step
 
 # Paddle's other names of the operators this trainer computes.
 ALIASES = {"mul": "matmul", "matmul_v2": "matmul", "lookup_table_v2": "lookup_table"}
@@ -207,28 +206,23 @@ class AMP(Strategy):
     def reduce(self, ctx, proceed):
         result = proceed(ctx)
         if ctx.apply_update and self.scales_loss:
-            grads = [grad for _, grad in self.optimizer.flat_runs()]
-            found = self.scaling.unscale_and_check(grads, self.communicator)
             # Outside a capture the verdict is read on the host once (the step's one host
             # read), and the skipped step's resets branch on it there: a select over every
             # gradient on the device would be a pass over them on every step, overflowed or
             # not. Inside a capture the flag stays on the device.
-            outside = capture_checks.current is None
-            verdict = backend.to_numpy(found) if outside else found
-            saved = self._saved_buffers or ()
-            kernels.where_found(verdict, grads + [buffer for buffer, _ in saved],
-                                [grad.dtype.type(0) for grad in grads] + [s for _, s in saved])
+            grads = [grad for _, grad in self.optimizer.flat_runs()]
+            found, skipped = check_step(self.scaling, grads, self.communicator,
+                                        self._saved_buffers or ())
             self._saved_buffers = None
-            self.scaling.count_skipped(found)
             self.scaling.update_loss_scaling(found)
-            if outside:
-                ctx.apply_update = not int(verdict[0])
-                if not ctx.apply_update and self.rank == 0:
+            if skipped is None:
+                ctx.found_inf = found
+            elif skipped:
+                ctx.apply_update = False
+                if self.rank == 0:
                     self._skip_log.warning("amp: step %d skipped: the gradients held an inf or "
                                            "NaN on some rank; the loss scale is now %g",
                                            ctx.step, self.loss_scaling)
-            else:
-                ctx.found_inf = found
         return result
 
     def _save_buffers(self, model):

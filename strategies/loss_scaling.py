@@ -114,3 +114,21 @@ class LossScaling:
         self.set_scale(state["loss_scaling"])
         self._counts[...] = backend.asarray(np.array(
             [int(state[key]) for key in STATE_KEYS[1:]], dtype=np.int64))
+
+
+def check_step(scaling, grads, communicator=None, saved_buffers=()):
+    """After the gradient reduction of a step that updates: unscale ``grads`` and check them
+    (``LossScaling.unscale_and_check``), and where any rank of ``communicator`` found an inf or
+    NaN zero them and put ``saved_buffers`` (``(buffer, copy)`` pairs: batch-norm statistics
+    as the step's forward found them) back, counting the step as skipped. Returns ``(found,
+    skipped)``: the device flag, and outside a CUDA graph capture whether the step is
+    skipped, read on the host once (None inside a capture, where the flag stays on the device
+    and the selects of ``kernels.where_found`` do the resets)."""
+    found = scaling.unscale_and_check(grads, communicator)
+    outside = capture_checks.current is None
+    verdict = backend.to_numpy(found) if outside else found
+    saved = list(saved_buffers)
+    kernels.where_found(verdict, list(grads) + [buffer for buffer, _ in saved],
+                        [grad.dtype.type(0) for grad in grads] + [copy for _, copy in saved])
+    scaling.count_skipped(found)
+    return found, (bool(int(verdict[0])) if outside else None)
