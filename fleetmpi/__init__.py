@@ -59,6 +59,8 @@ from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
 from . import meta_parallel
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
+from . import amp
+from .amp import distributed_scaler
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
@@ -69,8 +71,8 @@ from .world import (barrier_worker, init, is_first_worker, local_rank, local_siz
 __version__ = "0.1.0"
 
 __all__ = [
-    "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError", "concat",
-    "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer",
+    "amp", "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError", "concat",
+    "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer", "distributed_scaler",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
     "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker",

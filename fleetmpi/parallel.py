@@ -349,20 +349,16 @@ class DistributedOptimizer:
             self._reduced = False
         return self._open
 
-    def reduce_gradients(self, overflow_checked=False):
+    def reduce_gradients(self):
         """Run the open step's gradient reduction now, before ``step()`` (which then updates
         and closes the step): the gradients the update will use are then final, for a loss
-        scaler to unscale (``fleetmpi.amp.GradScaler.unscale_``). ``overflow_checked``: the
-        caller checks them for inf and NaN and skips the update itself
-        (``StepContext.overflow_checked``). Returns the step's ``StepContext``."""
+        scaler to unscale (``fleetmpi.amp.GradScaler.unscale_``)."""
         ctx = self._ready_step("reduce_gradients")
         if self._reduced:
             raise RuntimeError("the gradients of this step are already reduced; call "
                                "opt.step() to finish it")
-        ctx.overflow_checked = ctx.overflow_checked or overflow_checked
         run_reduce_stage(self.hooks, ctx)
         self._reduced = True
-        return ctx
 
     def step(self):
         """Finish the open step: reduce the gradients not reduced yet, update, after-step."""
