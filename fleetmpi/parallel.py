@@ -102,6 +102,13 @@ def distributed_model(model, communicator=None):
     return model
 
 
+def owner_of(model):
+    """The ``DistributedOptimizer`` built last over ``model``'s parameters, or None: the one
+    whose step a call of the model opens."""
+    params = model.parameters()
+    return _owners.get(id(params[0])) if params else None
+
+
 class _StepForward:
     """The forward of a model from ``distributed_model``: opens a step of the distributed
     optimizer that owns the model's parameters, when called outside ``minimize`` while
@@ -115,8 +122,7 @@ class _StepForward:
         model = self._model()
         owner = None
         if model is not None and model.training and is_grad_enabled() and not step_running():
-            params = model.parameters()
-            owner = _owners.get(id(params[0])) if params else None
+            owner = owner_of(model)
         if owner is None:
             return self._forward(*inputs, **kwargs)
         return owner.open_step(model, lambda: self._step_forward(model)(*inputs, **kwargs))
