@@ -273,3 +273,12 @@ def test_data_parallel_no_sync_accumulates_each_ranks_own_gradient():
     synced = np.concatenate([backend.to_numpy(p.grad).ravel() for p in model.parameters()])
     ok(np.allclose(synced, 2 * every.mean(axis=0), rtol=1e-5, atol=1e-7))
     ok(list(model.state_dict()) == list(model._layers.state_dict()))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_0_d_loss_is_reduced_in_place():
+    fleet.init(is_collective=True)
+    size, rank = dist.get_world_size(), dist.get_rank()
+    loss = Tensor(np.float64(rank + 1))          # a reduction's 0-d result: a NumPy scalar
+    dist.all_reduce(loss, op=dist.ReduceOp.MAX)
+    ok(loss.shape == () and float(loss) == size, f"rank {rank}: {float(loss)}")

@@ -5,6 +5,8 @@ Each works in place as Paddle's does: the result is written into the Tensor give
 the tensors of the list given; an empty list is filled with new tensors). A rank outside
 ``group`` returns at once, as in Paddle. ``src`` and ``dst`` are global ranks.
 """
+import numpy as np
+
 from .. import backend
 from ..autograd import Tensor
 from .group import ReduceOp, reduce_op, resolve
@@ -26,8 +28,12 @@ def _task(sync_op):
 
 
 def _array(tensor, what):
+    """``tensor``'s array, which a collective may write into (a 0-d result of a reduction,
+    held as a NumPy scalar, becomes a 0-d array first)."""
     if not isinstance(tensor, Tensor):
         raise TypeError(f"{what} must be a fleetmpi Tensor, not {type(tensor).__name__}")
+    if isinstance(tensor.data, np.generic):
+        tensor.data = backend.asarray(np.asarray(tensor.data))
     return tensor.data
 
 
