@@ -17,6 +17,8 @@ replicas) find their coordinates in it.
 """
 import math
 
+from mpi4py import MPI
+
 from .communicator import Communicator
 from .topology import Topology
 
@@ -72,10 +74,15 @@ def rank_of(coords, degrees):
 
 def split_communicator(communicator, color, key):
     """A ``Communicator`` with the same knobs over the ranks of ``communicator`` that share
-    ``color`` (MPI ``Comm.Split``), ranked by ``key``. The two-level allreduce keeps its group
-    size where it divides the new communicator, and falls back to ranks per node otherwise."""
+    ``color`` (MPI ``Comm.Split``), ranked by ``key``; None for a ``color`` of None (the rank
+    joins no new communicator: ``MPI.UNDEFINED``). Every rank of ``communicator`` calls it.
+    The two-level allreduce keeps its group size where it divides the new communicator, and
+    falls back to ranks per node otherwise."""
     inter = communicator.hierarchical_allreduce_inter_nranks
-    sub = Topology(communicator.topology.world.Split(color, key))
+    split = communicator.topology.world.Split(MPI.UNDEFINED if color is None else color, key)
+    if split == MPI.COMM_NULL:
+        return None
+    sub = Topology(split)
     if inter is not None and sub.size % inter:
         inter = None
     return Communicator(sub, transport=communicator.transport_name,

@@ -42,11 +42,13 @@ except RuntimeError as _error:
     raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
 
 from . import autograd, device, framework, io, metric, nn, optimizer, utils
-from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, is_grad_enabled,
-                       matmul, no_grad, reshape, split, stack, to_tensor, transpose)
+from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, gather,
+                       is_grad_enabled, matmul, no_grad, reshape, split, stack, to_tensor,
+                       transpose)
 from .backend import manual_seed as seed
 from .capture_checks import CaptureError
 from .log_writer import LogWriter
+from .nn.creation import create_parameter, rand, randn
 from .nn.lazy import LazyGuard
 from .nn.param_attr import ParamAttr
 from .nn.summary import summary
@@ -59,6 +61,9 @@ from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
 from . import meta_parallel
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
+from . import amp, distributed
+from .amp import distributed_scaler
+from .distributed import DataParallel
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
@@ -69,15 +74,17 @@ from .world import (barrier_worker, init, is_first_worker, local_rank, local_siz
 __version__ = "0.1.0"
 
 __all__ = [
-    "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError", "concat",
-    "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer",
+    "amp", "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError",
+    "concat", "ConfigError", "create_parameter", "DataParallel", "device", "device_guard",
+    "distributed", "distributed_model", "distributed_optimizer", "distributed_scaler",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
-    "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
-    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker",
-    "LazyGuard", "load", "local_rank", "local_size", "LogWriter", "matmul", "meta_parallel",
-    "metric", "ModeError", "nn", "no_grad", "node_index", "node_num", "NonFiniteError",
-    "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "reshape", "Role", "run_server", "save",
-    "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "split",
-    "split_stages", "stack", "stop_worker", "summary", "Tensor", "to_tensor", "transpose",
-    "UserDefinedRoleMaker", "util", "utils", "worker_endpoints", "worker_index", "worker_num",
+    "gather", "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init",
+    "init_server", "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server",
+    "is_worker", "LazyGuard", "load", "local_rank", "local_size", "LogWriter", "matmul",
+    "meta_parallel", "metric", "ModeError", "nn", "no_grad", "node_index", "node_num",
+    "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "rand", "randn",
+    "reshape", "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints",
+    "server_index", "server_num", "split", "split_stages", "stack", "stop_worker", "summary",
+    "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
+    "worker_endpoints", "worker_index", "worker_num",
 ]

@@ -25,7 +25,7 @@ from .nn import lazy
 from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
 from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
-                             run_forward, step_running)
+                             run_forward, run_reduce_stage, step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
 from .strategies.nonfinite import NonFiniteCheck
@@ -102,6 +102,13 @@ def distributed_model(model, communicator=None):
     return model
 
 
+def owner_of(model):
+    """The ``DistributedOptimizer`` built last over ``model``'s parameters, or None: the one
+    whose step a call of the model opens."""
+    params = model.parameters()
+    return _owners.get(id(params[0])) if params else None
+
+
 class _StepForward:
     """The forward of a model from ``distributed_model``: opens a step of the distributed
     optimizer that owns the model's parameters, when called outside ``minimize`` while
@@ -115,8 +122,7 @@ class _StepForward:
         model = self._model()
         owner = None
         if model is not None and model.training and is_grad_enabled() and not step_running():
-            params = model.parameters()
-            owner = _owners.get(id(params[0])) if params else None
+            owner = owner_of(model)
         if owner is None:
             return self._forward(*inputs, **kwargs)
         return owner.open_step(model, lambda: self._step_forward(model)(*inputs, **kwargs))
@@ -176,6 +182,7 @@ class DistributedOptimizer:
         self._configured = set()
         self._open = None
         self._backward_done = False
+        self._reduced = False
         for p in optimizer.parameters():
             _owners[id(p)] = self
         if strategy.auto:
@@ -231,6 +238,14 @@ class DistributedOptimizer:
                 _applied = updated
             self.applied_strategy = updated
             applied.report(updated)
+
+    @property
+    def agreement(self):
+        """The ranks that must share a decision to skip a step (every rank of a hybrid
+        layout, else the optimizer's communicator; None alone)."""
+        if self.hybrid is not None and self.hybrid.agreement is not None:
+            return self.hybrid.agreement
+        return self.communicator
 
     def add_hook(self, hook, first=False):
         """Put ``hook`` into the step chain (outermost when ``first``)."""
@@ -330,15 +345,34 @@ class DistributedOptimizer:
         run_backward_stage(self.hooks, ctx, report)
         return ctx
 
+    def _ready_step(self, what):
+        """The step whose backward ran, to reduce or finish (``what`` names the call)."""
+        if self._open is not None and not self._backward_done:
+            raise RuntimeError(f"opt.{what}() before loss.backward(): the step's forward ran "
+                               "but its backward did not")
+        if self._open is None:
+            self._open, self._backward_done = self._late_step(), True
+            self._reduced = False
+        return self._open
+
+    def reduce_gradients(self):
+        """Run the open step's gradient reduction now, before ``step()`` (which then updates
+        and closes the step): the gradients the update will use are then final, for a loss
+        scaler to unscale (``fleetmpi.amp.GradScaler.unscale_``)."""
+        ctx = self._ready_step("reduce_gradients")
+        if self._reduced:
+            raise RuntimeError("the gradients of this step are already reduced; call "
+                               "opt.step() to finish it")
+        run_reduce_stage(self.hooks, ctx)
+        self._reduced = True
+
     def step(self):
         """Finish the open step: reduce the gradients not reduced yet, update, after-step."""
-        if self._open is not None and not self._backward_done:
-            raise RuntimeError("opt.step() before loss.backward(): the step's forward ran but "
-                               "its backward did not")
-        ctx = self._open if self._open is not None else self._late_step()
+        ctx = self._ready_step("step")
         self._open = None
         engine.set_step_driver(None)
-        finish_step(self.hooks, ctx)
+        finish_step(self.hooks, ctx, reduced=self._reduced)
+        self._reduced = False
         self.step_count += 1
 
     def clear_grad(self):

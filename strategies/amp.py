@@ -32,10 +32,8 @@ A step that overflowed anywhere is skipped everywhere: gradients zeroed, no opti
 parameters and optimizer state untouched, and the layers' buffers (batch-norm running
 statistics) set back to what they were before the forward passes that led to it, so an
 overflowing forward leaves no inf or NaN in them. The scale then follows Paddle's
-``update_loss_scaling`` rule, in float32 like Paddle's: after ``decr_every_n_nan_or_inf``
-consecutive overflowing steps it is multiplied by ``decr_ratio`` (never below 1), after
-``incr_every_n_steps`` consecutive finite steps by ``incr_ratio`` (kept only while finite), each
-counter restarting from zero when the other kind of step comes or the scale changes.
+``update_loss_scaling`` rule (``strategies.loss_scaling``, shared with the dygraph
+``fleetmpi.amp.GradScaler``).
 ``use_dynamic_loss_scaling=False`` keeps ``init_loss_scaling`` fixed; overflowing steps are
 still skipped. Outside a CUDA graph capture rank 0 logs each skipped step as a warning with
 the new loss scale, at most one line per ``SKIP_LOG_SECONDS`` (the next line counts those held
@@ -43,9 +41,7 @@ back). Steps that do not update (gradient_merge's steps between its updates) are
 checked and leave the scale alone. Without loss scaling (bfloat16) amp checks nothing and
 skips no step; the non-finite check of every step (``fleetmpi.strategies.nonfinite``) does.
 
-The scale and Paddle's counters live in device arrays moved by elementwise operations from
-the flag, with no read on the host (``loss_scaling``, ``good_steps``, ``bad_steps`` and
-``skipped_steps`` read them when asked). Inside a CUDA graph capture the verdict is never read:
+The scale and Paddle's counters live in device arrays (``LossScaling``). Inside a CUDA graph capture the verdict is never read:
 the gradients and buffers of a skipped step are put back by selects (``kernels.where_found``),
 and the update is launched with the flag (``StepContext.found_inf``) and skips itself on the
 device, so an amp step can be captured. Outside a capture the flag is read once (the step's one
@@ -55,11 +51,11 @@ lamb's) seeing ``apply_update`` as before.
 """
 import numpy as np
 
-from .. import backend, capture_checks, kernels
 from ..autograd import Function, autocast
 from ..log import RateLimited
 from . import amp_precision
 from .base import Strategy
+from .loss_scaling import LossScaling, check_step
 
 # Paddle's other names of the operators this trainer computes.
 ALIASES = {"mul": "matmul", "matmul_v2": "matmul", "lookup_table_v2": "lookup_table"}
@@ -73,7 +69,6 @@ NEVER_CAST = frozenset({"cast"})
 # At most one line per this many seconds about skipped steps (rank 0's); a burst of them, as
 # while the scale falls from its initial value, is counted in the next line.
 SKIP_LOG_SECONDS = 10.0
-_STATE_KEYS = ("loss_scaling", "good_steps", "bad_steps", "skipped_steps")
 
 
 def known_operators():
@@ -83,24 +78,26 @@ def known_operators():
 
 
 def _operators(key, names):
-    """The operators ``names`` (a custom list of amp_configs) refer to, aliases resolved."""
+    """The operators ``names`` (the custom list ``key`` names) refer to, aliases resolved."""
     known = sorted(known_operators())
     for name in names:
         if name not in known:
-            raise ValueError(f"amp_configs.{key} names {name!r}, which is not an operator of "
-                             f"this trainer; known operators: {', '.join(known)}")
+            raise ValueError(f"{key} names {name!r}, which is not an operator of this trainer; "
+                             f"known operators: {', '.join(known)}")
     return {ALIASES.get(name, name) for name in names}
 
 
-def op_lists(configs):
-    """``(white, black)``: the operators amp runs in float16 and in float32."""
-    white = _operators("custom_white_list", configs["custom_white_list"])
-    black = _operators("custom_black_list", configs["custom_black_list"])
+def op_lists(configs, where="amp_configs."):
+    """``(white, black)``: the operators amp runs in the low-precision dtype and in float32,
+    from ``configs``' ``custom_white_list`` and ``custom_black_list`` (named ``where`` +
+    key in errors)."""
+    white = _operators(f"{where}custom_white_list", configs["custom_white_list"])
+    black = _operators(f"{where}custom_black_list", configs["custom_black_list"])
     both = sorted(white & black)
     if both:
-        raise ValueError(f"amp_configs.custom_white_list and custom_black_list both name "
-                         f"{', '.join(both)}; an operator runs either in float16 (white) or in "
-                         "float32 (black)")
+        raise ValueError(f"{where}custom_white_list and custom_black_list both name "
+                         f"{', '.join(both)}; an operator runs either in the low-precision "
+                         "dtype (white) or in float32 (black)")
     return (DEFAULT_WHITE_LIST | white) - black, (DEFAULT_BLACK_LIST - white) | black
 
 
@@ -142,21 +139,14 @@ class AMP(Strategy):
         self.scales_loss = amp_precision.scales_loss(configs, self.precision)
         self.use_dynamic_loss_scaling = (bool(configs["use_dynamic_loss_scaling"])
                                          and self.scales_loss)
-        self.incr_every_n_steps = int(configs["incr_every_n_steps"])
-        self.decr_every_n_nan_or_inf = int(configs["decr_every_n_nan_or_inf"])
-        self.incr_ratio = np.float32(configs["incr_ratio"])
-        self.decr_ratio = np.float32(configs["decr_ratio"])
         self.policy = CastPolicy(self.white_list, self.black_list,
                                  self.precision.array_dtype(), self.precision.pure)
         self._autocast = None
         self._saved_buffers = None
-        # On the device (a GPU's, or NumPy's): the scale, Paddle's counters (good_steps,
-        # bad_steps) and skipped_steps, and the overflow flag the unscale pass writes.
-        xp = backend.array_module()
-        self._scale = xp.full(1, configs["init_loss_scaling"] if self.scales_loss else 1,
-                              dtype=FLOAT32)
-        self._counts = xp.zeros(3, dtype=np.int64)
-        self._found = xp.zeros(1, dtype=np.int32)
+        self.scaling = LossScaling(
+            configs["init_loss_scaling"] if self.scales_loss else 1, configs["incr_ratio"],
+            configs["decr_ratio"], configs["incr_every_n_steps"],
+            configs["decr_every_n_nan_or_inf"], self.use_dynamic_loss_scaling)
         self.rank = 0 if communicator is None else communicator.rank
         self._skip_log = RateLimited(SKIP_LOG_SECONDS)
 
@@ -171,27 +161,19 @@ class AMP(Strategy):
                              f"but the optimizer has {', '.join(dtypes)} parameters; build the "
                              "model with dtype='float32'")
 
-    @property
-    def loss_scaling(self):
-        return float(backend.to_numpy(self._scale)[0])
+    loss_scaling = property(lambda self: self.scaling.loss_scaling)
+    good_steps = property(lambda self: self.scaling.good_steps)
+    bad_steps = property(lambda self: self.scaling.bad_steps)
+    skipped_steps = property(lambda self: self.scaling.skipped_steps)
 
-    def _read_count(self, index):
-        """Count ``index`` of ``_counts`` (good_steps, bad_steps, skipped_steps), read from
-        the device when asked."""
-        return int(backend.to_numpy(self._counts)[index])
-
-    good_steps = property(lambda self: self._read_count(0))
-    bad_steps = property(lambda self: self._read_count(1))
-    skipped_steps = property(lambda self: self._read_count(2))
+    def update_loss_scaling(self, found_inf):
+        """The loss-scaling rule after a step (``LossScaling.update_loss_scaling``)."""
+        self.scaling.update_loss_scaling(found_inf)
 
     # -- the policy for one step ------------------------------------------------------------
     def _enter(self, ctx):
         self._leave()
-        # The loss gradient's seed: a host value where the scale is host memory (nothing
-        # waits), else the device scalar itself, as inside a capture (the host stand-in of a
-        # CUDA graph then seeds as a replay does).
-        host = isinstance(self._scale, np.ndarray) and capture_checks.current is None
-        ctx.loss_scale = float(self._scale[0]) if host else self._scale
+        ctx.loss_scale = self.scaling.seed()
         self._autocast = autocast(self.policy)
         self._autocast.__enter__()
 
@@ -224,27 +206,23 @@ class AMP(Strategy):
     def reduce(self, ctx, proceed):
         result = proceed(ctx)
         if ctx.apply_update and self.scales_loss:
-            found = self._unscale_and_check()
             # Outside a capture the verdict is read on the host once (the step's one host
             # read), and the skipped step's resets branch on it there: a select over every
             # gradient on the device would be a pass over them on every step, overflowed or
             # not. Inside a capture the flag stays on the device.
-            outside = capture_checks.current is None
-            verdict = backend.to_numpy(found) if outside else found
             grads = [grad for _, grad in self.optimizer.flat_runs()]
-            saved = self._saved_buffers or ()
-            kernels.where_found(verdict, grads + [buffer for buffer, _ in saved],
-                                [grad.dtype.type(0) for grad in grads] + [s for _, s in saved])
+            found, skipped = check_step(self.scaling, grads, self.communicator,
+                                        self._saved_buffers or ())
             self._saved_buffers = None
-            self._count_step(found)
-            if outside:
-                ctx.apply_update = not int(verdict[0])
-                if not ctx.apply_update and self.rank == 0:
+            self.scaling.update_loss_scaling(found)
+            if skipped is None:
+                ctx.found_inf = found
+            elif skipped:
+                ctx.apply_update = False
+                if self.rank == 0:
                     self._skip_log.warning("amp: step %d skipped: the gradients held an inf or "
                                            "NaN on some rank; the loss scale is now %g",
                                            ctx.step, self.loss_scaling)
-            else:
-                ctx.found_inf = found
         return result
 
     def _save_buffers(self, model):
@@ -252,54 +230,9 @@ class AMP(Strategy):
         skipped update) finds them: one step's, or a gradient_merge window's."""
         self._saved_buffers = [(buffer, buffer.copy()) for _, buffer in model.named_buffers()]
 
-    def _unscale_and_check(self):
-        """Divide the gradients the update uses by the loss scale and check them for inf and
-        NaN in one pass; the flag (1 where any rank's hold one: one tiny allreduce with more
-        than one rank), on the device."""
-        self._found[...] = 0
-        grads = [grad for _, grad in self.optimizer.flat_runs()]
-        kernels.multi_tensor_unscale(grads, np.float32(1) / self._scale, self._found)
-        if self.world_size > 1:
-            return self.communicator.allreduce(self._found, op="max")
-        return self._found
-
-    def _count_step(self, found):
-        """``skipped_steps`` and the loss scale after a checked step (``found``: its overflow
-        flag), on the device."""
-        self._counts[2:3] += found
-        if self.use_dynamic_loss_scaling:
-            self.update_loss_scaling(found)
-
-    def update_loss_scaling(self, found_inf):
-        """Paddle's ``update_loss_scaling`` rule after a step that overflowed or not
-        (``found_inf``: a bool, or the step's overflow flag on the device), in float32 like
-        Paddle's, by elementwise operations on the device arrays (no read on the host)."""
-        xp = backend.array_module()
-        good_steps, bad_steps = self._counts[0:1], self._counts[1:2]
-        bad = xp.asarray(found_inf) != 0
-        good = xp.where(bad, 0, good_steps + 1)
-        overflows = xp.where(bad, bad_steps + 1, 0)
-        decrease = bad & (overflows == self.decr_every_n_nan_or_inf)
-        increase = ~bad & (good == self.incr_every_n_steps)
-        with np.errstate(over="ignore"):
-            increased = self._scale * self.incr_ratio
-        decreased = xp.maximum(self._scale * self.decr_ratio, np.float32(1))
-        scale = xp.where(decrease, decreased, self._scale)
-        self._scale[...] = xp.where(increase & xp.isfinite(increased), increased, scale)
-        good_steps[...] = xp.where(increase, 0, good)
-        bad_steps[...] = xp.where(decrease, 0, overflows)
-
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self):
-        return {"loss_scaling": self.loss_scaling, "good_steps": self.good_steps,
-                "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps}
+        return self.scaling.state_dict()
 
     def set_state_dict(self, state):
-        missing = sorted(set(_STATE_KEYS) - set(state))
-        unexpected = sorted(set(state) - set(_STATE_KEYS))
-        if missing or unexpected:
-            raise KeyError(f"amp state does not match: missing {missing}, unexpected "
-                           f"{unexpected}")
-        self._scale[...] = backend.asarray(np.full(1, state["loss_scaling"], dtype=FLOAT32))
-        self._counts[...] = backend.asarray(np.array(
-            [int(state[key]) for key in _STATE_KEYS[1:]], dtype=np.int64))
+        self.scaling.set_state_dict(state)

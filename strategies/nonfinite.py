@@ -1,14 +1,15 @@
 """The check that no step trains on an inf or NaN (``FLEETMPI_NONFINITE``: stop, skip, off).
 
-It runs in every step of ``distributed_optimizer`` that amp's loss scaling does not check
-already (amp skips an overflowing step itself). Each rank checks its own loss and gradients
-before they travel: the gradient reduction calls ``check_local`` on each bucket just before
-reducing it (one read of the bucket, ``kernels.multi_tensor_check_finite``, amp's overflow
-check without the unscale), and where the gradients do not go through that reduction this
-step (one process, gradient_merge's steps between updates, localsgd's local steps, dgc's
-compressed steps, sharding's reduction) the check reads the flat gradients itself before the
-reduction stage. This rank's verdict (bit 1: a gradient, bit 2: the loss) stays on the
-device and is kept until the next update, so a gradient_merge window is covered whole.
+It runs in every step of ``distributed_optimizer`` that amp's loss scaling, or a
+``GradScaler``'s, does not check already (they skip an overflowing step themselves). Each rank
+checks its own loss and gradients before they travel: the gradient reduction calls
+``check_local`` on each bucket just before reducing it (one read of the bucket,
+``kernels.multi_tensor_check_finite``, amp's overflow check without the unscale), and where the
+gradients do not go through that reduction this step (one process, gradient_merge's steps
+between updates, localsgd's local steps, dgc's compressed steps, sharding's reduction) the
+check reads the flat gradients itself before the reduction stage. This rank's verdict (bit 1: a
+gradient, bit 2: the loss) stays on the device and is kept until the next update, so a
+gradient_merge window is covered whole.
 
 On a step that updates, the verdicts are agreed: each rank writes its own into its slot of a
 vector of one int32 per rank, and one tiny allreduce (max) gives every rank every rank's
@@ -108,6 +109,11 @@ class NonFiniteCheck(StepHook):
         return proceed(ctx)
 
     def reduce(self, ctx, proceed):
+        if ctx.overflow_checked:
+            # A loss scaler skips an overflowing step itself (StepContext.overflow_checked).
+            self.local[...] = 0
+            self._saved_buffers = None
+            return proceed(ctx)
         if not (self.reduction_checks and ctx.sync_gradients):
             self.check_local([grad for _, grad in self.optimizer.flat_runs()])
         if ctx.loss is not None:

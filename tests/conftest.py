@@ -5,6 +5,7 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi import backend, nn
+from fleetmpi.autograd import engine
 from fleetmpi.comm import hybrid_topology
 
 
@@ -22,8 +23,10 @@ def float64_layers():
 def no_hybrid_layout_after():
     """A test that lays the ranks out with hybrid_configs leaves no layout to the next one
     (layers built without a group would take its model-parallel group, dropout would share
-    its masks over it), and no strategy of fleet.init for the next distributed_optimizer."""
+    its masks over it), no strategy of fleet.init for the next distributed_optimizer, and no
+    step it left open to take the next test's backward."""
     yield
+    engine.set_step_driver(None)
     hybrid_topology.set_current(None)
     backend.set_model_parallel_degree(1)
     fleet.world._init_strategy = None

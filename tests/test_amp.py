@@ -12,7 +12,7 @@ from fleetmpi import autograd, backend, kernels, nn, optimizer
 from fleetmpi.autograd import Function, Tensor, autocast, no_grad
 from fleetmpi.autograd.autocast import current_policy
 from fleetmpi.optimizer import StepHook
-from fleetmpi.strategies import amp as amp_strategy_module
+from fleetmpi.strategies import loss_scaling
 from fleetmpi.strategies.amp import ALIASES, CastPolicy, known_operators
 
 from comm_support import close, equal, ok, raises
@@ -851,7 +851,7 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(partner, verdict, mon
     if verdict == "device":
         if partner != "none":
             pytest.skip("localsgd is refused inside a capture")
-        monkeypatch.setattr(amp_strategy_module, "capture_checks",
+        monkeypatch.setattr(loss_scaling, "capture_checks",
                             types.SimpleNamespace(current=object()))
         monkeypatch.setattr(kernels, "reads_flag", lambda found: False)
     fleet.init(is_collective=True)

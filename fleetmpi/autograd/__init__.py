@@ -6,13 +6,14 @@ from .engine import run_backward
 from .function import Cast, Function
 from .nan_inf import NonFiniteError
 from .grad_mode import enable_grad, is_grad_enabled, no_grad
-from .operations import (add, cast, concat, divide, exp, log, matmul, max, mean, multiply,
-                         reshape, sigmoid, split, sqrt, stack, subtract, sum, tanh, transpose)
+from .operations import (add, cast, concat, divide, exp, gather, log, matmul, max, mean,
+                         multiply, reshape, sigmoid, split, sqrt, stack, subtract, sum, tanh,
+                         transpose)
 from .tensor import Tensor, as_array, to_tensor
 
 __all__ = [
     "Cast", "Function", "NonFiniteError", "Tensor", "add", "as_array", "autocast", "cast", "concat", "divide",
-    "enable_grad", "exp", "is_grad_enabled", "log", "matmul", "max", "mean", "multiply",
+    "enable_grad", "exp", "gather", "is_grad_enabled", "log", "matmul", "max", "mean", "multiply",
     "no_grad", "operations", "reshape", "run_backward", "sigmoid", "split", "sqrt", "stack",
     "subtract", "sum", "tanh", "to_tensor", "transpose",
 ]

@@ -360,8 +360,9 @@ def divide(x, y):
     return Div.apply(x, y)
 
 
-def matmul(x, y, transpose_x=False, transpose_y=False):
-    """``x @ y`` (Paddle's ``transpose_x``/``transpose_y`` swap the last two axes first)."""
+def matmul(x, y, transpose_x=False, transpose_y=False, name=None):
+    """``x @ y`` (Paddle's ``transpose_x``/``transpose_y`` swap the last two axes first;
+    ``name``, Paddle's name of the output, names nothing here)."""
     if transpose_x:
         x = transpose_last(x)
     if transpose_y:
@@ -420,8 +421,8 @@ def transpose(x, perm):
     return Transpose.apply(x, perm)
 
 
-def concat(x, axis=0):
-    """The tensors of the list ``x`` joined along ``axis``."""
+def concat(x, axis=0, name=None):
+    """The tensors of the list ``x`` joined along ``axis`` (``name`` as ``matmul``'s)."""
     return Concat.apply(*x, axis=axis)
 
 
@@ -429,10 +430,26 @@ def stack(x, axis=0):
     return Stack.apply(*x, axis=axis)
 
 
-def split(x, num_or_sections, axis=0):
+def split(x, num_or_sections, axis=0, name=None):
     """A list of pieces of ``x`` along ``axis``: ``num_or_sections`` equal ones, or of the
-    listed sizes."""
+    listed sizes (``name`` as ``matmul``'s)."""
     return Split.of(_tensor(x), num_or_sections, axis)
+
+
+def gather(x, index, axis=None, name=None):
+    """Paddle's ``gather``: the slices of ``x`` at the integers of ``index`` (1-d) along
+    ``axis`` (0 when None); the gradient adds back into the slices taken (``name`` as
+    ``matmul``'s)."""
+    x = _tensor(x)
+    axis = 0 if axis is None else int(axis)
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"gather axis={axis} is out of range for a tensor of {x.ndim} "
+                         "dimension(s)")
+    index = _xp().asarray(getattr(index, "data", index))
+    if index.ndim != 1 or index.dtype.kind not in "iu":
+        raise ValueError(f"gather index must be a 1-d tensor of integers, not of shape "
+                         f"{tuple(index.shape)} and dtype {index.dtype}")
+    return GetItem.apply(x, (slice(None),) * (axis % x.ndim) + (index,))
 
 
 def cast(x, dtype):

@@ -1,6 +1,6 @@
 """``fleetmpi.nn``: ``Layer`` (models as Paddle dygraph users write them), the built-in layers
 over ``fleetmpi.nn.functional``, parameters held in flat buffers, and ready-made models."""
-from . import functional, initializer, lazy
+from . import creation, functional, initializer, lazy
 from .containers import LayerDict, LayerList, ResidualBlock, Sequential
 from .conv import AdaptiveAvgPool2D, AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
 from .flat import FlatBuffer, flatten
@@ -17,7 +17,7 @@ from .tensor_parallel import (ColumnParallelLinear, ParallelCrossEntropy, RowPar
 
 __all__ = [
     "Activation", "AdaptiveAvgPool2D", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
-    "ColumnParallelLinear", "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
+    "ColumnParallelLinear", "Conv2D", "creation", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
     "Flatten", "GELU", "GPT", "GlobalAvgPool", "Layer", "LayerDict", "LayerList", "LayerNorm",
     "Linear", "MLP", "MSELoss", "MaxPool2D", "ParallelCrossEntropy", "Parameter", "ReLU",
     "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "Softmax", "Tanh",

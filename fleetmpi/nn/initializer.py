@@ -106,3 +106,19 @@ class KaimingNormal(Initializer):
     def draw(self, shape, rng, count):
         fan_in, _ = _fans(shape)
         return math.sqrt(2.0 / fan_in) * rng.standard_normal(count)
+
+
+class Assign:
+    """Paddle's ``Assign(value, name=None)``: the parameter takes ``value`` (an array, a list
+    or a Tensor of the parameter's shape), the same on every rank; no draw from the shared
+    generator."""
+
+    def __init__(self, value, name=None):
+        value = getattr(value, "data", value)
+        self.value = backend.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
+
+    def __call__(self, shape):
+        if tuple(self.value.shape) != tuple(shape):
+            raise ValueError(f"Assign holds a value of shape {tuple(self.value.shape)}, but the "
+                             f"parameter has shape {tuple(shape)}")
+        return self.value.copy()

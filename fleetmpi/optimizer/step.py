@@ -43,7 +43,10 @@ class StepContext:
     None, or amp's overflow flag for this step (a one-element int32 backend array) when amp
     leaves the verdict on the device: the update is then launched and skips itself where the
     flag is set (``Optimizer.step``). ``loss_scale``: the loss gradient's seed, a number, or a
-    one-element backend array where amp keeps its scale on the device."""
+    one-element backend array where amp keeps its scale on the device. ``overflow_checked``:
+    a loss scaler outside the strategies (``fleetmpi.amp.GradScaler``) checks this step's
+    gradients for inf and NaN after the reduction and skips the update itself, so the
+    non-finite check stands aside, as it does for amp."""
 
     def __init__(self, model, loss_fn, x, y, optimizer, step=0):
         self.model = model
@@ -60,6 +63,7 @@ class StepContext:
         self.gradients_ready = False
         self.keep_gradients = False
         self.found_inf = None
+        self.overflow_checked = False
 
 
 class StepHook:
@@ -194,10 +198,19 @@ def run_backward_stage(hooks, ctx, backward=None):
         _chain(hooks, "backward", backward or _backward_with(hooks))(ctx)
 
 
-def finish_step(hooks, ctx):
-    """The stages after backward: gradient reduction, update, after-step."""
+def run_reduce_stage(hooks, ctx):
+    """The gradient reduction stage, after backward."""
     _refuse_uncapturable(hooks)
     _chain(hooks, "reduce", _nothing)(ctx)
+
+
+def finish_step(hooks, ctx, reduced=False):
+    """The stages after backward: gradient reduction (unless ``reduced`` already), update,
+    after-step."""
+    if reduced:
+        _refuse_uncapturable(hooks)
+    else:
+        run_reduce_stage(hooks, ctx)
     with timeline.span("update", step=ctx.step) as event:
         _chain(hooks, "update", _update)(ctx)
         if event:
