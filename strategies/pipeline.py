@@ -83,8 +83,8 @@ def split_micro_batches(array, count, size, what):
                          "micro_batch_size at 1 to split any batch into equal micro-batches")
     if batch % count:
         raise ValueError(f"pipeline: a batch of {batch} samples ({what}) cannot be split into "
-                         f"{count} equal micro-batches (pipeline_configs micro_batch / "
-                         "accumulate_steps)")
+                         f"{count} equal micro-batches (pipeline_configs micro_batch={count}, "
+                         f"or accumulate_steps={count})")
     share = batch // count
     return [array[k * share:(k + 1) * share] for k in range(count)]
 

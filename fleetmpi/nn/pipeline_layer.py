@@ -25,10 +25,14 @@ built whole in one process from the same seed, and the copies of a shared weight
 (they are also broadcast from the first stage holding them, as Paddle does, for layers that
 draw from elsewhere).
 
-A shared weight's gradient is summed over the stages holding it
-(``allreduce_shared_weight_gradients``, which the pipeline runs after each step's schedule and
-before the update), so the copies take the same update and stay equal: in one process the
-stages share one layer, whose gradient the engine sums.
+In one process the stages that use a key share one layer, whose gradients the engine sums
+over its uses. Split over ranks, each stage holds a copy, and the gradient of every parameter
+of the copies is summed over those stages (``allreduce_shared_weight_gradients``, which the
+pipeline runs after each step's schedule and before the update), so the copies take the same
+update and stay equal to the one layer of one process. Paddle sums ``shared_weight_attr``'s
+gradient alone, which leaves the other parameters of a later stage's copy (a position
+embedding beside the token table) untrained there; here the whole layer is tied, and
+``shared_weight_attr`` must name one of its parameters.
 
 ``recompute_interval=k`` runs each run of ``k`` consecutive entries of this process's list
 without keeping its activations, recomputing it in backward (``autograd.recompute``), when it
@@ -202,7 +206,7 @@ class PipelineLayer(Layer):
 
     def _shared_entry(self, desc, token, first_index, stage):
         key = desc.layer_name
-        if key not in self.shared_layers._children:
+        if key not in self.shared_weight_attrs:
             with backend.shared_rng_of((token, first_index)):
                 layer = desc.build_layer()
             layer.set_pipeline_stage(stage)
@@ -239,19 +243,18 @@ class PipelineLayer(Layer):
                 comm.free()
         return found
 
-    def _shared_parameter(self, key):
-        return shared_weight(self.shared_layers[key], self.shared_weight_attrs[key], key)
-
     def _synchronize_shared_weights(self):
         for key, comm in self.shared_comm.items():
-            weight = self._shared_parameter(key)
-            comm.broadcast(weight.data, root=0)
+            for p in layer_parameters([self.shared_layers[key]]):
+                comm.broadcast(p.data, root=0)
 
     def allreduce_shared_weight_gradients(self):
-        """Sum each shared weight's gradient over the stages holding it (module docstring)."""
+        """Sum the gradient of every parameter of each shared layer over the stages holding
+        it (module docstring)."""
         for key, comm in self.shared_comm.items():
-            grad = self._shared_parameter(key).grad
-            comm.allreduce(grad, op="sum", out=grad)
+            for p in layer_parameters([self.shared_layers[key]]):
+                grad = p.grad
+                comm.allreduce(grad, op="sum", out=grad)
 
     # -- running ----------------------------------------------------------------------------
     def forward(self, input):
