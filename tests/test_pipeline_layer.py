@@ -24,7 +24,7 @@ from fleetmpi.meta_parallel import (ColumnParallelLinear, LayerDesc, PipelineLay
 from fleetmpi.nn.gpt import TransformerBlock
 from fleetmpi.nn.pipeline_segments import segment_parts, uniform_parts
 from fleetmpi.nn.tensor_parallel import model_parallel_group
-from comm_support import close, equal, ok, raises
+from comm_support import close, ok, raises
 from strategy_support import make_strategy
 
 STEPS = 3
@@ -263,8 +263,9 @@ def test_recompute_interval_is_bit_for_bit_and_recomputes():
         results.append(([p.numpy() for p in model.parameters()], len(calls)))
     for a, b in zip(results[0][0], results[1][0]):
         np.testing.assert_array_equal(a, b)
-    assert (results[0][1], results[1][1]) == (4, 8)     # the second block ran again in backward (the
-    # first, on the token ids, which need no gradient, is not recomputed: Paddle's rule)
+    # the second block ran again in backward; the first, on the token ids, which need no
+    # gradient, is not recomputed (Paddle's rule)
+    assert (results[0][1], results[1][1]) == (4, 8)
 
 
 def test_eval_batch_is_the_forward_alone():
