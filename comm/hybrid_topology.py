@@ -15,6 +15,7 @@ ordered ``(dp, sharding, pp)`` so that pipeline's own layout (stage ``rank % sta
 replica ``rank // stages``) and sharding's (groups of ``sharding_degree`` consecutive
 replicas) find their coordinates in it.
 """
+import collections
 import math
 
 from mpi4py import MPI
@@ -94,6 +95,41 @@ def split_communicator(communicator, color, key):
                         chunk_bytes=communicator.chunk_bytes, check=communicator.check)
 
 
+class CommunicateTopology:
+    """Paddle's ``CommunicateTopology``: the axes of a layout and their sizes, and the
+    coordinates of each rank (model innermost, as ``coordinates``). What
+    ``HybridCommunicateGroup.topology()`` returns, and what ``PipelineLayer(topology=...)``
+    reads its stage from."""
+
+    def __init__(self, hybrid_group_names=AXES, dims=(1, 1, 1, 1)):
+        if tuple(hybrid_group_names) != AXES or len(dims) != len(AXES):
+            raise ValueError(f"CommunicateTopology({list(hybrid_group_names)}, {list(dims)}): "
+                             f"the axes are {list(AXES)}, one size each")
+        self.degrees = dict(zip(AXES, (int(d) for d in dims)))
+        self.coordinate = collections.namedtuple("Coordinate", AXES)
+
+    def get_hybrid_group_names(self):
+        return list(AXES)
+
+    def get_dim(self, axis_name):
+        if axis_name not in self.degrees:
+            raise ValueError(f"no axis {axis_name!r}; the axes are {list(AXES)}")
+        return self.degrees[axis_name]
+
+    get_dim_size = get_dim
+
+    def world_size(self):
+        return math.prod(self.degrees.values())
+
+    def get_coord(self, rank):
+        if not 0 <= rank < self.world_size():
+            raise ValueError(f"rank {rank} is outside the layout of {self.world_size()} ranks")
+        return self.coordinate(**coordinates(rank, self.degrees))
+
+    def get_rank(self, **coords):
+        return rank_of(coords, self.degrees)
+
+
 class HybridCommunicateGroup:
     """This rank's coordinates in the hybrid layout and the communicator of each axis
     (Paddle's ``HybridCommunicateGroup`` names). A group of one rank is None: nothing to
@@ -130,6 +166,9 @@ class HybridCommunicateGroup:
                            size == self.communicator.size)
 
     # -- Paddle's queries ----------------------------------------------------------------
+    def topology(self):
+        return CommunicateTopology(AXES, [self.degrees[axis] for axis in AXES])
+
     def get_global_rank(self):
         return self.rank
 

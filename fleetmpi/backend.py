@@ -168,6 +168,22 @@ def shared_rng():
     return _shared_rng
 
 
+@contextlib.contextmanager
+def shared_rng_of(key):
+    """Inside the block ``shared_rng()`` is a generator of its own, seeded by the seed and
+    ``key`` (a tuple of non-negative integers) alone; the one outside resumes afterwards where
+    it was. A model built in pieces (``PipelineLayer``: each process builds only its stage)
+    gives every piece its key, so a piece starts from the same values whichever process builds
+    it and whatever the others drew."""
+    global _shared_rng
+    outside = shared_rng()
+    _shared_rng = np.random.default_rng(np.random.SeedSequence([_seed, 2, *key]))
+    try:
+        yield
+    finally:
+        _shared_rng = outside
+
+
 def set_model_parallel_degree(degree):
     """Make the ranks of each model-parallel group (``degree`` neighbouring ranks, the layout's
     innermost axis) share one rank generator, so that they drop an activation they all hold

@@ -163,7 +163,7 @@ SHORTCUTS = dict(
 
 class _PaddleOnlyKeys:
     """The keys of a ``*_configs`` message that Paddle's message has and fleetmpi's lacks
-    (``pipeline_configs["micro_batch_size"]``), for ``schema_view.ConfigView``: kept by the
+    (``pipeline_configs["p2p_cache_shape"]``), for ``schema_view.ConfigView``: kept by the
     strategy and reported, as a loaded file's are."""
 
     def __init__(self, strategy, name, keys):
@@ -188,7 +188,7 @@ class DistributedStrategy(_MessageObject):
     ``strategy.build_strategy`` and ``strategy.execution_strategy`` are live objects, and
     can be assigned a ``BuildStrategy``/``ExecutionStrategy`` or a dict of their fields.
     Paddle 2.1-2.4's fields that fleetmpi lacks (``find_unused_parameters``,
-    ``pipeline_configs["micro_batch_size"]``, ...: ``fleetmpi.paddle_fields``) are kept as a
+    ``pipeline_configs["p2p_cache_shape"]``, ...: ``fleetmpi.paddle_fields``) are kept as a
     loaded file's are, and reported as not applied with the reason.
     """
 

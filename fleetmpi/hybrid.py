@@ -159,7 +159,7 @@ def run_of(strategy, optimizer, world_communicator, local):
                              f"strategy has no hybrid degrees; pass the same strategy to "
                              f"fleet.init and distributed_optimizer")
         return None
-    from .strategies.pipeline_stages import count_stages
+    from .strategies.pipeline_stages import stage_count
 
     configs = hybrid_configs(strategy)
     if local:
@@ -167,11 +167,12 @@ def run_of(strategy, optimizer, world_communicator, local):
         degrees["data"] = max(degrees["data"], 1)
     else:
         degrees = resolve_degrees(configs, world_size)
-    stages = count_stages(optimizer.parameters())
+    stages = stage_count(optimizer.parameters())
     if stages != degrees["pipe"]:
         raise ValueError(f"hybrid_configs['pp_degree']={degrees['pipe']} but the model has "
                          f"{stages} pipeline stage(s); build it with fleet.device_guard("
-                         f"'stage:N') for N in 0..{degrees['pipe'] - 1}, or set pp_degree to "
+                         f"'stage:N') for N in 0..{degrees['pipe'] - 1} (or as a "
+                         f"PipelineLayer of num_stages={degrees['pipe']}), or set pp_degree to "
                          f"{stages}")
     running = running_strategy(strategy, degrees)
     if local or world_communicator is None:

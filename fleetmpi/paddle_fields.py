@@ -40,11 +40,6 @@ PADDLE_ONLY = {
     "amp_configs.custom_black_varnames": "amp casts by operation name, not by variable "
                                          "name",
     "amp_configs.use_fp16_guard": "amp casts by operation, not by fp16_guard blocks",
-    "pipeline_configs.micro_batch_size": "the micro-batch size is the mini-batch size divided "
-                                         "by pipeline_configs.micro_batch",
-    "pipeline_configs.accumulate_steps": "fleetmpi's pipeline_configs.micro_batch is the "
-                                         "number of micro-batches (Paddle 2.0's meaning, which "
-                                         "2.1 calls accumulate_steps); set micro_batch",
     "pipeline_configs.p2p_cache_shape": "stage boundaries always exchange shapes with the "
                                         "activations",
     "sharding_configs.sharding_segment_strategy": "parameters are broadcast in buckets of "

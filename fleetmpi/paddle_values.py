@@ -1,5 +1,5 @@
 """Paddle-only strategy fields set from Python (``strategy.find_unused_parameters = True``,
-``strategy.pipeline_configs["micro_batch_size"] = 4``), kept as the text a strategy file holds.
+``strategy.pipeline_configs["p2p_cache_shape"] = False``), kept as the text a strategy file holds.
 
 A strategy keeps the Paddle-only fields (``fleetmpi.paddle_fields.PADDLE_ONLY``) a loaded file
 held as ``{dotted path: [text of each occurrence]}``; a field set from Python joins them in the

@@ -22,8 +22,10 @@ from .autograd import engine, is_grad_enabled
 from .distributed_strategy import DistributedStrategy
 from .log import logger
 from .nn import lazy
+from .nn.pipeline_layer import PipelineLayer
 from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
+from .pipeline_parallel import PipelineParallel
 from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
                              run_forward, run_reduce_stage, step_running)
 from .strategies import applied
@@ -75,7 +77,9 @@ def strategy_communicator(strategy):
 
 def distributed_model(model, communicator=None):
     """Make ``model``'s parameters and buffers identical on every rank (rank 0's values, one
-    broadcast per flat buffer and one for the buffers) and return it. Parameters built under
+    broadcast per flat buffer and one for the buffers) and return it; a ``PipelineLayer``
+    comes back as a ``PipelineParallel`` (``train_batch``, ``eval_batch``), its stage's
+    parameters made identical over the stage's data-parallel replicas. Parameters built under
     ``LazyGuard`` stay without values: ``distributed_optimizer`` gives them theirs, the same
     on every rank (``nn.lazy``). In parameter-server mode
     nothing is broadcast: the model is remembered, and workers take its parameters from the
@@ -89,14 +93,10 @@ def distributed_model(model, communicator=None):
                          "Layer registers the sublayers and parameters assigned to its "
                          "attributes after super().__init__(); check that its __init__ assigns "
                          "them there")
-    comm = hybrid.parameter_communicator(_world_communicator(communicator))
-    # A buffer built under LazyGuard has no values yet; every rank draws the same ones.
-    flats = [buffer.data for buffer in model.flat_buffers() if not buffer.deferred]
-    if flats and comm is not None:
-        comm.broadcast_many(flats, root=0)
-    states = [b for _, b in model.named_buffers()]
-    if states and comm is not None:
-        comm.broadcast_many(states, root=0)
+    if isinstance(model, PipelineLayer):
+        _broadcast_state(model, model.data_parallel_group)
+        return PipelineParallel(model, world.init_strategy())
+    _broadcast_state(model, hybrid.parameter_communicator(_world_communicator(communicator)))
     if not isinstance(model.__dict__.get("forward"), _StepForward):
         model.forward = _StepForward(model, model.forward)
     return model
@@ -107,6 +107,19 @@ def owner_of(model):
     whose step a call of the model opens."""
     params = model.parameters()
     return _owners.get(id(params[0])) if params else None
+
+
+def _broadcast_state(model, comm):
+    """Give ``model``'s parameters and buffers rank 0's values over ``comm`` (None: alone)."""
+    if comm is None:
+        return
+    # A buffer built under LazyGuard has no values yet; every rank draws the same ones.
+    flats = [buffer.data for buffer in model.flat_buffers() if not buffer.deferred]
+    if flats:
+        comm.broadcast_many(flats, root=0)
+    states = [b for _, b in model.named_buffers()]
+    if states:
+        comm.broadcast_many(states, root=0)
 
 
 class _StepForward:

@@ -1,20 +1,26 @@
 """``pipeline``: the layers of a model split into stages, one stage per rank, each mini-batch
-split into ``micro_batch`` micro-batches that flow through the stages.
+split into micro-batches that flow through the stages (``pipeline_configs``: their number,
+``micro_batch`` or Paddle 2.1's ``accumulate_steps``, and ``micro_batch_size``:
+``split_micro_batches``).
 
-Which models can be split, and how, is ``pipeline_stages``'s: an ``nn.Sequential`` whose
-layers are marked with ``fleetmpi.device_guard``, an ``nn.Sequential`` of stages, or a
-user-defined Layer whose forward chains its top-level sublayers (anything else is refused
-with the reason); a model without any stage is one stage. With S stages the world is S x R
-ranks: rank r runs stage ``r % S`` of replica ``r // S``, so the stages of one replica are
-neighbouring ranks (Paddle's layout: pipeline inside a node, data parallel across). Every rank
-builds the whole model; the optimizer is narrowed to the rank's stage at construction, and a
-step runs only that stage's layers.
+Two kinds of model are split. A model built whole on every rank, cut by ``pipeline_stages``:
+an ``nn.Sequential`` whose layers are marked with ``fleetmpi.device_guard``, an
+``nn.Sequential`` of stages, or a user-defined Layer whose forward chains its top-level
+sublayers (anything else is refused with the reason); a model without any stage is one stage.
+The optimizer is narrowed to the rank's stage at construction, and a step runs only that
+stage's layers. Or a ``PipelineLayer`` (``nn.pipeline_layer``), which builds only this rank's
+stage and placed itself: its parameters are the optimizer's, it runs whole on its rank, its
+communicator of the replica's stages carries the activations, and after the schedule the
+gradients of the weights it shares between stages are summed over them. With S stages the
+world is S x R ranks: rank r runs stage ``r % S`` of replica ``r // S``, so the stages of one
+replica are neighbouring ranks (Paddle's layout: pipeline inside a node, data parallel across).
+The passes themselves are ``pipeline_run``'s, which ``PipelineParallel`` shares.
 
 Each micro-batch's forward on a stage is recorded like any forward: the activation received
 from the previous stage becomes a Tensor that requires a gradient, the stage's layers run on
 it, and the last stage computes the loss with the step's loss function. Its backward is the
 engine's backward from the stage's output with the gradient received from the next stage (on
-the last stage: from the loss, with the gradient ``loss_scale / micro_batch``), which leaves
+the last stage: from the loss, with the gradient ``loss_scale / micro-batches``), which leaves
 the gradient of the received activation to send back. Every micro-batch in flight keeps its
 own recorded graph until its backward frees it. Activations travel forward and their
 gradients backward between neighbouring ranks through the comm layer's ``send``/``recv``, in
@@ -38,77 +44,49 @@ after the other: the single-process math the ranks must match.
 import contextlib
 import time
 
-import numpy as np
-
-from .. import backend
 from ..comm.hybrid_topology import split_communicator
-from ..autograd import Tensor, as_array, run_backward
+from ..autograd import Tensor
 from ..nn import Sequential
+from ..nn.pipeline_layer import pipeline_layer_of
 from ..optimizer.clip import ClipGradByGlobalNorm
 from ..optimizer.step import loss_seed
 from .base import Strategy
-from .pipeline_schedule import FORWARD, check_schedule_mode, compute_order
+from .pipeline_run import StageLayout, StageSchedule, elapsed, final_loss
+from .pipeline_schedule import check_schedule_mode
 from .pipeline_stages import check_chain, count_stages, stage_modules
 from .recompute import HostCheckpoints, checkpoint_forwards
 
-_HEADER = 34
-_FLOAT_DTYPES = {np.dtype(t).num: np.dtype(t) for t in ("float16", "float32", "float64")}
+
+def micro_batch_count(configs):
+    """The number of micro-batches of a step: ``pipeline_configs``' ``micro_batch`` (the
+    seeds', Paddle 2.0's name) or ``accumulate_steps`` (Paddle 2.1 on); both set above 1 must
+    agree."""
+    count, steps = int(configs["micro_batch"]), int(configs["accumulate_steps"])
+    if count > 1 and steps > 1 and count != steps:
+        raise ValueError(f"pipeline_configs['micro_batch']={count} and "
+                         f"pipeline_configs['accumulate_steps']={steps} both set the number "
+                         "of micro-batches; set one, or both to one value")
+    return max(count, steps)
 
 
-# -- which stage this rank runs ---------------------------------------------------------------
-
-class StageLayout:
-    """Where this rank sits: ``stages`` x ``replicas`` ranks, this rank running ``stage`` of
-    ``replica``. Without a communicator: one process running every stage."""
-
-    def __init__(self, stages, communicator):
-        self.model_stages = stages
-        if communicator is None:
-            self.stages, self.replicas, self.stage, self.replica = 1, 1, 0, 0
-            return
-        size, rank = communicator.size, communicator.rank
-        if size % stages:
-            raise ValueError(f"pipeline: {stages} stages do not fit a world of {size} ranks; "
-                             "the world size must be a multiple of the stage count (world = "
-                             "stages x replicas)")
-        self.stages, self.replicas = stages, size // stages
-        self.stage, self.replica = rank % stages, rank // stages
-
-    @property
-    def first(self):
-        return self.stage == 0
-
-    @property
-    def last(self):
-        return self.stage == self.stages - 1
-
-
-# -- point to point between neighbouring stages ---------------------------------------------------
-
-def send_array(communicator, array, dest):
-    """Send ``array`` with a header of its dtype and shape, so the receiver can allocate it."""
-    xp = backend.array_module()
-    array = xp.ascontiguousarray(array)
-    header = np.zeros(_HEADER, dtype=np.int64)
-    header[:2] = (array.dtype.num, array.ndim)
-    header[2:2 + array.ndim] = array.shape
-    communicator.send(xp.asarray(header), dest)
-    communicator.send(array, dest)
-
-
-def recv_array(communicator, source):
-    """The array ``send_array`` sent from ``source``."""
-    xp = backend.array_module()
-    header = xp.empty(_HEADER, dtype=np.int64)
-    header = backend.to_numpy(communicator.recv(header, source))
-    dtype, ndim = _FLOAT_DTYPES[int(header[0])], int(header[1])
-    return communicator.recv(xp.empty(tuple(int(n) for n in header[2:2 + ndim]), dtype), source)
-
-
-def _elapsed(started):
-    """Seconds since ``started``, once the device has finished what was queued."""
-    backend.synchronize()
-    return time.perf_counter() - started
+def split_micro_batches(array, count, size, what):
+    """``array`` cut along its first axis into ``count`` micro-batches: of ``size`` samples
+    each, the batch holding exactly ``count`` x ``size`` (as Paddle checks), or with ``size``
+    left at 1, of an equal share each."""
+    if array is None:
+        return None
+    batch = array.shape[0]
+    if size > 1 and batch != count * size:
+        raise ValueError(f"pipeline: a batch of {batch} samples ({what}) is not "
+                         f"accumulate_steps x micro_batch_size = {count} x {size} = "
+                         f"{count * size}; give batches of that size, or leave "
+                         "micro_batch_size at 1 to split any batch into equal micro-batches")
+    if batch % count:
+        raise ValueError(f"pipeline: a batch of {batch} samples ({what}) cannot be split into "
+                         f"{count} equal micro-batches (pipeline_configs micro_batch={count}, "
+                         f"or accumulate_steps={count})")
+    share = batch // count
+    return [array[k * share:(k + 1) * share] for k in range(count)]
 
 
 # -- the strategy -----------------------------------------------------------------------------
@@ -116,7 +94,8 @@ def _elapsed(started):
 class Pipeline(Strategy):
     """``pipeline`` (module docstring). ``layout`` tells this rank's stage and replica;
     ``replica_communicator`` averages the stage's gradients over its replicas (None with one
-    replica); ``pipeline_communicator`` joins the stages of this rank's replica.
+    replica); ``pipeline_communicator`` joins the stages of this rank's replica; ``layer``: the
+    ``PipelineLayer`` whose parameters the optimizer holds, or None.
     ``compute_seconds``: the time the last step spent computing this stage's forward and
     backward passes (the loss included), without the waits and transfers;
     ``schedule_seconds``: the wall time of the last step's schedule, those passes with the
@@ -129,25 +108,34 @@ class Pipeline(Strategy):
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.micro_batch = int(self.configs["micro_batch"])
+        self.micro_batch = micro_batch_count(self.configs)
+        self.micro_batch_size = int(self.configs["micro_batch_size"])
         self.schedule_mode = check_schedule_mode(self.configs["schedule_mode"])
         build = strategy.build_strategy
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
-        self.layout = StageLayout(count_stages(optimizer.parameters()), communicator)
+        self.layer = pipeline_layer_of(optimizer.parameters())
+        stages = count_stages(optimizer.parameters()) if self.layer is None else \
+            self.layer.num_stages
+        self.layout = StageLayout(stages, communicator)
         layout = self.layout
         self.pipeline_communicator = None
         self.replica_communicator = communicator
+        if self.layer is not None:
+            _check_layer_layout(self.layer, layout, communicator)
         if layout.stages > 1:
             if isinstance(optimizer.grad_clip, ClipGradByGlobalNorm):
                 raise ValueError("pipeline: ClipGradByGlobalNorm needs the norm over the "
                                  "gradients of every stage, but each rank holds one stage's; "
                                  "use ClipGradByNorm (per tensor) or no clipping")
-            optimizer.narrow([p for p in optimizer.parameters()
-                              if p.pipeline_stage == layout.stage])
-            self.pipeline_communicator = split_communicator(communicator, layout.replica,
-                                                          layout.stage)
+            if self.layer is None:
+                optimizer.narrow([p for p in optimizer.parameters()
+                                  if p.pipeline_stage == layout.stage])
+                self.pipeline_communicator = split_communicator(communicator, layout.replica,
+                                                                layout.stage)
+            else:
+                self.pipeline_communicator = self.layer.pipe_group
             self.replica_communicator = (split_communicator(communicator, layout.stage,
-                                                          layout.replica)
+                                                            layout.replica)
                                          if layout.replicas > 1 else None)
         recompute = strategy.recompute_configs
         self._checkpoints = list(recompute["checkpoints"]) if strategy.recompute else []
@@ -161,6 +149,7 @@ class Pipeline(Strategy):
     def check(cls, strategy, optimizer):
         super().check(strategy, optimizer)
         check_schedule_mode(strategy.pipeline_configs["schedule_mode"])
+        micro_batch_count(strategy.pipeline_configs)
 
     # -- step stages ----------------------------------------------------------------------
     def forward(self, ctx, proceed):
@@ -172,20 +161,17 @@ class Pipeline(Strategy):
         return None
 
     # -- the schedule -----------------------------------------------------------------------
-    def _micro_batches(self, array, what):
-        if array is None:
-            return None
-        if array.shape[0] % self.micro_batch:
-            raise ValueError(f"pipeline: a batch of {array.shape[0]} samples ({what}) cannot "
-                             f"be split into micro_batch={self.micro_batch} equal "
-                             "micro-batches")
-        size = array.shape[0] // self.micro_batch
-        return [array[k * size:(k + 1) * size] for k in range(self.micro_batch)]
-
     def _stage_modules(self, model, x):
         """The modules this rank runs on a micro-batch, one after the other: the model itself
-        when it is one stage, else its stage (every stage, without a communicator). The split
-        is made, and the model's forward checked on the micro-batch ``x``, once per model."""
+        when it is one stage or a PipelineLayer (which holds this rank's stage, or every stage
+        in one process), else its stage (every stage, without a communicator). The split is
+        made, and the model's forward checked on the micro-batch ``x``, once per model."""
+        if self.layer is not None:
+            if model is not self.layer:
+                raise ValueError(f"pipeline: the optimizer holds the parameters of a "
+                                 f"PipelineLayer, but the step runs a {type(model).__name__}; "
+                                 "train the PipelineLayer (model.train_batch)")
+            return [model]
         stages = self.layout.model_stages
         if stages == 1:
             return [model]
@@ -213,107 +199,41 @@ class Pipeline(Strategy):
         return stack
 
     def _run_schedule(self, ctx):
+        """This stage's passes over the micro-batches (``StageSchedule``) after clearing the
+        gradients, the shared weights' gradients summed over their stages, and the loss."""
         schedule_started = time.perf_counter()
-        xs = self._micro_batches(ctx.x, "input")
-        ys = self._micro_batches(ctx.y, "labels")
+        count, size = self.micro_batch, self.micro_batch_size
+        xs = split_micro_batches(ctx.x, count, size, "input")
+        ys = split_micro_batches(ctx.y, count, size, "labels")
         modules = self._stage_modules(ctx.model, xs[0])
+        self.optimizer.clear_grad()
+        schedule = StageSchedule(self.layout, self.pipeline_communicator, self.schedule_mode,
+                                 count)
         with self._recomputed(ctx.model, modules):
-            losses, busy = self._schedule(ctx, modules, xs, ys)
-        loss = self._loss(losses)
+            losses, _, busy = schedule.run(modules, xs, ys, ctx.loss_fn,
+                                           lambda loss: loss_seed(loss, ctx.loss_scale, count))
+        if self.layer is not None:
+            self.layer.allreduce_shared_weight_gradients()
+        loss = final_loss(self.layout, self.pipeline_communicator, losses)
         self.compute_seconds = busy
-        self.schedule_seconds = _elapsed(schedule_started)
+        self.schedule_seconds = elapsed(schedule_started)
         return loss
 
-    def _schedule(self, ctx, modules, xs, ys):
-        """Every micro-batch's forward and backward of this stage in the schedule's order,
-        with the messages between them; returns the losses (on the last stage) and the
-        seconds spent computing."""
-        layout, m = self.layout, self.micro_batch
-        xp = backend.array_module()
-        comm = self.pipeline_communicator
-        previous, following = layout.stage - 1, layout.stage + 1
-        # the messages with the next stage, in the order both issue them
-        right = (compute_order(self.schedule_mode, layout.stages, m, following)
-                 if not layout.last else [])
-        # Per micro-batch in flight: the received input (a leaf whose gradient goes back), the
-        # root of its recorded graph (the stage's output, or the loss) and that root's gradient.
-        inputs, roots, grads, unsent, losses = {}, {}, {}, {}, []
-        forwarded = set()
-        position = 0
 
-        def flush(until=None):
-            """Issue the messages to the next stage in its order: receives up to the gradient
-            ``until``, and the sends of finished forwards, as far as they go."""
-            nonlocal position
-            while position < len(right):
-                kind, k = right[position]
-                if kind == FORWARD:
-                    if k not in forwarded:
-                        if until is not None:
-                            raise RuntimeError(f"pipeline schedule: stage {layout.stage} needs "
-                                               f"gradient {until} before its forward {k}")
-                        return
-                    send_array(comm, unsent.pop(k), following)
-                elif until is None:
-                    return
-                else:
-                    grads[k] = recv_array(comm, following)
-                    if k == until:
-                        until = None
-                position += 1
-
-        self.optimizer.clear_grad()
-        busy = 0.0
-        order = compute_order(self.schedule_mode, layout.stages, m, layout.stage)
-        for kind, k in order:
-            if kind == FORWARD:
-                if layout.first:
-                    x = xs[k]
-                else:
-                    x = inputs[k] = Tensor(recv_array(comm, previous), stop_gradient=False)
-                started = time.perf_counter()
-                y = x
-                for module in modules:
-                    y = module(y)
-                if layout.last:
-                    loss = ctx.loss_fn(y, ys[k])
-                    losses.append(as_array(loss))
-                    roots[k] = loss
-                    grads[k] = loss_seed(loss, ctx.loss_scale, m)
-                else:
-                    roots[k] = y
-                    unsent[k] = y.data
-                busy += _elapsed(started)
-                forwarded.add(k)
-                flush()
-            else:
-                if not layout.last and k not in grads:
-                    flush(until=k)
-                started = time.perf_counter()
-                run_backward([roots.pop(k)], [grads.pop(k)])
-                busy += _elapsed(started)
-                if not layout.first:
-                    received = inputs.pop(k)
-                    dx = received.grad if received.grad is not None else \
-                        xp.zeros_like(received.data)
-                    send_array(comm, dx, previous)
-                flush()
-        if position != len(right):
-            raise RuntimeError(f"pipeline schedule: stage {layout.stage} left "
-                               f"{len(right) - position} messages to stage {following} unsent")
-        return losses, busy
-
-    def _loss(self, losses):
-        """The mean loss over the micro-batches, from the last stage to every stage."""
-        xp = backend.array_module()
-        loss = xp.stack(losses).mean() if losses else None
-        if self.layout.stages == 1:
-            return loss
-        message = xp.zeros(2, dtype=np.float64)
-        if self.layout.last:
-            message[0], message[1] = loss, loss.dtype.num
-        message = backend.to_numpy(self.pipeline_communicator.broadcast(
-            message, root=self.layout.stages - 1))
-        if self.layout.last:
-            return loss
-        return xp.asarray(message[0], dtype=_FLOAT_DTYPES[int(message[1])])
+def _check_layer_layout(layer, layout, communicator):
+    """Refuse a PipelineLayer placed otherwise than this optimizer runs it."""
+    if layer.local and communicator is not None:
+        raise ValueError("pipeline: the PipelineLayer was built with every stage in this "
+                         "process (local=True, or before fleet.init joined the ranks), but the "
+                         "optimizer trains over several ranks; build it after fleet.init "
+                         "without local, or pass local=True to distributed_optimizer")
+    if not layer.local and communicator is None:
+        raise ValueError(f"pipeline: the PipelineLayer holds stage {layer.stage_id} of "
+                         f"{layer.num_stages} only, but the optimizer runs every stage in this "
+                         "process (local=True); build the PipelineLayer with local=True for a "
+                         "single-process run")
+    if not layer.local and (layout.stage, layout.stages) != (layer.stage_id, layer.num_stages):
+        raise ValueError(f"pipeline: this rank runs stage {layout.stage} of {layout.stages}, "
+                         f"but its PipelineLayer holds stage {layer.stage_id} of "
+                         f"{layer.num_stages}; build the PipelineLayer and the optimizer under "
+                         "the same layout (the strategy given to fleet.init)")

@@ -32,6 +32,7 @@ its sublayers as its ``forward`` does, without fusing them.
 from .. import backend
 from ..autograd import as_array, no_grad
 from ..nn import Sequential
+from ..nn.pipeline_layer import pipeline_layer_of
 from ..rng_tracker import get_rng_state_tracker
 
 
@@ -53,6 +54,13 @@ def count_stages(parameters):
                          f"{sorted(set(tags))}); stages are numbered 0..S-1 and each needs a "
                          "layer with parameters")
     return stages
+
+
+def stage_count(parameters):
+    """The pipeline stages of the model holding ``parameters``: its ``PipelineLayer``'s
+    ``num_stages``, else what their stage tags make (``count_stages``)."""
+    layer = pipeline_layer_of(parameters)
+    return count_stages(parameters) if layer is None else layer.num_stages
 
 
 def _parameter_stages(layer):

@@ -40,7 +40,8 @@ TOP_LEVEL_DEFAULTS = {
 
 CONFIG_DEFAULTS = {
     "recompute_configs": {"checkpoints": [], "enable_offload": False, "checkpoint_shape": []},
-    "pipeline_configs": {"micro_batch": 1, "schedule_mode": "1F1B"},
+    "pipeline_configs": {"micro_batch": 1, "accumulate_steps": 1, "schedule_mode": "1F1B",
+                         "micro_batch_size": 1},
     "gradient_merge_configs": {"k_steps": 1, "avg": True},
     "lars_configs": {"lars_coeff": 0.001, "lars_weight_decay": 0.0005, "epsilon": 0.0,
                      "exclude_from_weight_decay": []},

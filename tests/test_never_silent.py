@@ -91,6 +91,12 @@ FIELDS = {
     "pipeline_configs.micro_batch": Effect(2, "test_pipeline.py::"
                                            + _t("all_stages_in_one_process_equal_accumulated_"
                                                 "gradients")),
+    "pipeline_configs.accumulate_steps": Effect(2, "test_pipeline_layer.py::"
+                                                + _t("accumulate_steps_and_micro_batch_size_"
+                                                     "cut_the_batch_as_paddle")),
+    "pipeline_configs.micro_batch_size": Effect(2, "test_pipeline_layer.py::"
+                                                + _t("accumulate_steps_and_micro_batch_size_"
+                                                     "cut_the_batch_as_paddle")),
     "pipeline_configs.schedule_mode": Effect("F-then-B", "test_pipeline.py::"
                                              + _t("schedules_run_each_pass_once_in_dependency_"
                                                   "order")),

@@ -1,11 +1,14 @@
-"""docs/paddle_compat.md, "Dygraph hybrid parallel": the Paddle script and its fleetmpi
-version differ only in their imports, and the fleetmpi one trains at mp2 on 2 ranks (both ranks
-print the same losses, which fall)."""
+"""docs/paddle_compat.md, "Dygraph hybrid parallel": each Paddle script (tensor parallel, and
+pipeline parallel through PipelineLayer and train_batch) and its fleetmpi version differ only
+in their imports, and the fleetmpi one trains on 2 ranks (at mp2, and at pp2: both ranks print
+the same losses, which fall)."""
 import ast
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,7 +17,7 @@ def section_scripts():
     with open(os.path.join(ROOT, "docs", "paddle_compat.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## Dygraph hybrid parallel", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)[:2]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
 def without_imports(source):
@@ -23,15 +26,17 @@ def without_imports(source):
     return ast.dump(tree)
 
 
-def test_the_two_scripts_differ_only_in_their_imports():
-    paddle, ours = section_scripts()
+@pytest.mark.parametrize("pair", [0, 1], ids=["tensor parallel", "pipeline"])
+def test_the_two_scripts_differ_only_in_their_imports(pair):
+    paddle, ours = section_scripts()[2 * pair:2 * pair + 2]
     assert "import paddle" in paddle and "import fleetmpi" in ours
     assert without_imports(paddle) == without_imports(ours)
 
 
-def test_the_fleetmpi_script_trains_at_mp2_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("pair", [0, 1], ids=["mp2", "pp2"])
+def test_the_fleetmpi_script_trains_on_two_ranks(tmp_path, pair):
     script = tmp_path / "train.py"
-    script.write_text(section_scripts()[1])
+    script.write_text(section_scripts()[2 * pair + 1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
     done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
                           capture_output=True, text=True, env=env, timeout=240)

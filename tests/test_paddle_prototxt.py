@@ -82,13 +82,13 @@ PADDLE_22_FILE = {
     "sharding_configs": {"sharding_degree": 8, "sharding_segment_strategy": "segment_anchors",
                          "segment_anchors": ["a", "b"]},
     "hybrid_configs": {"dp_degree": 2, "mp_degree": 1},
-    "pipeline_configs": {"accumulate_steps": 4},
+    "pipeline_configs": {"accumulate_steps": 4, "p2p_cache_shape": False},
     "build_strategy": {"fuse_bn_add_act_ops": True, "enable_inplace": True},
 }
 PADDLE_ONLY_IN_FILE = {
     "mode", "last_comm_group_size_MB", "find_unused_parameters", "fuse_grad_size_in_num",
     "amp_configs.use_fp16_guard", "sharding_configs.sharding_segment_strategy",
-    "sharding_configs.segment_anchors", "pipeline_configs.accumulate_steps",
+    "sharding_configs.segment_anchors", "pipeline_configs.p2p_cache_shape",
     "build_strategy.fuse_bn_add_act_ops"}
 
 
@@ -118,6 +118,7 @@ def test_a_file_of_paddle_2_2_loads_and_writes_back_what_paddle_reads(tmp_path, 
     assert strategy.amp_configs["use_pure_fp16"] is True
     assert strategy.sharding_configs["sharding_degree"] == 8
     assert strategy.build_strategy.enable_inplace is True
+    assert strategy.pipeline_configs["accumulate_steps"] == 4     # a field of fleetmpi's too
     assert set(strategy.paddle_only_fields()) == PADDLE_ONLY_IN_FILE
     assert strategy.paddle_only_fields()["sharding_configs.segment_anchors"] == [
         'segment_anchors: "a"', 'segment_anchors: "b"']
@@ -160,7 +161,7 @@ def _set_as_attributes(trainer_desc=True):
     strategy = fleet.DistributedStrategy()
     strategy.find_unused_parameters = True
     strategy.last_comm_group_size_MB = 1.5
-    strategy.pipeline_configs["micro_batch_size"] = 4
+    strategy.pipeline_configs["p2p_cache_shape"] = False
     strategy.pipeline_configs = {"schedule_mode": "1F1B", "accumulate_steps": 3}
     if trainer_desc:
         strategy.trainer_desc_configs = {"dump_fields_path": "out/", "dump_param": ["w", "b"]}
@@ -171,13 +172,13 @@ def test_paddle_only_fields_set_as_attributes_read_back_save_and_are_reported(tm
                                                                              paddle_message):
     strategy = _set_as_attributes()
     assert strategy.find_unused_parameters is True and strategy.last_comm_group_size_MB == 1.5
-    assert strategy.pipeline_configs["micro_batch_size"] == 4
+    assert strategy.pipeline_configs["p2p_cache_shape"] is False
     assert strategy.pipeline_configs["accumulate_steps"] == 3
     assert strategy.pipeline_configs["schedule_mode"] == "1F1B"
     assert strategy.trainer_desc_configs == {"dump_fields_path": "out/", "dump_param": ["w", "b"]}
     assert fleet.DistributedStrategy().find_unused_parameters is None     # unset
     kept = {"find_unused_parameters", "last_comm_group_size_MB", "trainer_desc_configs",
-            "pipeline_configs.micro_batch_size", "pipeline_configs.accumulate_steps"}
+            "pipeline_configs.p2p_cache_shape"}
     assert set(strategy.paddle_only_fields()) == kept
     path = tmp_path / "set.prototxt"
     strategy.save_to_prototxt(str(path))
@@ -185,7 +186,7 @@ def test_paddle_only_fields_set_as_attributes_read_back_save_and_are_reported(tm
     _set_as_attributes(trainer_desc=False).save_to_prototxt(str(path))
     paddle = paddle_message()
     text_format.Parse(path.read_text(), paddle)     # strict: Paddle 2.2's message reads it
-    assert paddle.find_unused_parameters and paddle.pipeline_configs.micro_batch_size == 4
+    assert paddle.find_unused_parameters and paddle.pipeline_configs.p2p_cache_shape is False
     assert paddle.pipeline_configs.accumulate_steps == 3
     model = nn.Linear(4, 2)
     fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1, parameters=model.parameters()),
