@@ -17,7 +17,9 @@ def section_scripts():
     with open(os.path.join(ROOT, "docs", "paddle_compat.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## Dygraph hybrid parallel", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    # whole scripts only (they import paddle or fleetmpi), not the fragments between them
+    return [b for b in blocks if re.search(r"^import (paddle|fleetmpi)", b, re.M)]
 
 
 def without_imports(source):
