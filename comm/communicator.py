@@ -28,6 +28,7 @@ import os
 import weakref
 
 import numpy as np
+from mpi4py import MPI
 
 from .. import capture_checks, timeline
 from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, CUDA_GRAPH, TRANSPORT, TRANSPORTS
@@ -47,6 +48,7 @@ from .ops import array_module, finish_mean, is_device_array
 from .ring import DEFAULT_CHUNK_BYTES, count_offsets, reduce_scatter_ring, split_offsets
 from .stall import gather_rows
 from .stall_report import call_text
+from .topology import Topology
 from .transport_choice import device_identity, pick_transport
 from .transport_nccl import NCCLUnavailableError
 from .watchdog import unwatch, watch_of
@@ -199,6 +201,67 @@ class Communicator:
         self._comm_thread = CommThread(f"fleetmpi-comm-{id(self):x}")
         self._watch.comm_thread = self._comm_thread
         self._async_stream = None
+        self._derived = {}  # what split and with_options made, by what every rank asked
+
+    # derived communicators
+
+    def settings(self):
+        """The settings this communicator was made with (the transport as chosen), as
+        keyword arguments of ``Communicator``: what ``split`` and ``with_options`` inherit."""
+        return {"transport": self.transport_name, "nccl_comm_num": self.nccl_comm_num,
+                "fuse_grad_size_in_MB": self.fuse_grad_size_in_MB,
+                "fuse_broadcast_MB": self.fuse_broadcast_MB,
+                "use_hierarchical_allreduce": self.use_hierarchical_allreduce,
+                "hierarchical_allreduce_inter_nranks": self.hierarchical_allreduce_inter_nranks,
+                "chunk_bytes": self.chunk_bytes, "check": self.check}
+
+    def _inherited(self, overrides, size):
+        unknown = sorted(set(overrides) - set(self.settings()))
+        if unknown:
+            raise TypeError(f"unknown communicator setting(s) {unknown}; allowed: "
+                            f"{', '.join(sorted(self.settings()))}")
+        settings = dict(self.settings(), **overrides)
+        inter = settings["hierarchical_allreduce_inter_nranks"]
+        if "hierarchical_allreduce_inter_nranks" not in overrides and inter is not None \
+                and size % inter:
+            settings["hierarchical_allreduce_inter_nranks"] = None  # ranks per node instead
+        return settings
+
+    def _derive(self, request, make):
+        """The communicator ``make()`` builds for ``request``, made once: every rank's
+        request is exchanged first, so that all ranks take the one made before, or all make a
+        new one (a collective), never some of each."""
+        everyone = tuple(self._control.allgather(request))
+        if everyone not in self._derived:
+            self._derived[everyone] = make()
+        return self._derived[everyone]
+
+    def with_options(self, **overrides):
+        """A communicator over the same ranks with every setting of this one (``settings``)
+        but ``overrides``; this one when nothing changes. Asked again with the same overrides
+        it returns the same communicator (no new MPI communicators). Every rank calls it."""
+        settings = self._inherited(overrides, self.size)
+        if settings == self.settings():
+            return self
+        request = ("with_options", tuple(sorted(settings.items(), key=lambda kv: kv[0])))
+        return self._derive(request, lambda: Communicator(self.topology, **settings))
+
+    def split(self, color, key=None, **overrides):
+        """A communicator over the ranks that pass the same ``color`` (MPI's
+        ``Comm.Split``), ranked by ``key`` (default: the rank here), with every setting of
+        this one but ``overrides`` (a two-level allreduce's group size that does not divide
+        the new size falls back to ranks per node); None for a ``color`` of None (the rank
+        joins none). The same split asked again returns the same communicator. Every rank
+        calls it."""
+        key = self.rank if key is None else int(key)
+        request = ("split", color, key, tuple(sorted(overrides.items(), key=lambda kv: kv[0])))
+
+        def make():
+            comm = self.topology.world.Split(MPI.UNDEFINED if color is None else color, key)
+            if comm == MPI.COMM_NULL:
+                return None
+            return Communicator(Topology(comm), **self._inherited(overrides, comm.Get_size()))
+        return self._derive(request, make)
 
     # construction helpers
 

@@ -7,7 +7,7 @@ model-parallel axis innermost: ``rank = ((dp * pp_degree + pp) * sharding_degree
 node whenever ``mp_degree`` divides the ranks per node (Megatron-LM's and Paddle's layout);
 tensor parallelism communicates twice per block and direction, far more than the others.
 
-Every axis's communicator is split from the job's ``Communicator`` (``split_communicator``)
+Every axis's communicator is split from the job's ``Communicator`` (``Communicator.split``)
 and so runs this library's own algorithms with the job's knobs. ``data_communicator`` joins
 the ranks of one model-parallel coordinate (every data, pipeline and sharding coordinate): the
 strategies of ``fleetmpi.strategies`` run over it as over a world of their own, its ranks
@@ -17,11 +17,6 @@ replicas) find their coordinates in it.
 """
 import collections
 import math
-
-from mpi4py import MPI
-
-from .communicator import Communicator
-from .topology import Topology
 
 AXES = ("data", "pipe", "sharding", "model")
 DEGREE_NAMES = {"data": "dp_degree", "pipe": "pp_degree", "sharding": "sharding_degree",
@@ -71,28 +66,6 @@ def rank_of(coords, degrees):
     for axis in AXES:
         rank = rank * degrees[axis] + coords[axis]
     return rank
-
-
-def split_communicator(communicator, color, key):
-    """A ``Communicator`` with the same knobs over the ranks of ``communicator`` that share
-    ``color`` (MPI ``Comm.Split``), ranked by ``key``; None for a ``color`` of None (the rank
-    joins no new communicator: ``MPI.UNDEFINED``). Every rank of ``communicator`` calls it.
-    The two-level allreduce keeps its group size where it divides the new communicator, and
-    falls back to ranks per node otherwise."""
-    inter = communicator.hierarchical_allreduce_inter_nranks
-    split = communicator.topology.world.Split(MPI.UNDEFINED if color is None else color, key)
-    if split == MPI.COMM_NULL:
-        return None
-    sub = Topology(split)
-    if inter is not None and sub.size % inter:
-        inter = None
-    return Communicator(sub, transport=communicator.transport_name,
-                        nccl_comm_num=communicator.nccl_comm_num,
-                        fuse_grad_size_in_MB=communicator.fuse_grad_size_in_MB,
-                        fuse_broadcast_MB=communicator.fuse_broadcast_MB,
-                        use_hierarchical_allreduce=communicator.use_hierarchical_allreduce,
-                        hierarchical_allreduce_inter_nranks=inter,
-                        chunk_bytes=communicator.chunk_bytes, check=communicator.check)
 
 
 class CommunicateTopology:
@@ -156,7 +129,7 @@ class HybridCommunicateGroup:
     def _split(self, color, key, size, is_world):
         if is_world:
             return self.communicator
-        return split_communicator(self.communicator, color, key) if size > 1 else None
+        return self.communicator.split(color, key) if size > 1 else None
 
     def _axis_group(self, axis):
         """The ranks that differ from this one in ``axis`` alone, ordered by that axis."""

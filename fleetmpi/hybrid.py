@@ -25,7 +25,7 @@ import copy
 from . import backend
 from .comm import hybrid_topology
 from .rng_tracker import MODEL_PARALLEL_RNG, get_rng_state_tracker
-from .comm.communicator import Communicator
+from .comm import get_communicator
 from .comm.hybrid_topology import DEGREE_NAMES, HybridCommunicateGroup, resolve_degrees
 
 
@@ -48,15 +48,18 @@ def is_hybrid(strategy):
     return any(configs[DEGREE_NAMES[axis]] > 1 for axis in ("model", "pipe", "sharding"))
 
 
-def strategy_communicator(strategy, topology):
-    """A ``Communicator`` over ``topology`` configured by the strategy's allreduce fields
+def strategy_communicator(strategy):
+    """The world's ``Communicator`` configured by the strategy's allreduce fields
     (``nccl_comm_num``, ``fuse_grad_size_in_MB``, ``use_hierarchical_allreduce``,
-    ``hierarchical_allreduce_inter_nranks``; 1, the default, means ranks per node)."""
+    ``hierarchical_allreduce_inter_nranks``; 1, the default, means ranks per node): one
+    communicator per set of values, however many optimizers and layouts ask
+    (``Communicator.with_options``)."""
     inter = strategy.hierarchical_allreduce_inter_nranks
-    return Communicator(topology, nccl_comm_num=strategy.nccl_comm_num,
-                        fuse_grad_size_in_MB=strategy.fuse_grad_size_in_MB,
-                        use_hierarchical_allreduce=strategy.use_hierarchical_allreduce,
-                        hierarchical_allreduce_inter_nranks=inter if inter > 1 else None)
+    return get_communicator().with_options(
+        nccl_comm_num=strategy.nccl_comm_num,
+        fuse_grad_size_in_MB=strategy.fuse_grad_size_in_MB,
+        use_hierarchical_allreduce=strategy.use_hierarchical_allreduce,
+        hierarchical_allreduce_inter_nranks=inter if inter > 1 else None)
 
 
 def model_parallel_random_seed(seed=None):
@@ -89,7 +92,7 @@ def build_layout(strategy, topology):
         return None
     seed = int(strategy.tensor_parallel_configs["tensor_init_seed"])
     degrees = resolve_degrees(hybrid_configs(strategy), topology.size)
-    group = HybridCommunicateGroup(strategy_communicator(strategy, topology), degrees)
+    group = HybridCommunicateGroup(strategy_communicator(strategy), degrees)
     hybrid_topology.set_current(group)
     backend.set_model_parallel_degree(degrees["model"])
     if degrees["model"] > 1:

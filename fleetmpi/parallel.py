@@ -72,7 +72,8 @@ def _world_communicator(communicator):
 def strategy_communicator(strategy):
     """The world's ``Communicator`` configured by the strategy's allreduce fields
     (``hybrid.strategy_communicator``)."""
-    return hybrid.strategy_communicator(strategy, world.topology())
+    world.topology()
+    return hybrid.strategy_communicator(strategy)
 
 
 def distributed_model(model, communicator=None):

@@ -44,7 +44,6 @@ after the other: the single-process math the ranks must match.
 import contextlib
 import time
 
-from ..comm.hybrid_topology import split_communicator
 from ..autograd import Tensor
 from ..nn import Sequential
 from ..nn.pipeline_layer import pipeline_layer_of
@@ -130,12 +129,10 @@ class Pipeline(Strategy):
             if self.layer is None:
                 optimizer.narrow([p for p in optimizer.parameters()
                                   if p.pipeline_stage == layout.stage])
-                self.pipeline_communicator = split_communicator(communicator, layout.replica,
-                                                                layout.stage)
+                self.pipeline_communicator = communicator.split(layout.replica, layout.stage)
             else:
                 self.pipeline_communicator = self.layer.pipe_group
-            self.replica_communicator = (split_communicator(communicator, layout.stage,
-                                                            layout.replica)
+            self.replica_communicator = (communicator.split(layout.stage, layout.replica)
                                          if layout.replicas > 1 else None)
         recompute = strategy.recompute_configs
         self._checkpoints = list(recompute["checkpoints"]) if strategy.recompute else []

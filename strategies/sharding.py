@@ -75,18 +75,6 @@ def group_size(configs, world_size):
     return size
 
 
-def _sub_communicator(communicator, color, fuse_broadcast_MB):
-    """A ``Communicator`` over the ranks of ``communicator`` with the same ``color``, ordered
-    by rank, with the same transport and settings."""
-    from ..comm import Communicator, Topology
-
-    sub = communicator.topology.world.Split(color, communicator.rank)
-    return Communicator(Topology(sub), transport=communicator.transport_name,
-                        nccl_comm_num=communicator.nccl_comm_num,
-                        fuse_grad_size_in_MB=communicator.fuse_grad_size_in_MB,
-                        fuse_broadcast_MB=fuse_broadcast_MB, check=communicator.check)
-
-
 def sharding_communicators(communicator, size, fuse_broadcast_MB):
     """``(group, replicas)``: the communicator of this rank's sharding group (ranks
     ``[k * size, (k + 1) * size)``) and that of the ranks holding the same shard in every group;
@@ -99,8 +87,8 @@ def sharding_communicators(communicator, size, fuse_broadcast_MB):
     if size == 1:
         return None, communicator
     rank = communicator.rank
-    return (_sub_communicator(communicator, rank // size, fuse_broadcast_MB),
-            _sub_communicator(communicator, rank % size, fuse_broadcast_MB))
+    return (communicator.split(rank // size, fuse_broadcast_MB=fuse_broadcast_MB),
+            communicator.split(rank % size, fuse_broadcast_MB=fuse_broadcast_MB))
 
 
 class Sharding(Strategy):

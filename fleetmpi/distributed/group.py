@@ -3,7 +3,7 @@
 
 A ``Group`` holds the global ranks it joins, in increasing order as Paddle's ``new_group``
 sorts them, and on its members a ``Communicator`` split from the world's
-(``comm.hybrid_topology.split_communicator``: the job's knobs, this library's algorithms).
+(``Communicator.split``: the job's knobs, this library's algorithms).
 ``group=None`` anywhere means every rank. The communicator of a hybrid axis
 (``fleet.get_hybrid_communicate_group().get_model_parallel_group()``) is accepted as a group
 too. Ranks given to the collectives (``src``, ``dst``) are global ranks, as in Paddle.
@@ -15,7 +15,6 @@ from mpi4py import MPI
 
 from .. import world
 from ..comm import Communicator, get_communicator
-from ..comm.hybrid_topology import split_communicator
 
 
 class ReduceOp:
@@ -101,7 +100,7 @@ def new_group(ranks=None, backend=None):
     comm = get_communicator()
     _check_same_ranks(comm, ranks)
     mine = comm.rank in ranks
-    sub = split_communicator(comm, 0 if mine else None, comm.rank)
+    sub = comm.split(0 if mine else None, comm.rank)
     group = Group(ranks, sub, len(_groups) + 1)
     _groups[group.id] = group
     return group

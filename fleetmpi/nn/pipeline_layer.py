@@ -45,7 +45,7 @@ from .. import backend, job
 from ..autograd import Tensor
 from ..autograd.recompute import layer_parameters, layers_of, run_recomputed
 from ..comm import get_communicator, hybrid_topology
-from ..comm.hybrid_topology import HybridCommunicateGroup, rank_of, split_communicator
+from ..comm.hybrid_topology import HybridCommunicateGroup, rank_of
 from .basic_layers import check_positive_int
 from .containers import LayerDict
 from .layer import Layer
@@ -234,13 +234,9 @@ class PipelineLayer(Layer):
             if len(stages[key]) < 2:
                 continue
             member = self.stage_id in stages[key]
-            comm = split_communicator(self._group.communicator,
-                                      replica if member else self._group.communicator.size
-                                      + replica, coords["pipe"])
+            comm = self._group.communicator.split(replica if member else None, coords["pipe"])
             if member:
                 found[key] = comm
-            else:
-                comm.free()
         return found
 
     def _synchronize_shared_weights(self):
