@@ -57,6 +57,7 @@ from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionS
 from .fleet_util import UtilBase, util
 from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
+from .join import Join
 from . import meta_parallel
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
@@ -73,7 +74,7 @@ __all__ = [
     "ConfigError", "device", "device_guard", "distributed_model", "distributed_optimizer",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
     "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init", "init_server",
-    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker",
+    "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "Join",
     "LazyGuard", "load", "local_rank", "local_size", "LogWriter", "matmul", "meta_parallel",
     "metric", "ModeError", "nn", "no_grad", "node_index", "node_num", "NonFiniteError",
     "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "reshape", "Role", "run_server", "save",

@@ -24,8 +24,8 @@ from .log import logger
 from .nn import lazy
 from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
-from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
-                             run_forward, step_running)
+from .optimizer.step import (backward_pass, finish_step, minimize_loss, report_gradients,
+                             run_backward_stage, run_forward, step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
 from .strategies.nonfinite import NonFiniteCheck
@@ -232,6 +232,16 @@ class DistributedOptimizer:
             self.applied_strategy = updated
             applied.report(updated)
 
+    @property
+    def calibrating(self):
+        """Whether ``strategy.auto`` has yet to calibrate (on the first ``minimize`` call)."""
+        return self._calibration is not None
+
+    @property
+    def step_open(self):
+        """Whether a step opened by calling the model waits for its ``step()``."""
+        return self._open is not None
+
     def add_hook(self, hook, first=False):
         """Put ``hook`` into the step chain (outermost when ``first``)."""
         if first:
@@ -329,6 +339,19 @@ class DistributedOptimizer:
                     hook.on_gradient(ctx, [p])
         run_backward_stage(self.hooks, ctx, report)
         return ctx
+
+    def shadow_step(self, contributors):
+        """The step of the ranks still training, taken by a rank that has joined
+        (``fleetmpi.Join``): no forward, zero gradients, every parameter reported as final at
+        once, then the reduction (averaged over the ``contributors``), update and after-step of
+        the same hooks, so every collective the others' step makes is answered."""
+        ctx = StepContext(None, None, None, None, self.inner, step=self.step_count)
+        ctx.contributors = contributors
+        self.inner.clear_grad()
+        run_forward(self.hooks, ctx, lambda ctx: None)
+        run_backward_stage(self.hooks, ctx, lambda ctx: report_gradients(self.hooks, ctx))
+        finish_step(self.hooks, ctx)
+        self.step_count += 1
 
     def step(self):
         """Finish the open step: reduce the gradients not reduced yet, update, after-step."""

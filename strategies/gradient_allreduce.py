@@ -16,10 +16,12 @@ bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``co
 
 ``check_local``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket's
 gradient just before it is reduced: the rank's own gradient, read where it is still hot.
+Where some ranks have joined (``fleetmpi.Join``) a step's average counts only the ranks that
+contributed a batch (``StepContext.contributors``).
 """
 import os
 
-from .. import timeline
+from .. import backend, timeline
 from ..knobs import OVERLAP_ALLREDUCE
 from .base import Strategy
 
@@ -169,6 +171,7 @@ class GradientAllreduce(Strategy):
         self.overlap = overlap_allreduce()
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
         self.check_local = None
+        self.contributors = None
 
     def _algorithm(self, bucket):
         """The allreduce algorithm of ``bucket``, chosen for every bucket of the plan at the
@@ -189,8 +192,19 @@ class GradientAllreduce(Strategy):
             if event:
                 event.args.update(bucket=bucket.index, bytes=int(grad.nbytes),
                                   parameters=bucket.size, algorithm=algorithm)
+            self._average(grad, algorithm)
+
+    def _average(self, grad, algorithm):
+        """``grad`` averaged in place over the ranks that contributed this step: every rank's
+        mean, or, where some have joined (``contributors``), the sum divided by their count."""
+        contributors = self.contributors
+        if contributors is None or contributors == self.world_size:
             self.communicator.allreduce_many([grad], op="mean", algorithm=algorithm,
                                              compression=self.compression)
+            return
+        self.communicator.allreduce_many([grad], op="sum", algorithm=algorithm,
+                                         compression=self.compression)
+        backend.array_module().divide(grad, contributors, out=grad, casting="unsafe")
 
     def _start(self, bucket):
         return self.communicator.submit(f"bucket {bucket.index}",
@@ -198,9 +212,11 @@ class GradientAllreduce(Strategy):
 
     def on_gradient(self, ctx, parameters):
         if ctx.sync_gradients:
+            self.contributors = ctx.contributors
             self.schedule.ready(parameters)
 
     def reduce(self, ctx, proceed):
+        self.contributors = ctx.contributors
         self.schedule.finish(ctx.sync_gradients)
         return proceed(ctx)
 

@@ -43,7 +43,9 @@ class StepContext:
     None, or amp's overflow flag for this step (a one-element int32 backend array) when amp
     leaves the verdict on the device: the update is then launched and skips itself where the
     flag is set (``Optimizer.step``). ``loss_scale``: the loss gradient's seed, a number, or a
-    one-element backend array where amp keeps its scale on the device."""
+    one-element backend array where amp keeps its scale on the device. ``contributors``:
+    None when every rank trains this step, else how many ranks contributed a batch to it (the
+    others have joined, ``fleetmpi.strategies.join``): the gradient averages divide by it."""
 
     def __init__(self, model, loss_fn, x, y, optimizer, step=0):
         self.model = model
@@ -60,6 +62,7 @@ class StepContext:
         self.gradients_ready = False
         self.keep_gradients = False
         self.found_inf = None
+        self.contributors = None
 
 
 class StepHook:
