@@ -14,8 +14,8 @@ The allreduce algorithm of each bucket is chosen once per bucket plan, at its fi
 bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``, named
 ``bucket <index>``) with its index, that algorithm, bytes and number of parameters.
 
-``check_local``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket's
-gradient just before it is reduced: the rank's own gradient, read where it is still hot.
+``check_bucket``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket
+just before it is reduced: the rank's own gradient, read where it is still hot.
 Where some ranks have joined (``fleetmpi.Join``) a step's average counts only the ranks that
 contributed a batch (``StepContext.contributors``).
 """
@@ -170,7 +170,7 @@ class GradientAllreduce(Strategy):
         self.bucket_algorithms = None  # by bucket index, once chosen (see _algorithm)
         self.overlap = overlap_allreduce()
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
-        self.check_local = None
+        self.check_bucket = None
         self.contributors = None
 
     def _algorithm(self, bucket):
@@ -185,8 +185,8 @@ class GradientAllreduce(Strategy):
 
     def _reduce(self, bucket):
         grad = bucket.grad
-        if self.check_local is not None:
-            self.check_local([grad])
+        if self.check_bucket is not None:
+            self.check_bucket(bucket)
         algorithm = self._algorithm(bucket)
         with timeline.span(f"bucket {bucket.index}", "comm") as event:
             if event:
