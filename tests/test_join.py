@@ -180,7 +180,7 @@ def test_a_nan_on_a_rank_still_training_stops_every_rank_the_joined_ones_too():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_default_without_join_keeps_equal_counts_unchanged_bit_for_bit():
+def test_join_with_equal_counts_is_bit_for_bit_the_run_without_it():
     """With every rank training every step the Join's averages are the plain mean."""
     size, rank = world()
     joined, opt, _ = train_joined([3] * size, "default", "minimize")
