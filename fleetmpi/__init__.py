@@ -59,6 +59,7 @@ from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionS
 from .fleet_util import UtilBase, util
 from .graphed import GraphedStep, graphed_step
 from .hybrid import get_hybrid_communicate_group
+from .join import Join
 from . import meta_parallel
 from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from . import amp, distributed
@@ -80,7 +81,7 @@ __all__ = [
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
     "gather", "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init",
     "init_server", "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server",
-    "is_worker", "LazyGuard", "load", "local_rank", "local_size", "LogWriter", "matmul",
+    "is_worker", "Join", "LazyGuard", "load", "local_rank", "local_size", "LogWriter", "matmul",
     "meta_parallel", "metric", "ModeError", "nn", "no_grad", "node_index", "node_num",
     "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "rand", "randn",
     "reshape", "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints",

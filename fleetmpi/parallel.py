@@ -26,8 +26,8 @@ from .nn.pipeline_layer import PipelineLayer
 from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
 from .pipeline_parallel import PipelineParallel
-from .optimizer.step import (backward_pass, finish_step, minimize_loss, run_backward_stage,
-                             run_forward, run_reduce_stage, step_running)
+from .optimizer.step import (backward_pass, finish_step, minimize_loss, report_gradients,
+                             run_backward_stage, run_forward, run_reduce_stage, step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
 from .strategies.nonfinite import NonFiniteCheck
@@ -261,6 +261,16 @@ class DistributedOptimizer:
             return self.hybrid.agreement
         return self.communicator
 
+    @property
+    def calibrating(self):
+        """Whether ``strategy.auto`` has yet to calibrate (on the first ``minimize`` call)."""
+        return self._calibration is not None
+
+    @property
+    def step_open(self):
+        """Whether a step opened by calling the model waits for its ``step()``."""
+        return self._open is not None
+
     def add_hook(self, hook, first=False):
         """Put ``hook`` into the step chain (outermost when ``first``)."""
         if first:
@@ -379,6 +389,19 @@ class DistributedOptimizer:
                                "opt.step() to finish it")
         run_reduce_stage(self.hooks, ctx)
         self._reduced = True
+
+    def shadow_step(self, contributors):
+        """The step of the ranks still training, taken by a rank that has joined
+        (``fleetmpi.Join``): no forward, zero gradients, every parameter reported as final at
+        once, then the reduction (averaged over the ``contributors``), update and after-step of
+        the same hooks, so every collective the others' step makes is answered."""
+        ctx = StepContext(None, None, None, None, self.inner, step=self.step_count)
+        ctx.contributors = contributors
+        self.inner.clear_grad()
+        run_forward(self.hooks, ctx, lambda ctx: None)
+        run_backward_stage(self.hooks, ctx, lambda ctx: report_gradients(self.hooks, ctx))
+        finish_step(self.hooks, ctx)
+        self.step_count += 1
 
     def step(self):
         """Finish the open step: reduce the gradients not reduced yet, update, after-step."""

@@ -183,7 +183,8 @@ def build_strategies(strategy, optimizer, communicator, agreement=None):
 def with_nonfinite_check(hooks, names, optimizer, communicator):
     """``hooks`` with the non-finite check (``fleetmpi.strategies.nonfinite``) before the
     gradient reduction (the last hook, when it is one: the plain or fp16 allreduce, whose
-    buckets it checks as they leave, or sharding's), unless ``FLEETMPI_NONFINITE=off`` or amp
+    buckets it checks as they leave and which carries the verdicts where it runs over the
+    ranks that agree on them, or sharding's), unless ``FLEETMPI_NONFINITE=off`` or amp
     checks every update itself (loss scaling)."""
     from .gradient_allreduce import GradientAllreduce
     from .nonfinite import NonFiniteCheck, nonfinite_mode
@@ -195,8 +196,9 @@ def with_nonfinite_check(hooks, names, optimizer, communicator):
                            local_steps_alone=bool({"localsgd", "adaptive_localsgd"} & set(names)))
     last = hooks[-1] if hooks else None
     if isinstance(last, GradientAllreduce):
-        last.check_local = check.check_local
-        check.reduction_checks = True
+        last.check_bucket = check.check_bucket
+        check.buckets = last.buckets
+        check.carries = last.communicator is communicator
         check.bucket_of = last.schedule.bucket_of
     elif last is None or last.name != "sharding":
         return hooks + [check]

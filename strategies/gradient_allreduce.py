@@ -14,12 +14,14 @@ The allreduce algorithm of each bucket is chosen once per bucket plan, at its fi
 bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``, named
 ``bucket <index>``) with its index, that algorithm, bytes and number of parameters.
 
-``check_local``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket's
-gradient just before it is reduced: the rank's own gradient, read where it is still hot.
+``check_bucket``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket
+just before it is reduced: the rank's own gradient, read where it is still hot.
+Where some ranks have joined (``fleetmpi.Join``) a step's average counts only the ranks that
+contributed a batch (``StepContext.contributors``).
 """
 import os
 
-from .. import timeline
+from .. import backend, timeline
 from ..knobs import OVERLAP_ALLREDUCE
 from .base import Strategy
 
@@ -168,7 +170,8 @@ class GradientAllreduce(Strategy):
         self.bucket_algorithms = None  # by bucket index, once chosen (see _algorithm)
         self.overlap = overlap_allreduce()
         self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
-        self.check_local = None
+        self.check_bucket = None
+        self.contributors = None
 
     def _algorithm(self, bucket):
         """The allreduce algorithm of ``bucket``, chosen for every bucket of the plan at the
@@ -182,15 +185,26 @@ class GradientAllreduce(Strategy):
 
     def _reduce(self, bucket):
         grad = bucket.grad
-        if self.check_local is not None:
-            self.check_local([grad])
+        if self.check_bucket is not None:
+            self.check_bucket(bucket)
         algorithm = self._algorithm(bucket)
         with timeline.span(f"bucket {bucket.index}", "comm") as event:
             if event:
                 event.args.update(bucket=bucket.index, bytes=int(grad.nbytes),
                                   parameters=bucket.size, algorithm=algorithm)
+            self._average(grad, algorithm)
+
+    def _average(self, grad, algorithm):
+        """``grad`` averaged in place over the ranks that contributed this step: every rank's
+        mean, or, where some have joined (``contributors``), the sum divided by their count."""
+        contributors = self.contributors
+        if contributors is None or contributors == self.world_size:
             self.communicator.allreduce_many([grad], op="mean", algorithm=algorithm,
                                              compression=self.compression)
+            return
+        self.communicator.allreduce_many([grad], op="sum", algorithm=algorithm,
+                                         compression=self.compression)
+        backend.array_module().divide(grad, contributors, out=grad, casting="unsafe")
 
     def _start(self, bucket):
         return self.communicator.submit(f"bucket {bucket.index}",
@@ -198,9 +212,11 @@ class GradientAllreduce(Strategy):
 
     def on_gradient(self, ctx, parameters):
         if ctx.sync_gradients:
+            self.contributors = ctx.contributors
             self.schedule.ready(parameters)
 
     def reduce(self, ctx, proceed):
+        self.contributors = ctx.contributors
         self.schedule.finish(ctx.sync_gradients)
         return proceed(ctx)
 

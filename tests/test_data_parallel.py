@@ -171,7 +171,7 @@ def test_each_bucket_algorithm_is_chosen_once_per_plan_and_passed_to_its_reducti
     comm = ChoiceRecorder()
     reduction = GradientAllreduce(strategy, opt, comm)
     for _ in range(3):
-        reduction.reduce(SimpleNamespace(sync_gradients=True), lambda ctx: None)
+        reduction.reduce(SimpleNamespace(sync_gradients=True, contributors=None), lambda ctx: None)
     sizes = [int(b.grad.nbytes) for b in reduction.buckets]
     assert sorted(comm.asked) == sorted(sizes) == [416, 896, 1632]
     chosen = [(n, "native" if n < 500 else "ring") for n in sizes]

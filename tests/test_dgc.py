@@ -325,15 +325,20 @@ def test_bytes_per_step_against_dense(local):
     loss_fn = nn.CrossEntropyLoss()
     for step in range(3):
         counted = None if local else opt.communicator.payload_bytes
+        verdicts = opt.strategies["nonfinite_check"].exchanged_bytes
         x, y = global_batch(step)
         opt.minimize(model, loss_fn, shard(x, rank, size), shard(y, rank, size))
         expected = dense if step == 0 else sparse
         ok(dgc.bytes_sent_last_step == expected,
            f"step {step}: bytes_sent_last_step {dgc.bytes_sent_last_step}, expected {expected}")
         if not local:
-            # Besides dgc's, the non-finite check's verdicts of every updating step.
-            counted = (opt.communicator.payload_bytes - counted
-                       - opt.strategies["nonfinite_check"].verdict_bytes)
+            # Besides dgc's, the non-finite check's verdicts where they were exchanged (the
+            # compressed steps; the dense one's reduction carries them).
+            verdicts = opt.strategies["nonfinite_check"].exchanged_bytes - verdicts
+            ok(verdicts == (0 if step == 0 else
+                            opt.strategies["nonfinite_check"].verdict_bytes),
+               f"step {step}: verdicts {verdicts}")
+            counted = opt.communicator.payload_bytes - counted - verdicts
             ok(counted == expected, f"step {step}: the communicator counted {counted} bytes, "
                                     f"expected {expected}")
 

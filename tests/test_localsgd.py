@@ -59,13 +59,14 @@ def test_local_steps_after_begin_step_and_averaging_every_k_steps():
     opt, seen, _ = run_and_watch(strategy, 9)
     parameter_bytes = sum(p.size * p.dtype.itemsize for p in opt.inner.parameters())
     # steps 1-2 synchronous, 3-4 local, 5 averages, 6-7 local, 8 averages, 9 local; the
-    # synchronous steps exchange the non-finite check's verdicts too, the local ones do not
-    verdicts = opt.strategies["nonfinite_check"].verdict_bytes
+    # synchronous steps' gradient reduction carries the non-finite check's verdicts, and the
+    # local ones decide alone: no verdict travels on its own
+    ok(opt.strategies["nonfinite_check"].exchanged_bytes == 0, "verdicts exchanged")
     averaged = {1, 2, 5, 8}
     for step, (identical, sent) in enumerate(seen, start=1):
         ok(identical == (step in averaged), f"step {step}: identical={identical}")
         if step in (1, 2):
-            ok(sent == parameter_bytes + verdicts, f"step {step}: gradients, sent {sent}")
+            ok(sent == parameter_bytes, f"step {step}: gradients, sent {sent}")
         else:
             ok(sent == (parameter_bytes if step in averaged else 0), f"step {step}: sent {sent}")
     ok(opt.strategies["localsgd"].averagings == 2)

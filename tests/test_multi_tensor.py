@@ -238,6 +238,25 @@ def test_check_finite_flags_exactly_the_non_finite_and_writes_no_gradient(device
     assert device_branch == [("multi_tensor_check_finite", len(SIZES))] * len(places)
 
 
+@pytest.mark.parametrize("dtype, huge", [("float32", 1e20), ("float64", 1e200),
+                                         ("float16", 6e4)])
+@pytest.mark.parametrize("shape", [(1000,), (40, 25)])
+def test_the_host_check_is_not_fooled_by_finite_values_whose_squares_or_sums_overflow(
+        dtype, huge, shape):
+    """The host probe (a dot product with itself, or a sum) overflows for these finite
+    values; the elementwise test settles them, and still flags each inf and NaN."""
+    grad = np.full(shape, huge, dtype=dtype)
+    found = np.zeros(1, dtype=np.int32)
+    reference.check_finite(grad, found)
+    assert found[0] == 0
+    for bad in (np.inf, -np.inf, np.nan):
+        flat = grad.copy().reshape(-1)
+        flat[len(flat) // 2] = bad
+        reference.check_finite(flat.reshape(shape), found)
+        assert found[0] == 1, bad
+        found[0] = 0
+
+
 def test_unscale_leaves_a_set_flag_set():
     found = np.ones(1, dtype=np.int32)
     kernels.multi_tensor_unscale([np.ones(5, np.float32)], np.ones(1, np.float32), found)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import backend, nn, optimizer
 from fleetmpi.autograd import nan_inf
 from fleetmpi.log import RateLimited
@@ -136,6 +137,72 @@ def test_a_finite_run_is_bit_for_bit_the_run_without_the_check(monkeypatch, idio
     for step, (off, checked) in enumerate(zip(runs["off"], runs["stop"])):
         for name in off:
             ok(np.array_equal(off[name], checked[name]), f"step {step}: {name}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fields", [{"fp16_allreduce": True}] + [
+    {"sharding": True, "sharding_configs": {"stage": stage}} for stage in (1, 2, 3)],
+    ids=["fp16_allreduce", "sharding stage 1", "sharding stage 2", "sharding stage 3"])
+def test_a_nan_stops_every_rank_under_compression_and_sharding(monkeypatch, fields):
+    """fp16 on the wire carries the NaN the reduction checks; sharding's reduce-scatter
+    leaves each rank a shard, so there the verdicts are exchanged on every update."""
+    size, rank = _world()
+    _, opt, history, error = run(monkeypatch, None, size - 1, strategy=make_strategy(**fields))
+    ok(error is not None and f"step {BAD_STEP}" in str(error), f"rank {rank}: {error}")
+    ok(len(history) == BAD_STEP, f"rank {rank}: steps done {len(history)}")
+    if "fp16_allreduce" in fields:
+        ok(f"rank {size - 1} (loss and local gradient)" in str(error), str(error))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_a_non_finite_loss_with_finite_gradients_on_one_rank_reaches_every_rank(
+        monkeypatch, mode, fleetmpi_warnings):
+    """A NaN added to one rank's loss, not to anything its gradients depend on: the gradient
+    reduction carries that rank's verdict to the others."""
+    monkeypatch.setenv("FLEETMPI_NONFINITE", mode)
+    size, rank = _world()
+    backend.manual_seed(0)
+    model = fleet.distributed_model(make_mlp())
+    opt = fleet.distributed_optimizer(momentum(model.parameters()), make_strategy())
+    error = None
+    for step in range(3):
+        x, y = global_batch(step)
+        loss = F.cross_entropy(model(shard(x, rank, size)), shard(y, rank, size))
+        if step == 1 and rank == size - 1:
+            loss = loss + fleet.to_tensor(np.array(np.nan))
+        before = {k: v.copy() for k, v in model.state_dict().items()}
+        loss.backward()
+        try:
+            opt.step()
+        except fleet.NonFiniteError as raised:
+            error = raised
+            break
+        opt.clear_grad()
+        if step == 1:
+            for name, value in model.state_dict().items():
+                ok(np.array_equal(value, before[name]), f"{name} changed by the skipped step")
+    check = opt.strategies["nonfinite_check"]
+    if mode == "stop":
+        ok(error is not None, f"rank {rank}: no NonFiniteError")
+        ok(f"step 1: rank {size - 1} (loss) held an inf or NaN. " in str(error), str(error))
+    else:
+        ok(error is None and check.skipped_steps == 1, f"rank {rank}: {error}")
+    ok(check.exchanged_bytes == check.verdict_bytes, f"exchanged {check.exchanged_bytes}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fields, exchanges", [({}, 0), ({"fp16_allreduce": True}, 0),
+                                               ({"sharding": True}, STEPS)],
+                         ids=["data parallel", "fp16_allreduce", "sharding"])
+def test_finite_steps_exchange_verdicts_only_where_the_reduction_cannot_carry_them(
+        monkeypatch, fields, exchanges):
+    size, rank = _world()
+    _, opt, history, error = run(monkeypatch, None, strategy=make_strategy(**fields))
+    ok(error is None and len(history) == STEPS, f"rank {rank}: {error}")
+    check = opt.strategies["nonfinite_check"]
+    ok(check.exchanged_bytes == exchanges * check.verdict_bytes,
+       f"exchanged {check.exchanged_bytes} bytes")
 
 
 def test_the_mode_is_checked(monkeypatch):

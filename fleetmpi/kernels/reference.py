@@ -221,10 +221,25 @@ def unscale(grad, inverse, found):
 def check_finite(grad, found):
     """The non-finite check of a step without amp: ``found[0]`` (an int32 flag) set to 1 when
     ``grad`` holds an inf or NaN, left as it was otherwise (no read of a device array on the
-    host). A host array is summed first: an inf or NaN carries through a sum, so a finite sum
-    settles it (a third of the time of the elementwise test over the MLP's gradients of
-    benchmarks/train_throughput.py), and the elementwise test runs only where the sum is not
-    finite (an inf or NaN, or finite values whose sum overflowed)."""
-    if isinstance(grad, np.ndarray) and np.isfinite(grad.sum()):
+    host). A host array is reduced to one number first (``_finite_probe``): an inf or NaN
+    carries through it, so a finite one settles it, and the elementwise test runs only where
+    it is not finite (an inf or NaN, or finite values whose sum overflowed)."""
+    if isinstance(grad, np.ndarray) and np.isfinite(_finite_probe(grad)):
         return
     found |= ~np.isfinite(grad).all()
+
+
+_DOT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _finite_probe(grad):
+    """A number that is finite when every element of the host array ``grad`` is (it may be
+    inf for finite values too large, which the elementwise test then settles): a vector's dot
+    product with itself where BLAS computes it (float32, float64), else the sum. Over the
+    1.86M float32 gradients of benchmarks/train_throughput.py's MLP, one thread: the dot
+    0.27 ms, the sum 0.34 ms, the elementwise test 0.44 ms (best of 15). Its overflow is
+    expected, so NumPy's warning about it is not given."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if grad.ndim == 1 and grad.dtype in _DOT_DTYPES and grad.flags.c_contiguous:
+            return np.dot(grad, grad)
+        return grad.sum()

@@ -46,7 +46,9 @@ class StepContext:
     one-element backend array where amp keeps its scale on the device. ``overflow_checked``:
     a loss scaler outside the strategies (``fleetmpi.amp.GradScaler``) checks this step's
     gradients for inf and NaN after the reduction and skips the update itself, so the
-    non-finite check stands aside, as it does for amp."""
+    non-finite check stands aside, as it does for amp. ``contributors``: None when every rank
+    trains this step, else how many ranks contributed a batch to it (the others have joined,
+    ``fleetmpi.strategies.join``): the gradient averages divide by it."""
 
     def __init__(self, model, loss_fn, x, y, optimizer, step=0):
         self.model = model
@@ -64,6 +66,7 @@ class StepContext:
         self.keep_gradients = False
         self.found_inf = None
         self.overflow_checked = False
+        self.contributors = None
 
 
 class StepHook:
