@@ -28,5 +28,16 @@ def get_communicator():
     return _world
 
 
+def release_communicators():
+    """Free the world ``Communicator`` and every communicator derived from it, so that the
+    next ``get_communicator()`` builds a fresh one. Every rank calls it, with nothing in flight
+    and nothing left that uses them: between the tests of a suite (a test that provokes a
+    collective error leaves nothing behind for the next), not in a training script."""
+    global _world
+    if _world is not None:
+        _world.free()
+        _world = None
+
+
 __all__ = ["CollectiveMismatchError", "Communicator", "NCCLUnavailableError", "Topology",
-           "get_communicator"]
+           "get_communicator", "release_communicators"]

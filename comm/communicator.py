@@ -832,7 +832,12 @@ class Communicator:
 
     def free(self):
         """Finish the asynchronous operations started, then release this communicator's MPI
-        communicators, windows and NCCL communicators."""
+        communicators, windows and NCCL communicators, and those of every communicator
+        ``split`` and ``with_options`` made from it. Every rank calls it."""
+        derived = [c for c in self._derived.values() if c is not None]
+        self._derived.clear()
+        for communicator in derived:
+            communicator.free()
         self._comm_thread.stop()
         if self._shm is not None:
             self._shm.free()

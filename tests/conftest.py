@@ -6,7 +6,7 @@ import pytest
 import fleetmpi as fleet
 from fleetmpi import backend, nn
 from fleetmpi.autograd import engine
-from fleetmpi.comm import hybrid_topology
+from fleetmpi.comm import hybrid_topology, release_communicators
 
 
 @pytest.fixture
@@ -23,13 +23,16 @@ def float64_layers():
 def no_hybrid_layout_after():
     """A test that lays the ranks out with hybrid_configs leaves no layout to the next one
     (layers built without a group would take its model-parallel group, dropout would share
-    its masks over it), no strategy of fleet.init for the next distributed_optimizer, and no
-    step it left open to take the next test's backward."""
+    its masks over it), no strategy of fleet.init for the next distributed_optimizer, no
+    step it left open to take the next test's backward, and no communicator: the next test
+    starts with fresh ones (one that provoked a collective error leaves messages behind),
+    and MPI's communicators are not used up over the suite."""
     yield
     engine.set_step_driver(None)
     hybrid_topology.set_current(None)
     backend.set_model_parallel_degree(1)
     fleet.world._init_strategy = None
+    release_communicators()
 
 
 @pytest.fixture
