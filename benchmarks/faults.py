@@ -1,7 +1,7 @@
 """How fast a job ends after a fault, for each fault-injection scenario, under ``mpiexec`` and
 under ``fleetmpirun``.
 
-    python benchmarks/faults.py [--ranks 2] [--repeats 3]
+    python benchmarks/faults.py [--ranks 2] [--repeats 3] [--only TEXT]
 
 Each scenario runs ``tests/failure_jobs.py`` or ``tests/stall_jobs.py`` (the jobs the
 fault-injection tests start): the
@@ -59,6 +59,12 @@ SCENARIOS = [
     ("uneven data: rank 0 leaves its loop for barrier_worker", [STALL_JOB, "leave", "barrier"],
      {}, {"mpiexec": "rank 0 waits in barrier_worker",
           "fleetmpirun": "rank 0 waits in barrier_worker"}),
+    ("a NaN in rank 1's batch at step 3 (non-finite check)", ["nan"], {},
+     {"mpiexec": "rank 1 (loss and local gradient)",
+      "fleetmpirun": "rank 1 (loss and local gradient)"}),
+    ("rank 1's checkpoint file damaged, every rank loads", ["damaged-checkpoint"], {},
+     {"mpiexec": "because not every rank could load its part; rank 1:",
+      "fleetmpirun": "because not every rank could load its part; rank 1:"}),
 ]
 
 
@@ -107,6 +113,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="",
+                        help="run only the scenarios whose name contains this text")
     parser.add_argument("--elastic", action="store_true",
                         help="measure only the time from a killed rank to training resumed "
                              "under fleetmpirun --elastic")
@@ -123,12 +131,17 @@ def main():
     print("| scenario | launcher | exit status | fault to exit (s) | failing rank named |")
     print("| --- | --- | ---: | ---: | --- |")
     for name, job, extra, named in SCENARIOS:
+        if args.only not in name:
+            continue
         env = {k: v for k, v in os.environ.items() if k != "FLEETMPI_STALL_TIMEOUT"}
         env.update(FLEETMPI_DEVICE="cpu", **extra)
         for launcher, prefix in (("mpiexec", local_command(args.ranks) + [sys.executable]),
                                  ("fleetmpirun", fleetmpirun(args.ranks))):
             command = prefix + (job if job[0].endswith(".py") else [JOB] + job)
-            results = [run(command, env) for _ in range(args.repeats)]
+            results = []
+            for _ in range(args.repeats):
+                with tempfile.TemporaryDirectory(prefix="faults-") as folder:
+                    results.append(run(command, dict(env, FAILURE_JOB_DIR=folder)))
             statuses = sorted({"hung" if s is None else str(s) for s, _, _ in results})
             times = [t for _, t, _ in results if t is not None]
             seconds = f"{statistics.median(times):.2f}" if times else "-"

@@ -7,6 +7,8 @@
     mpiexec -n N python tests/failure_jobs.py exit0       # rank 1 leaves with os._exit(0)
     mpiexec -n N python tests/failure_jobs.py kill9       # rank 1 is killed with SIGKILL
     mpiexec -n N python tests/failure_jobs.py kill9-async # ... during an asynchronous allreduce
+    mpiexec -n N python tests/failure_jobs.py nan         # rank 1's batch of step 3 holds a NaN
+    mpiexec -n N python tests/failure_jobs.py damaged-checkpoint  # rank 1's file damaged
 
 ``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
 ``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
@@ -19,6 +21,9 @@ handles).
 ``exit0``: rank 1 leaves with status 0 without finalizing MPI while the others train on;
 ``kill9``: rank 1 prints its process id and kills itself with SIGKILL; ``kill9-async`` does so
 just after every rank has started an asynchronous allreduce of 64 MiB, which the others wait on.
+``nan``: data-parallel training whose rank 1 gets a NaN in its batch at step 3 (the non-finite
+check at its default, ``stop``). ``damaged-checkpoint``: every rank saves a checkpoint into
+``$FAILURE_JOB_DIR``, rank 1 flips a byte of its own file, and every rank loads.
 """
 import os
 import signal
@@ -29,7 +34,7 @@ import time
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import checkpoint, nn
+from fleetmpi import checkpoint, nn, optimizer
 from fleetmpi.comm import Communicator
 from fleetmpi.world import topology
 
@@ -63,6 +68,38 @@ def call(comm, collective, late=None):
         comm.barrier()
     else:
         raise ValueError(f"unknown collective {collective!r}")
+
+
+def train_with_a_nan(rank):
+    """Five data-parallel steps of a small MLP; rank 1's batch of step 3 holds a NaN."""
+    fleet.seed(0)
+    model = fleet.distributed_model(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = fleet.distributed_optimizer(optimizer.SGD(0.1, parameters=model.parameters()))
+    rng = np.random.default_rng(rank)
+    for step in range(5):
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        if step == 3 and rank == 1:
+            x[0, 0] = np.nan
+            fault()
+        opt.minimize(model, nn.CrossEntropyLoss(), x, rng.integers(0, 2, 8))
+    print(f"rank {rank} finished", flush=True)
+
+
+def load_a_damaged_checkpoint(rank):
+    """Every rank saves; rank 1 damages its own file; every rank loads."""
+    directory = os.environ["FAILURE_JOB_DIR"]
+    model = nn.Linear(4, 4)
+    path = checkpoint.save(directory, model, None, step=1)
+    fleet.barrier_worker()
+    if rank == 1:
+        with open(path, "r+b") as f:
+            f.seek(64)
+            byte = f.read(1)[0]
+            f.seek(64)
+            f.write(bytes([byte ^ 0xFF]))
+        fault()
+    checkpoint.load(directory, model)
+    print(f"rank {rank} finished", flush=True)
 
 
 def main(args):
@@ -117,6 +154,10 @@ def main(args):
             os._exit(0)
         time.sleep(5)
         print(f"rank {comm.rank} finished", flush=True)
+    elif mode == "nan":
+        train_with_a_nan(comm.rank)
+    elif mode == "damaged-checkpoint":
+        load_a_damaged_checkpoint(comm.rank)
     elif mode == "place":
         print(f"place rank {fleet.worker_index()} of {fleet.worker_num()}", flush=True)
         comm.barrier()

@@ -20,9 +20,9 @@ FAILURE_TEXT = "RuntimeError: rank 1 fails on purpose"
 JOB_SECONDS = 30
 
 
-def run_job(cmd, **kwargs):
+def run_job(cmd, env_extra=None, **kwargs):
     """Run a job that must end by itself; TimeoutExpired (a hang) fails the test."""
-    env = dict(os.environ, FLEETMPI_DEVICE="cpu")
+    env = dict(os.environ, FLEETMPI_DEVICE="cpu", **(env_extra or {}))
     env.pop(knobs.ABORT_ON_ERROR.name, None)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_SECONDS,
                           **kwargs)
@@ -52,6 +52,26 @@ def test_mpiexec_job_ends_when_rank_1_raises(mode):
 def test_fleetmpirun_job_ends_when_rank_1_raises():
     result = run_job(fleetmpirun() + ["--np", "2", JOB, "raise"])
     assert_rank_one_reported(result, result.stdout + result.stderr)
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "fleetmpirun"])
+@pytest.mark.parametrize("mode, said", [
+    ("nan", "NonFiniteError: non-finite values at step 3: rank 1 (loss and local gradient)"),
+    ("damaged-checkpoint", "was loaded on none of the 2 ranks, because not every rank could "
+                           "load its part; rank 1:")])
+def test_a_nan_or_a_damaged_file_on_rank_1_ends_every_rank_naming_it(tmp_path, launcher, mode,
+                                                                      said):
+    """The jobs benchmarks/faults.py times: every rank raises the same error, which names
+    rank 1, and the job fails."""
+    prefix = local_command(2, [sys.executable]) if launcher == "mpiexec" else \
+        fleetmpirun() + ["--np", "2"]
+    result = run_job(prefix + [JOB, mode], env_extra={"FAILURE_JOB_DIR": str(tmp_path)})
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text
+    for rank in (0, 1):
+        assert f"[fleetmpi] rank {rank}/2 on node 0 failed" in text, text
+    assert text.count(said) >= 2, text
+    assert "finished" not in text, text
 
 
 @pytest.mark.parametrize("log_dir", [False, True], ids=["terminal", "log_dir"])
