@@ -36,6 +36,7 @@ def init(role_maker=None, is_collective=True, strategy=None):
         if collective != job.role_maker().is_collective:
             raise RuntimeError("fleet.init was already called in the other mode (collective or "
                                "parameter-server); a process runs in one mode")
+        _start_communicator(collective)
         _build_layout(strategy)
         return
     role_maker = role_maker or PaddleCloudRoleMaker(is_collective=collective)
@@ -59,7 +60,18 @@ def init(role_maker=None, is_collective=True, strategy=None):
     log.logger.info("joined: %d rank(s) on %d node(s), local rank %d of %d",
                     topology.size, topology.num_nodes, topology.local_rank,
                     topology.local_size)
+    _start_communicator(collective)
     _build_layout(strategy)
+
+
+def _start_communicator(collective):
+    """Make the world's communicator here, where every rank is, in collective mode: made
+    later, on first use, a script whose ranks first use it apart (rank 0 sends, another
+    receives) would have only some ranks in its collective construction."""
+    if collective:
+        from .comm import get_communicator
+
+        get_communicator()
 
 
 def _build_layout(strategy):
