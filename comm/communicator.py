@@ -121,7 +121,7 @@ def _recorded(collective, nbytes=False, watched=True):
                 return timed(self, *args, **kwargs)
             finally:
                 if entered:
-                    watch.ended += 1
+                    watch.leave()
 
         def timed(self, *args, **kwargs):
             event = timeline.span(collective, "comm")
