@@ -69,13 +69,21 @@ def lazy_stage3(build, stage=3, local=False):
     return model, opt, after
 
 
+def small_gpt():
+    """GPT-2's initial weights are drawn again after the layers are built (a second
+    initializer per weight)."""
+    return nn.GPT(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=12,
+                  dtype="float64")
+
+
 @pytest.mark.mpi(min_size=2)
-def test_stage_3_shards_are_slices_of_a_whole_init_bit_for_bit(small_pieces):
+@pytest.mark.parametrize("build", [EveryInitializer, small_gpt])
+def test_stage_3_shards_are_slices_of_a_whole_init_bit_for_bit(small_pieces, build):
     fleet.init(is_collective=True)
     backend.manual_seed(0)
-    whole = EveryInitializer()
+    whole = build()
     expected, expected_after = whole_space(whole), backend.shared_rng().bit_generator.state
-    model, opt, after = lazy_stage3(EveryInitializer)
+    model, opt, after = lazy_stage3(build)
     start, stop = opt.strategies["sharding"].shard
     equal(backend.to_numpy(opt.inner.shard_parameters), expected[start:stop])
     ok(after == expected_after, "the guard left the shared generator elsewhere")
@@ -84,6 +92,16 @@ def test_stage_3_shards_are_slices_of_a_whole_init_bit_for_bit(small_pieces):
     reference = whole.state_dict()
     for name, value in model.state_dict().items():
         equal(value, reference[name], err_msg=name)
+
+
+def test_gpt_weights_drawn_again_under_the_guard_keep_no_values():
+    """GPT's second initializer of each weight is recorded, not drawn whole and kept."""
+    backend.manual_seed(0)
+    with fleet.LazyGuard():
+        model = small_gpt()
+    kept = [p.name for p in model.parameters()
+            if not isinstance(p.deferred_init.initializer, initializer.Initializer)]
+    ok(not kept, f"parameters built under the guard hold arrays: {kept}")
 
 
 def test_one_process_stage_3_materialises_the_whole_init_bit_for_bit(small_pieces):

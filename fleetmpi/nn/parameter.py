@@ -157,9 +157,10 @@ class Parameter(Tensor):
         self.defer(value.data if isinstance(value, Tensor) else value, self.deferred_init.layer)
 
     def defer(self, values, layer):
-        """Hold no values from now on; ``values`` (an array of the parameter's shape) are the
-        initial values when the flat buffer is materialised. ``layer``: what built it, for
-        the error that using it raises."""
+        """Hold no values from now on; ``values`` (an array of the parameter's shape, or an
+        initializer, which draws from the shared generator's state now) give the initial
+        values when the flat buffer is materialised. ``layer``: what built it, for the error
+        that using it raises."""
         self.deferred_init = DeferredInit(values, self.shape, self.dtype, layer)
         self.data = _placeholder(self.shape, self.dtype)
         self._grad = None
