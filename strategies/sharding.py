@@ -274,10 +274,15 @@ class Sharding(Strategy):
         if self.replicas is not None and block.size:
             self.replicas.allreduce(block, op="mean", compression=self.compression, out=block)
         for run, (low, high) in zip(self.optimizer.runs, self.optimizer.run_spans):
-            run.grad[...] = 0
             lo, hi = max(start, low), min(stop, high)
-            if lo < hi:
-                run.grad[lo - low:hi - low] = block[lo - start:hi - start]
+            if lo >= hi:
+                run.grad[...] = 0
+                continue
+            # block may be the run's own gradient there (reduced in place): copy, then zero
+            # only the rest.
+            run.grad[lo - low:hi - low] = block[lo - start:hi - start]
+            run.grad[:lo - low] = 0
+            run.grad[hi - low:] = 0
 
     # -- parameters -------------------------------------------------------------------------
     def update(self, ctx, proceed):
