@@ -354,6 +354,9 @@ def cap_report(rows, args):
              f"at {args.cap_MB:.1f} MiB of data segment above what it holds after fleet.init() "
              f"(RLIMIT_DATA). Measured above: stage 3 under LazyGuard peaks at {mib(need)} MiB "
              f"over building and training, data parallel needs {mib(dp_build)} MiB to build."]
+    if need >= args.cap_MB * MIB:
+        lines.append("  The cap is below what stage 3 needs: its step (activations grow with "
+                     "--batch) takes more than data parallel's construction.")
     for run in CAPPED:
         outcomes, note = capped(ranks, run, args)
         lines += outcome_lines(run, outcomes, note)
