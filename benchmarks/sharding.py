@@ -1,49 +1,44 @@
-"""Memory per rank and step time of sharding stages 1, 2 and 3 next to plain data parallel, and
-a model that does not fit a rank's memory cap under data parallelism, trained under stage 3.
+"""Whole-process memory per rank and step time of sharding stages 1, 2 and 3 next to plain data
+parallel, and a model that data parallel cannot build under a per-rank memory cap, trained under
+stage 3.
 
-    python benchmarks/sharding.py [--ranks 1 2 4] [--layers 4] [--width 256] [--vocab 1024]
-                                  [--seq 32] [--batch 8] [--steps 5] [--cap_MB MB]
-                                  [--fuse_grad_MB MB] [--sites]
+    python benchmarks/sharding.py [--ranks 1 2 4] [--models gpt mlp] [--steps 5] [--cap_MB MB]
+                                  [--layers 4] [--width 384] [--vocab 1024] [--seq 32]
+                                  [--batch 2] [--mlp_layers 12] [--mlp_width 1024]
+                                  [--mlp_batch 64]
 
-Memory and time: for each rank count one ``mpiexec`` job builds ``nn.GPT`` (float32, Adam) four
-times from the same seed (data parallel, ``sharding`` stage 1, 2 and 3) and trains each on the
-same per-rank batch of token ids. For each configuration ``tracemalloc`` (NumPy reports its
-allocations to it) is started just before the model is built and stopped after two steps, so
-it counts what this configuration allocates and nothing else:
+Two models, float32, with Adam and the default strategy fields (``fuse_grad_size_in_MB`` 32):
+``nn.GPT`` (``--layers`` blocks of width ``--width``, a tied embedding) and a user's
+``nn.Layer`` of ``--mlp_layers`` Linear layers of ``--mlp_width`` with ReLU and a head of 10
+classes, large enough for two data-parallel buckets. Five runs of each: data parallel,
+``sharding`` stages 1, 2 and 3 built as usual, and stage 3 built under ``fleet.LazyGuard``.
 
-- model state: the bytes alive after building the model and the distributed optimizer and
-  after each step (between steps), the largest of these. This is parameters, gradients and
-  optimizer state (and whatever else the configuration keeps between steps).
-- step transient: the peak during the second step minus what was alive before it: the
-  activations the graph keeps, the temporaries of forward, backward and update, gathered
-  parameters (stage 3) and gradient buckets (stages 2 and 3).
-- construction peak: the peak while the model and the optimizer were being built.
+Memory: one ``mpiexec`` job per rank count, model and run. Each rank starts ``tracemalloc``
+(NumPy reports its allocations to it) right after ``fleet.init()`` and reads it after building
+the model, ``distributed_model``, Adam and ``distributed_optimizer`` (the construction peak) and
+after two training steps (the whole-process peak, construction included; also what is alive
+between steps: the model state). Each figure is the largest over the ranks; the ratios are to
+data parallel's at the same rank count.
 
-Every figure is the largest over the ranks. The ratio is to data parallel at the same rank
-count. Then the four models keep training, alternating step by step (a barrier before each
-step, so that all see the same load on the machine), and the median step time of the slowest
-rank over ``--steps`` steps after one warm-up step is reported next to data parallel's, with
-the difference of the last step's loss (the mean over the ranks) from data parallel's.
+Time: one more job per rank count builds every run of every model from the same seed and trains
+them step by step in turn (a barrier before each step, so that all see the same load); the
+median step time of the slowest rank over ``--steps`` steps after one warm-up step is reported
+next to data parallel's, with the last loss (mean over the ranks) minus data parallel's.
 
-The cap: two more jobs at the largest rank count, each rank limiting its data segment
-(``RLIMIT_DATA``: heap and private mappings, where NumPy's arrays live) to what it uses after
-``fleet.init()`` and a first matrix product (OpenBLAS maps its work buffer then) plus
-``--cap_MB``. A NumPy allocation beyond it raises ``MemoryError``, which each rank reports with
-the phase it failed in. Data parallel and stage 3 each try to build the model and train
-``--steps`` steps under it. The default cap lies midway between what stage 3 needs and what
-data parallel needs, both from the memory job. Stage 3 needs its construction peak: the model
-is built whole on every rank and sharded afterwards (Adam's state is made at the shard's size),
-so its construction holds data parallel's whole parameters and gradients plus the shards for a
-moment (``benchmarks/lazy_memory.py`` measures building under ``LazyGuard``). Data parallel needs its
-model state plus one step's transient. The cap therefore separates the two only when a step's
-transient exceeds the shards built at construction (1/N of the model state), which is why the
-default batch is 8 sequences: data parallel builds under the cap and fails in its first step.
-
-Every job runs under a timeout (``--timeout``), so the benchmark ends even when a rank that
-failed leaves the others waiting in a collective.
+The cap: at the largest rank count, two jobs of the GPT under a per-rank limit on the data
+segment (``RLIMIT_DATA``: heap and private mappings, where NumPy's arrays live) of what a rank
+holds after ``fleet.init()`` and a first matrix product large enough for OpenBLAS to map its work
+buffer (32 MiB, which a small product does not) plus ``--cap_MB``. The default cap is data parallel's construction peak as ``tracemalloc`` measured it:
+every traced allocation lies in the data segment, so data parallel cannot build the model under
+it, while stage 3 under the guard has to fit with what ``tracemalloc`` does not see (the heap's
+free space, MPI's buffers). An
+allocation beyond the cap raises ``MemoryError``, which each rank reports with the phase it
+failed in; data parallel and stage 3 under the guard each try to build the model and train
+``--steps`` steps. Every job runs under ``--timeout``, so the benchmark ends even when a rank
+that failed leaves the others waiting in a collective.
 """
 import argparse
-import gc
+import contextlib
 import json
 import os
 import re
@@ -55,133 +50,139 @@ import tracemalloc
 
 import numpy as np
 
-CONFIGS = ("dp", "stage 1", "stage 2", "stage 3")
-STAGE = {"dp": 0, "stage 1": 1, "stage 2": 2, "stage 3": 3}
-# Peak model-state bytes per rank relative to data parallel, at 4 ranks (the issue's targets).
-TARGETS = {"stage 2": 0.45, "stage 3": 0.35}
+# name: (sharding stage, 0 for data parallel; built under LazyGuard)
+RUNS = {"dp": (0, False), "stage 1": (1, False), "stage 2": (2, False), "stage 3": (3, False),
+        "stage 3, LazyGuard": (3, True)}
+MODELS = ("gpt", "mlp")
+# Whole-process peak per rank relative to data parallel at TARGET_RANKS (the issue's targets).
+TARGETS = {"stage 1": 0.75, "stage 2": 0.6, "stage 3, LazyGuard": 0.35}
+TIME_TARGET = ("stage 3, LazyGuard", 1.25)
 TARGET_RANKS = 4
 MEMORY_STEPS = 2
-TRACE_FRAMES = 12
-SITES = 6
+CAPPED = ("dp", "stage 3, LazyGuard")
 MIB = 2 ** 20
+OPTIONS = ("layers", "width", "vocab", "seq", "batch", "mlp_layers", "mlp_width", "mlp_batch",
+           "steps", "cap_MB")
 
 
 # -- one rank ---------------------------------------------------------------------------------
 
-def _gpt(args):
+def _model(args, model):
     from fleetmpi import nn
+    import fleetmpi.nn.functional as F
 
-    return nn.GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
-                  n_head=args.heads, n_embd=args.width, dtype="float32")
+    if model == "gpt":
+        return nn.GPT(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
+                      n_head=max(1, args.width // 64), n_embd=args.width, dtype="float32")
+
+    class UserMLP(nn.Layer):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.LayerList([nn.Linear(args.mlp_width, args.mlp_width)
+                                        for _ in range(args.mlp_layers)])
+            self.head = nn.Linear(args.mlp_width, 10)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = F.relu(block(x))
+            return self.head(x)
+
+    return UserMLP()
 
 
-def _data(args, rank):
-    tokens = np.random.default_rng(rank).integers(0, args.vocab, (args.batch, args.seq + 1))
-    return tokens[:, :-1], tokens[:, 1:]
+def _batch(args, model, rank):
+    """``(inputs, loss function of the outputs)`` of this rank."""
+    from fleetmpi import backend, nn
+
+    rng = np.random.default_rng(rank)
+    if model == "gpt":
+        tokens = rng.integers(0, args.vocab, (args.batch, args.seq + 1))
+        x, y = backend.asarray(tokens[:, :-1]), backend.asarray(tokens[:, 1:])
+    else:
+        x = backend.asarray(rng.standard_normal((args.mlp_batch, args.mlp_width))
+                            .astype(np.float32))
+        y = backend.asarray(rng.integers(0, 10, args.mlp_batch))
+    loss_fn = nn.CrossEntropyLoss()
+    return x, lambda out: loss_fn(out, y)
 
 
-def _build(args, stage):
-    """``(model, optimizer)``: the GPT from seed 0 with Adam, data parallel (stage 0) or
-    sharded at ``stage``."""
+def _build(args, model, run):
+    """``(model, distributed optimizer)`` of ``run`` from seed 0."""
     import fleetmpi as fleet
     from fleetmpi import backend, optimizer
 
+    stage, lazy = RUNS[run]
     backend.manual_seed(0)
-    model = fleet.distributed_model(_gpt(args))
+    with fleet.LazyGuard() if lazy else contextlib.nullcontext():
+        net = _model(args, model)
+    net = fleet.distributed_model(net)
     strategy = fleet.DistributedStrategy()
-    if args.fuse_grad_MB:
-        strategy.fuse_grad_size_in_MB = args.fuse_grad_MB
     if stage:
         strategy.sharding = True
         strategy.sharding_configs = {"stage": stage}
-    opt = optimizer.Adam(learning_rate=1e-4, parameters=model.parameters())
-    return model, fleet.distributed_optimizer(opt, strategy)
+    opt = optimizer.Adam(learning_rate=1e-4, parameters=net.parameters())
+    return net, fleet.distributed_optimizer(opt, strategy)
 
 
-def _step(model, opt, loss_fn, x, y):
-    loss = loss_fn(model(x), y)
+def _step(net, opt, x, loss_of):
+    loss = loss_of(net(x))
     loss.backward()
     opt.step()
     opt.clear_grad()
     return float(loss)
 
 
-def _sites(snapshot, count):
-    """The ``count`` allocation sites holding the most bytes in ``snapshot``, grouped by
-    traceback: ``(bytes, blocks, "file:line <- file:line ...")`` with the frames in this
-    repository, innermost first."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    rows = []
-    for stat in snapshot.statistics("traceback")[:count]:
-        frames = [f"{os.path.relpath(f.filename, root)}:{f.lineno}"
-                  for f in reversed(stat.traceback) if f.filename.startswith(root)]
-        rows.append((stat.size, stat.count, " <- ".join(frames[:5]) or
-                     f"{stat.traceback[-1].filename}:{stat.traceback[-1].lineno}"))
-    return rows
-
-
-def _measure(args, stage, loss_fn, x, y, sites):
-    """Build one configuration under ``tracemalloc`` and take two steps (module docstring)."""
-    gc.collect()
-    tracemalloc.start(TRACE_FRAMES)
-    try:
-        model, opt = _build(args, stage)
-        gc.collect()
-        alive, construction = tracemalloc.get_traced_memory()
-        resident = [alive]
-        transient, losses = 0, []
-        for _ in range(MEMORY_STEPS):
-            before = tracemalloc.get_traced_memory()[0]
-            tracemalloc.reset_peak()
-            losses.append(_step(model, opt, loss_fn, x, y))
-            transient = tracemalloc.get_traced_memory()[1] - before
-            gc.collect()
-            resident.append(tracemalloc.get_traced_memory()[0])
-        held = _sites(tracemalloc.take_snapshot(), SITES) if sites else []
-    finally:
-        tracemalloc.stop()
-    return model, opt, {"state": max(resident), "resident": resident,
-                        "transient": transient, "construction": construction,
-                        "sites": held}, losses
-
-
 def memory_worker(args):
+    """One rank of one run: its construction peak, model state and whole-process peak."""
     import fleetmpi as fleet
-    from fleetmpi import backend, nn
+
+    fleet.init(is_collective=True)
+    x, loss_of = _batch(args, args.model, fleet.worker_index())
+    tracemalloc.start()
+    net, opt = _build(args, args.model, args.run)
+    construction = tracemalloc.get_traced_memory()[1]
+    state = tracemalloc.get_traced_memory()[0]
+    for _ in range(MEMORY_STEPS):
+        _step(net, opt, x, loss_of)
+        state = max(state, tracemalloc.get_traced_memory()[0])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    print("MEMORY " + json.dumps({"construction": construction, "state": state,
+                                  "peak": peak, "parameters": sum(
+                                      int(p.size) for p in net.parameters())}), flush=True)
+
+
+def time_worker(args):
+    """Every run of every model built at once and trained in turn, step by step."""
+    import fleetmpi as fleet
+    from fleetmpi import backend
     from mpi4py import MPI
 
     fleet.init(is_collective=True)
     world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
-    x, y = (backend.asarray(a) for a in _data(args, rank))
-    loss_fn = nn.CrossEntropyLoss()
-    runs, memory, losses = {}, {}, {}
-    for name in CONFIGS:
-        model, opt, memory[name], losses[name] = _measure(args, STAGE[name], loss_fn, x, y,
-                                                          rank == 0)
-        runs[name] = (model, opt)
-    parameters = sum(int(p.size) for p in runs["dp"][0].parameters())
-    times = {name: [] for name in CONFIGS}
+    built = {}
+    for model in args.models:
+        x, loss_of = _batch(args, model, world.Get_rank())
+        for run in RUNS:
+            built[model, run] = (*_build(args, model, run), x, loss_of)
+    times = {key: [] for key in built}
+    losses = {}
     for _ in range(1 + args.steps):
-        # Alternate the configurations step by step, so that all see the same load.
-        for name, (model, opt) in runs.items():
+        for key, (net, opt, x, loss_of) in built.items():
             world.Barrier()
             start = time.perf_counter()
-            losses[name].append(_step(model, opt, loss_fn, x, y))
+            losses[key] = _step(net, opt, x, loss_of)
             backend.synchronize()
-            times[name].append(time.perf_counter() - start)
+            times[key].append(time.perf_counter() - start)
     rows = []
-    for name in CONFIGS:
-        largest = {key: world.allreduce(memory[name][key], op=MPI.MAX)
-                   for key in ("state", "transient", "construction")}
-        slowest = np.empty(len(times[name]))
-        world.Allreduce(np.array(times[name]), slowest, op=MPI.MAX)
-        loss = world.allreduce(losses[name][-1], op=MPI.SUM) / size
-        rows.append(dict(largest, config=name, ranks=size, parameters=parameters,
-                         step_ms=float(np.median(slowest[1:])) * 1e3, loss=loss,
-                         sites=memory[name]["sites"]))
-    if rank == 0:
-        print("RESULT " + json.dumps(rows), flush=True)
+    for key in built:
+        slowest = np.empty(len(times[key]))
+        world.Allreduce(np.array(times[key]), slowest, op=MPI.MAX)
+        rows.append({"model": key[0], "run": key[1],
+                     "step_ms": float(np.median(slowest[1:])) * 1e3,
+                     "loss": world.allreduce(losses[key], op=MPI.SUM) / world.Get_size()})
+    if world.Get_rank() == 0:
+        print("TIME " + json.dumps(rows), flush=True)
 
 
 def _vm_data_bytes():
@@ -193,218 +194,215 @@ def _vm_data_bytes():
 
 
 def capped_worker(args):
-    """Build and train one configuration with this rank's data segment limited to what it
-    holds now plus ``--cap_MB``; print this rank's outcome as soon as it is known."""
+    """Build and train one run with this rank's data segment limited to what it holds now
+    plus ``--cap_MB``; print this rank's outcome as soon as it is known."""
     import fleetmpi as fleet
-    from fleetmpi import backend, nn
     from mpi4py import MPI
 
     fleet.init(is_collective=True)
-    world = MPI.COMM_WORLD
-    rank = world.Get_rank()
-    x, y = (backend.asarray(a) for a in _data(args, rank))
-    loss_fn = nn.CrossEntropyLoss()
-    stage = STAGE[args.config]
-    # OpenBLAS maps its work buffer at the first product: map it before the cap is measured.
-    np.ones((64, 64), np.float32) @ np.ones((64, 64), np.float32)
-    gc.collect()
+    rank = fleet.worker_index()
+    x, loss_of = _batch(args, "gpt", rank)
+    # OpenBLAS maps its work buffer (32 MiB) at the first product too large for its small-
+    # matrix kernels, and the first collective starts the stall watchdog's thread (its stack
+    # is 8 MiB of data segment): both before the cap is measured.
+    np.ones((256, 256), np.float32) @ np.ones((256, 256), np.float32)
+    fleet.barrier_worker()
     base = _vm_data_bytes()
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    limit = base + int(args.cap_MB * MIB)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    phase, losses = "build", []
+    resource.setrlimit(resource.RLIMIT_DATA, (base + int(args.cap_MB * MIB), hard))
+    phase, losses = "building the model and the optimizer", []
     try:
-        model, opt = _build(args, stage)
+        net, opt = _build(args, "gpt", args.run)
         for step in range(args.steps):
             phase = f"step {step + 1}"
-            losses.append(_step(model, opt, loss_fn, x, y))
+            losses.append(_step(net, opt, x, loss_of))
         outcome = {"ok": True, "losses": losses}
     except MemoryError as error:
         outcome = {"ok": False, "phase": phase, "error": f"MemoryError: {error}"[:160]}
     outcome.update(rank=rank, data_MB=(_vm_data_bytes() - base) / MIB)
     print("OUTCOME " + json.dumps(outcome), flush=True)
-    world.Barrier()
+    MPI.COMM_WORLD.Barrier()
 
 
 # -- the driver -------------------------------------------------------------------------------
 
 def _job(ranks, args, *worker):
+    """``(stdout, a note on how the job ended, or "")`` of ``mpiexec -n ranks`` of a worker."""
     from fleetmpi.launch.mpi_command import local_command
 
-    options = []
-    for name in ("layers", "width", "heads", "vocab", "seq", "batch", "steps", "cap_MB",
-                 "fuse_grad_MB"):
-        options += [f"--{name}", str(getattr(args, name))]
+    options = [item for name in OPTIONS for item in (f"--{name}", str(getattr(args, name)))]
     command = local_command(ranks, [sys.executable, os.path.abspath(__file__), *worker,
-                                    *options])
+                                    *options, "--models", *args.models])
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", OMP_NUM_THREADS="1",
                FLEETMPI_NUM_THREADS="1")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=env,
                               timeout=args.timeout)
-        return done.returncode, done.stdout, done.stderr, False
     except subprocess.TimeoutExpired as expired:
-        def text(value):
-            return value.decode(errors="replace") if isinstance(value, bytes) else value or ""
-        return None, text(expired.stdout), text(expired.stderr), True
+        out = expired.stdout
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+        return out, f"timed out after {args.timeout} s"
+    note = f"exit status {done.returncode}: {done.stderr.strip()[-2000:]}" \
+        if done.returncode else ""
+    return done.stdout, note
 
 
-def measure(ranks, args):
-    code, out, err, timed_out = _job(ranks, args, "--worker", "memory")
+def measure_memory(ranks, model, run, args):
+    out, note = _job(ranks, args, "--worker", "memory", "--model", model, "--run", run)
+    rows = [json.loads(m) for m in re.findall(r"MEMORY (\{[^{}]*\})", out)]
+    if note or len(rows) != ranks:
+        raise RuntimeError(f"{model}, {run}, {ranks} ranks (memory job): {note}\n{out}")
+    largest = {key: max(row[key] for row in rows) for key in ("construction", "state", "peak")}
+    return dict(largest, ranks=ranks, model=model, run=run, parameters=rows[0]["parameters"])
+
+
+def measure_time(ranks, args):
+    out, note = _job(ranks, args, "--worker", "time")
     for line in out.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    why = f"timed out after {args.timeout} s" if timed_out else f"exit status {code}"
-    raise RuntimeError(f"mpiexec -n {ranks} (memory job) {why}:\n{out}\n{err[-4000:]}")
+        if line.startswith("TIME "):
+            return {(r["model"], r["run"]): r for r in json.loads(line[len("TIME "):])}
+    raise RuntimeError(f"{ranks} ranks (time job): {note}\n{out}")
 
 
-def capped(ranks, config, args):
-    code, out, err, timed_out = _job(ranks, args, "--worker", "capped", "--config", config)
+def capped(ranks, run, args):
+    out, note = _job(ranks, args, "--worker", "capped", "--run", run)
     # The ranks print at once, and their lines may interleave.
     outcomes = [json.loads(m) for m in re.findall(r"OUTCOME (\{[^{}]*\})", out)]
-    outcomes.sort(key=lambda o: o["rank"])
-    note = ""
-    if timed_out:
-        note = f"; the job timed out after {args.timeout} s"
-    elif code:
-        note = f"; the job exited with status {code}: {err.strip()[-300:]}"
-    return outcomes, note
+    return sorted(outcomes, key=lambda o: o["rank"]), note
 
 
 def mib(nbytes):
     return f"{nbytes / MIB:.2f}"
 
 
-def memory_table(rows):
-    by = {(r["ranks"], r["config"]): r for r in rows}
-    lines = ["| ranks | run | model state MiB/rank | / DP | step transient MiB | "
-             "construction peak MiB | step ms | / DP | loss - DP loss |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+def describe(args, model, parameters):
+    if model == "gpt":
+        return (f"nn.GPT: {args.layers} blocks, width {args.width}, vocabulary {args.vocab}, "
+                f"tied embedding ({parameters:,} parameters, {mib(4 * parameters)} MiB); "
+                f"per-rank batch {args.batch} x {args.seq} tokens")
+    return (f"user MLP: {args.mlp_layers} x Linear {args.mlp_width}x{args.mlp_width} + head "
+            f"of 10 ({parameters:,} parameters, {mib(4 * parameters)} MiB); per-rank batch "
+            f"{args.mlp_batch}")
+
+
+def table(rows, times):
+    by = {(r["ranks"], r["model"], r["run"]): r for r in rows}
+    lines = ["| model | ranks | run | whole-process peak MiB | / DP | construction peak MiB | "
+             "model state MiB | step ms | / DP | loss - DP loss |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        dp = by[(r["ranks"], "dp")]
-        lines.append(f"| {r['ranks']} | {r['config']} | {mib(r['state'])} | "
-                     f"{r['state'] / dp['state']:.3f} | {mib(r['transient'])} | "
-                     f"{mib(r['construction'])} | {r['step_ms']:.0f} | "
-                     f"{r['step_ms'] / dp['step_ms']:.2f} | {r['loss'] - dp['loss']:+.1e} |")
+        dp = by[(r["ranks"], r["model"], "dp")]
+        t, dp_t = times[r["ranks"]][r["model"], r["run"]], times[r["ranks"]][r["model"], "dp"]
+        lines.append(f"| {r['model']} | {r['ranks']} | {r['run']} | {mib(r['peak'])} | "
+                     f"{r['peak'] / dp['peak']:.3f} | {mib(r['construction'])} | "
+                     f"{mib(r['state'])} | {t['step_ms']:.0f} | "
+                     f"{t['step_ms'] / dp_t['step_ms']:.2f} | "
+                     f"{t['loss'] - dp_t['loss']:+.1e} |")
     return "\n".join(lines)
 
 
-def target_lines(rows):
-    by = {(r["ranks"], r["config"]): r for r in rows}
-    lines, missed = [], []
-    for config, target in TARGETS.items():
-        if (TARGET_RANKS, config) not in by:
-            lines.append(f"target {config} <= {target}x of data parallel at {TARGET_RANKS} "
-                         f"ranks: not measured (no {TARGET_RANKS}-rank run)")
+def target_lines(rows, times, models):
+    by = {(r["ranks"], r["model"], r["run"]): r for r in rows}
+    lines = []
+    for model in models:
+        if (TARGET_RANKS, model, "dp") not in by:
+            lines.append(f"targets of {model}: not measured (no {TARGET_RANKS}-rank run)")
             continue
-        row = by[(TARGET_RANKS, config)]
-        ratio = row["state"] / by[(TARGET_RANKS, "dp")]["state"]
-        met = ratio <= target
-        lines.append(f"target {config} <= {target:.2f}x of data parallel at {TARGET_RANKS} "
-                     f"ranks: {ratio:.3f}x, {'met' if met else 'MISSED'}")
-        if not met:
-            missed.append(row)
-    return lines, missed
-
-
-def site_lines(row):
-    lines = [f"largest allocation sites alive after the steps, {row['config']}, "
-             f"{row['ranks']} ranks, rank 0:"]
-    for size, blocks, where in row["sites"]:
-        lines.append(f"  {size:>12,} B in {blocks:>5} blocks  {where}")
+        dp = by[(TARGET_RANKS, model, "dp")]
+        for run, target in TARGETS.items():
+            ratio = by[(TARGET_RANKS, model, run)]["peak"] / dp["peak"]
+            lines.append(f"target {model}, {run}: whole-process peak <= {target:.2f}x of data "
+                         f"parallel's at {TARGET_RANKS} ranks: {ratio:.3f}x, "
+                         f"{'met' if ratio <= target else 'MISSED'}")
+        run, target = TIME_TARGET
+        step = times[TARGET_RANKS]
+        ratio = step[model, run]["step_ms"] / step[model, "dp"]["step_ms"]
+        lines.append(f"target {model}, {run}: step time <= {target:.2f}x of data parallel's "
+                     f"at {TARGET_RANKS} ranks: {ratio:.2f}x, "
+                     f"{'met' if ratio <= target else 'MISSED'}")
     return lines
 
 
-def default_cap(rows, ranks):
-    """Midway between what stage 3 needs at ``ranks`` (its construction peak, or its model
-    state plus a step's transient if that is more) and what data parallel needs for a step."""
-    by = {r["config"]: r for r in rows if r["ranks"] == ranks}
-    stage3, dp = by["stage 3"], by["dp"]
-    low = max(stage3["construction"], stage3["state"] + stage3["transient"])
-    high = dp["state"] + dp["transient"]
-    return low, high, (low + high) / 2 / MIB
-
-
-def outcome_lines(config, outcomes, note):
+def outcome_lines(run, outcomes, note):
     """One line per rank that trained; ranks that failed alike share a line."""
     lines, failed = [], {}
     for o in outcomes:
         if o["ok"]:
             losses = ", ".join(f"{v:.4f}" for v in o["losses"])
-            lines.append(f"  {config}, rank {o['rank']}: trained {len(o['losses'])} steps, "
-                         f"losses {losses}; data segment {o['data_MB']:.1f} MiB above the "
-                         f"start at the end")
+            lines.append(f"  {run}, rank {o['rank']}: built and trained {len(o['losses'])} "
+                         f"steps, losses {losses}; data segment {o['data_MB']:.1f} MiB above "
+                         f"the start at the end")
         else:
             failed.setdefault((o["error"], o["phase"]), []).append(str(o["rank"]))
     for (error, phase), ranks in failed.items():
-        lines.append(f"  {config}, rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: "
-                     f"{error}, during {phase}")
+        lines.append(f"  {run}, rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: "
+                     f"{error}, while {phase}")
     if not outcomes:
-        lines.append(f"  {config}: no rank reported an outcome")
+        lines.append(f"  {run}: no rank reported an outcome")
     if note:
-        lines.append(f"  {config}{note}")
+        lines.append(f"  {run}: the job ended with {note[-300:]}")
+    return lines
+
+
+def cap_report(rows, args):
+    ranks = max(args.ranks)
+    by = {r["run"]: r for r in rows if r["ranks"] == ranks and r["model"] == "gpt"}
+    need, dp_build = by["stage 3, LazyGuard"]["peak"], by["dp"]["construction"]
+    if args.cap_MB <= 0:
+        args.cap_MB = dp_build / MIB
+    lines = [f"A model that data parallel cannot build: the GPT at {ranks} ranks, each capped "
+             f"at {args.cap_MB:.1f} MiB of data segment above what it holds after fleet.init() "
+             f"(RLIMIT_DATA). Measured above: stage 3 under LazyGuard peaks at {mib(need)} MiB "
+             f"over building and training, data parallel needs {mib(dp_build)} MiB to build."]
+    if need >= args.cap_MB * MIB:
+        lines.append("  The cap is below what stage 3 needs: its step (activations grow with "
+                     "--batch) takes more than data parallel's construction.")
+    for run in CAPPED:
+        outcomes, note = capped(ranks, run, args)
+        lines += outcome_lines(run, outcomes, note)
     return lines
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--batch", type=int, default=2, help="GPT sequences per rank")
+    parser.add_argument("--mlp_layers", type=int, default=12)
+    parser.add_argument("--mlp_width", type=int, default=1024)
+    parser.add_argument("--mlp_batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5,
                         help="timed steps, and the steps trained under the cap")
     parser.add_argument("--cap_MB", type=float, default=0.0,
-                        help="per-rank cap above the data segment after fleet.init(); "
-                             "0: midway between stage 3's and data parallel's need")
-    parser.add_argument("--fuse_grad_MB", type=int, default=0,
-                        help="strategy.fuse_grad_size_in_MB of every run (the gradient "
-                             "buckets); 0: the default")
+                        help="per-rank cap above the data segment after fleet.init(); 0: "
+                             "data parallel's construction peak")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per mpiexec job")
-    parser.add_argument("--sites", action="store_true",
-                        help="print the largest allocation sites of every run (without it, "
-                             "of the runs that miss a target)")
-    parser.add_argument("--worker", choices=["memory", "capped"], help=argparse.SUPPRESS)
-    parser.add_argument("--config", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["memory", "time", "capped"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--run", choices=list(RUNS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "memory":
-        return memory_worker(args)
-    if args.worker == "capped":
-        return capped_worker(args)
+    if args.worker:
+        return {"memory": memory_worker, "time": time_worker,
+                "capped": capped_worker}[args.worker](args)
 
-    rows = []
-    for ranks in args.ranks:
-        rows += measure(ranks, args)
-    print(f"nn.GPT: {args.layers} blocks, width {args.width}, {args.heads} heads, vocabulary "
-          f"{args.vocab}, float32 ({rows[0]['parameters']:,} parameters, "
-          f"{mib(4 * rows[0]['parameters'])} MiB); Adam; per-rank batch {args.batch} x "
-          f"{args.seq} tokens; tracemalloc, largest over the ranks; step time: median of "
-          f"{args.steps} steps, slowest rank\n")
-    print(memory_table(rows))
+    rows = [measure_memory(ranks, model, run, args) for ranks in args.ranks
+            for model in args.models for run in RUNS]
+    times = {ranks: measure_time(ranks, args) for ranks in args.ranks}
+    for model in args.models:
+        parameters = next(r["parameters"] for r in rows if r["model"] == model)
+        print(describe(args, model, parameters))
+    print(f"Adam, float32, default fusion; tracemalloc from after fleet.init(), largest over "
+          f"the ranks; step time: median of {args.steps} steps, slowest rank\n")
+    print(table(rows, times))
     print()
-    lines, missed = target_lines(rows)
-    print("\n".join(lines))
-    for row in rows if args.sites else missed:
-        print("\n".join(site_lines(row)))
-
-    ranks = max(args.ranks)
-    low, high, cap = default_cap(rows, ranks)
-    if args.cap_MB <= 0:
-        args.cap_MB = cap
-    print(f"\nA model that does not fit: {ranks} ranks, each capped at {args.cap_MB:.1f} MiB "
-          f"of data segment above what it holds after fleet.init() (RLIMIT_DATA). Measured "
-          f"above: stage 3 needs {mib(low)} MiB (construction, or state + step), data "
-          f"parallel {mib(high)} MiB (state + step).")
-    if low >= high:
-        print("  No cap lies between the two: stage 3 builds the whole model and Adam's state "
-              "before sharding them, and a step of data parallel adds less than that; a "
-              "larger --batch makes the step's transient larger.")
-    for config in ("dp", "stage 3"):
-        outcomes, note = capped(ranks, config, args)
-        print("\n".join(outcome_lines(config, outcomes, note)))
+    print("\n".join(target_lines(rows, times, args.models)))
+    if "gpt" in args.models:
+        print()
+        print("\n".join(cap_report(rows, args)))
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ def _recorded(collective, nbytes=False, watched=True):
                 return timed(self, *args, **kwargs)
             finally:
                 if entered:
-                    watch.ended += 1
+                    watch.leave()
 
         def timed(self, *args, **kwargs):
             event = timeline.span(collective, "comm")
@@ -726,7 +726,8 @@ class Communicator:
 
         ``algorithm``: ``"ring"`` (default) or ``"native"``; ``compression`` as for allreduce.
         ``overwrite_input``: the ring may reduce in ``x`` itself, leaving partial sums there,
-        instead of in a copy (for a caller that drops ``x`` afterwards).
+        instead of in a copy, and return a view of ``x`` (for a caller that drops ``x``
+        afterwards).
         """
         def check():
             check_array(self, x)
@@ -769,9 +770,12 @@ class Communicator:
             reduce_scatter_ring(transport, a, op, offsets, wire_dtype, self.chunk_bytes)
             finish_mean(a[lo:hi], op, self.size)
         dispatch.run_on(self, 0, ring, acc)
+        if in_place and wire_dtype == acc.dtype:
+            # The caller gave x up: its block is the result, without a copy.
+            return acc[lo:hi].reshape(shape)
         wire = xp.empty(hi - lo, wire_dtype)
         to_wire(wire, acc[lo:hi])
-        return wire.astype(x.dtype).reshape(shape)
+        return wire.astype(x.dtype, copy=False).reshape(shape)
 
     @_recorded("send", nbytes=True, watched=False)
     def send(self, x, dest):

@@ -92,6 +92,14 @@ class Watch:
         self.started += 1
         return True
 
+    def leave(self):
+        """Note the call noted by ``enter`` ending. Only the text of its arguments is kept:
+        a watch holding the arrays of a communicator's last call would keep them alive until
+        its next call, for good on a communicator used once (a whole model broadcast by
+        ``distributed_model``)."""
+        self.what = (self.what[0], call_text(self.what))
+        self.ended += 1
+
     def blocking(self):
         thread = self.comm_thread
         return thread is None or not thread.pending_count or thread.waiting > 0

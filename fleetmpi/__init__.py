@@ -58,6 +58,7 @@ from .device_guard import device_guard, split_stages
 from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .fleet_util import UtilBase, util
 from .graphed import GraphedStep, graphed_step
+from .group_sharded import group_sharded_parallel, save_group_sharded_model
 from .hybrid import get_hybrid_communicate_group
 from .join import Join
 from . import meta_parallel
@@ -79,12 +80,13 @@ __all__ = [
     "concat", "ConfigError", "create_parameter", "DataParallel", "device", "device_guard",
     "distributed", "distributed_model", "distributed_optimizer", "distributed_scaler",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
-    "gather", "get_hybrid_communicate_group", "graphed_step", "GraphedStep", "init",
-    "init_server", "init_worker", "io", "is_first_worker", "is_grad_enabled", "is_server",
-    "is_worker", "Join", "LazyGuard", "load", "local_rank", "local_size", "LogWriter", "matmul",
-    "meta_parallel", "metric", "ModeError", "nn", "no_grad", "node_index", "node_num",
-    "NonFiniteError", "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "rand", "randn",
-    "reshape", "Role", "run_server", "save", "save_persistables", "seed", "server_endpoints",
+    "gather", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
+    "group_sharded_parallel", "init", "init_server", "init_worker", "io", "is_first_worker",
+    "is_grad_enabled", "is_server", "is_worker", "Join", "LazyGuard", "load", "local_rank",
+    "local_size", "LogWriter", "matmul", "meta_parallel", "metric", "ModeError", "nn",
+    "no_grad", "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker",
+    "ParamAttr", "rand", "randn", "reshape", "Role", "run_server", "save",
+    "save_group_sharded_model", "save_persistables", "seed", "server_endpoints",
     "server_index", "server_num", "split", "split_stages", "stack", "stop_worker", "summary",
     "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
     "worker_endpoints", "worker_index", "worker_num",

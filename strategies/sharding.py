@@ -43,6 +43,8 @@ from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
 DEFAULT_GROUP_SIZE = 8
+# From stage 2 on a gradient bucket holds at most this fraction of a shard (``_bucket_bound``).
+SHARDED_BUCKETS_PER_SHARD = 4
 WITH_PIPELINE = ("stages 1 and 2 only, which partition each pipeline stage's optimizer state "
                  "(and gradients) over that stage's replicas; stage 3 frees the model's flat "
                  "values whole, while a pipeline stage's optimizer holds only its own part")
@@ -111,11 +113,12 @@ class Sharding(Strategy):
         self.offsets = split_offsets(optimizer.space_size, self.group_size)
         group_rank = 0 if self.group is None else self.group.rank
         self.shard = (self.offsets[group_rank], self.offsets[group_rank + 1])
-        optimizer.shard(*self.shard, None if self.group is None else self._sum_over_group,
-                        own_gradient=self.stage >= 2, own_parameters=self.stage == 3)
         self.buckets = self.schedule = self.gatherer = None
         if self.stage >= 2:
+            # The flat gradient goes before the shard's gradient and state come.
             self._partition_gradients(strategy)
+        optimizer.shard(*self.shard, None if self.group is None else self._sum_over_group,
+                        own_gradient=self.stage >= 2, own_parameters=self.stage == 3)
         if self.stage == 3:
             from .sharding_parameters import ParameterGatherer
 
@@ -152,7 +155,9 @@ class Sharding(Strategy):
         buffers that the optimizer does not update (another pipeline stage's, or one left
         out of the optimizer) gets gradient storage of its own if backward reaches it."""
         runs = self.optimizer.runs
-        self.buckets = plan_gradient_buckets(runs, *fusion_limits(strategy))
+        bucket_bytes, max_layers = fusion_limits(strategy)
+        self.buckets = plan_gradient_buckets(runs, self._bucket_bound(bucket_bytes),
+                                             max_layers)
         self.schedule = BucketSchedule(self.buckets, self._reduce_scatter_bucket)
         # Each bucket's place in the parameter space, and its elements in each rank's shard.
         self._placement = {}
@@ -166,6 +171,18 @@ class Sharding(Strategy):
         self._storage = {}
         for buffer in {id(run.buffer): run.buffer for run in runs}.values():
             buffer.release_gradient(self._bind_bucket)
+
+    def _bucket_bound(self, bucket_bytes):
+        """The most bytes of a gradient bucket from stage 2 on: ``fuse_grad_size_in_MB``'s,
+        and at most ``1 / SHARDED_BUCKETS_PER_SHARD`` of this rank's shard, so that the
+        buckets holding storage at once (the one backward fills, and one per weight used
+        early and late in the step, such as a tied embedding) stay small beside the shard
+        (docs/sharding.md, "Gradient buckets"). None (no fusion) stays None."""
+        if bucket_bytes is None:
+            return None
+        shard_bytes = -(-self.optimizer.space_size // self.group_size) * \
+            self.optimizer.runs[0].buffer.dtype.itemsize
+        return max(1, min(bucket_bytes, shard_bytes // SHARDED_BUCKETS_PER_SHARD))
 
     def _bind_bucket(self, parameter):
         """Gradient storage for ``parameter``'s bucket, every parameter of it bound to its
@@ -245,16 +262,21 @@ class Sharding(Strategy):
         if self.replicas is not None and block.size:
             self.replicas.allreduce(block, op="mean", compression=self.compression, out=block)
         for run, (low, high) in zip(self.optimizer.runs, self.optimizer.run_spans):
-            run.grad[...] = 0
             lo, hi = max(start, low), min(stop, high)
-            if lo < hi:
-                run.grad[lo - low:hi - low] = block[lo - start:hi - start]
+            if lo >= hi:
+                run.grad[...] = 0
+                continue
+            # block may be the run's own gradient there (reduced in place): copy, then zero
+            # only the rest.
+            run.grad[lo - low:hi - low] = block[lo - start:hi - start]
+            run.grad[:lo - low] = 0
+            run.grad[hi - low:] = 0
 
     # -- parameters -------------------------------------------------------------------------
     def update(self, ctx, proceed):
         result = proceed(ctx)
         if self.gatherer is not None:
-            self.gatherer.forget()
+            self.gatherer.end_step()
         elif ctx.apply_update and self.group is not None:
             self._broadcast_parameters()
         return result

@@ -7,7 +7,8 @@ the parameter space. When an operation is called with a parameter (``Function.ap
 parameter's keeper, this gatherer, bound by ``Parameter.bind_keeper``), its unit is all-gathered
 from the shards (one ``allgatherv`` over the group) unless it is the unit gathered last, which
 it then replaces: at most one unit is whole at a time besides what recorded operations keep for
-their backward.
+their backward. In backward a unit is also released as soon as the backward of the last
+operation that packed views of it is over, before its gradients are reduce-scattered.
 
 A recorded operation usually saves the arrays of its parameters, or views of them, for its
 backward. Those are packed right after its forward: each saved array that is a view of the
@@ -55,16 +56,28 @@ class _Unit:
         self.stop = stop
         self.counts = overlap_counts(start, stop, offsets)
         self.values = None
+        self.packed = 0
 
 
 class _Packed:
-    """The saved arrays of one recorded call that were views of gathered units: for each,
-    ``(attribute, position in a tuple or list or None, unit, element offset, shape, byte
+    """The saved arrays of one recorded call that were views of the gathered ``unit``: for
+    each, ``(attribute, position in a tuple or list or None, unit, element offset, shape, byte
     strides)``."""
 
-    def __init__(self, gatherer, entries):
+    def __init__(self, gatherer, unit, entries):
         self.gatherer = gatherer
+        self.unit = unit
         self.entries = entries
+        unit.packed += 1
+
+    def release(self, node):
+        """``node``'s backward is over: its views of the unit are dropped, and the last call
+        of the unit to finish its backward releases the unit."""
+        for attribute, position, *_ in self.entries:
+            _put(node, attribute, position, None)
+        self.unit.packed -= 1
+        if self.unit.packed == 0 and self.gatherer.current is self.unit:
+            self.gatherer.forget()
 
     def unpack(self, node):
         """Put the views back on ``node``, gathering their units again where needed."""
@@ -72,13 +85,18 @@ class _Packed:
         for attribute, position, unit, offset, shape, strides in self.entries:
             values = self.gatherer.gathered(unit)
             view = xp.lib.stride_tricks.as_strided(values[offset:], shape, strides)
-            if position is None:
-                setattr(node, attribute, view)
-            else:
-                held = getattr(node, attribute)
-                items = list(held)
-                items[position] = view
-                setattr(node, attribute, type(held)(items))
+            _put(node, attribute, position, view)
+
+
+def _put(node, attribute, position, value):
+    """Set ``node``'s ``attribute``, or item ``position`` of the tuple or list it holds."""
+    if position is None:
+        setattr(node, attribute, value)
+        return
+    held = getattr(node, attribute)
+    items = list(held)
+    items[position] = value
+    setattr(node, attribute, type(held)(items))
 
 
 class ParameterGatherer:
@@ -94,7 +112,7 @@ class ParameterGatherer:
         self.units = []
         self._unit_of = {}
         self._position = {}
-        self._current = None
+        self.current = None
         self.gathers = 0
         placed = []
         for run, (low, _) in zip(optimizer.runs, optimizer.run_spans):
@@ -138,7 +156,7 @@ class ParameterGatherer:
     def after_forward(self, node):
         """Replace what ``node`` saved of the current unit by where it lies in the unit;
         returns the ``_Packed`` record of it, or None when ``node`` saved none of it."""
-        unit = self._current
+        unit = self.current
         if unit is None:
             return None
         entries = []
@@ -159,7 +177,7 @@ class ParameterGatherer:
                 if entry is not None:
                     entries.append(entry)
                     setattr(node, attribute, None)
-        return _Packed(self, entries) if entries else None
+        return _Packed(self, unit, entries) if entries else None
 
     def _pack(self, attribute, position, value, unit):
         if not hasattr(value, "strides") or not _owned_by(value, unit.values):
@@ -172,7 +190,7 @@ class ParameterGatherer:
     def gathered(self, unit):
         """``unit``'s values, all-gathered unless it is the current unit; the unit gathered
         before is released."""
-        if self._current is unit:
+        if self.current is unit:
             return unit.values
         self.forget()
         start, stop = self.shard
@@ -187,12 +205,19 @@ class ParameterGatherer:
         for p in unit.parameters:
             begin = self._position[id(p)] - unit.start
             p.bind_data(values[begin:begin + p.size].reshape(p.shape))
-        self._current = unit
+        self.current = unit
         return values
 
+    def end_step(self):
+        """After the update: the unit gathered last is stale, and what forward packed and
+        backward did not reach (an output left unused) is not waited for."""
+        self.forget()
+        for unit in self.units:
+            unit.packed = 0
+
     def forget(self):
-        """Release the unit gathered last (after an update its values are stale)."""
-        unit, self._current = self._current, None
+        """Release the unit gathered last."""
+        unit, self.current = self.current, None
         if unit is not None:
             unit.values = None
             for p in unit.parameters:

@@ -198,6 +198,23 @@ def test_reduce_scatter_gives_this_ranks_block(algorithm, dtype):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_reduce_scatter_overwriting_its_input_gives_the_same_block(compression):
+    """With ``overwrite_input`` the ring reduces in ``x`` itself; without compression the
+    block returned is then ``x``'s own memory, with the same values as a reduction into a
+    copy."""
+    comm = small_chunks()
+    stack = all_data(comm.size, 7 * comm.size + 2, np.float32, case=5)
+    x = stack[comm.rank].copy()
+    want = comm.reduce_scatter(x, op="mean", compression=compression)
+    equal(x, stack[comm.rank])
+    got = comm.reduce_scatter(x, op="mean", compression=compression, overwrite_input=True)
+    equal(got, want)
+    ok(np.shares_memory(got, x) == (compression is None),
+       "the block's memory is not as documented")
+
+
+@pytest.mark.mpi
 def test_reduce_scatter_then_allgather_equals_allreduce():
     comm = small_chunks()
     x = rank_data(comm.rank, 4 * comm.size, np.float32, case=11)

@@ -4,6 +4,9 @@ every stage trained from such a model equals data parallel (Momentum and Adam, a
 an unused branch, both idioms); no optimizer of stages 1 to 3 allocates the whole state; a
 model without values says which parameter and what to do; anything but stage 3 materialises
 the whole model and says so; without the guard, stage 3 frees the whole values as before."""
+import gc
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -66,13 +69,21 @@ def lazy_stage3(build, stage=3, local=False):
     return model, opt, after
 
 
+def small_gpt():
+    """GPT-2's initial weights are drawn again after the layers are built (a second
+    initializer per weight)."""
+    return nn.GPT(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=12,
+                  dtype="float64")
+
+
 @pytest.mark.mpi(min_size=2)
-def test_stage_3_shards_are_slices_of_a_whole_init_bit_for_bit(small_pieces):
+@pytest.mark.parametrize("build", [EveryInitializer, small_gpt])
+def test_stage_3_shards_are_slices_of_a_whole_init_bit_for_bit(small_pieces, build):
     fleet.init(is_collective=True)
     backend.manual_seed(0)
-    whole = EveryInitializer()
+    whole = build()
     expected, expected_after = whole_space(whole), backend.shared_rng().bit_generator.state
-    model, opt, after = lazy_stage3(EveryInitializer)
+    model, opt, after = lazy_stage3(build)
     start, stop = opt.strategies["sharding"].shard
     equal(backend.to_numpy(opt.inner.shard_parameters), expected[start:stop])
     ok(after == expected_after, "the guard left the shared generator elsewhere")
@@ -81,6 +92,16 @@ def test_stage_3_shards_are_slices_of_a_whole_init_bit_for_bit(small_pieces):
     reference = whole.state_dict()
     for name, value in model.state_dict().items():
         equal(value, reference[name], err_msg=name)
+
+
+def test_gpt_weights_drawn_again_under_the_guard_keep_no_values():
+    """GPT's second initializer of each weight is recorded, not drawn whole and kept."""
+    backend.manual_seed(0)
+    with fleet.LazyGuard():
+        model = small_gpt()
+    kept = [p.name for p in model.parameters()
+            if not isinstance(p.deferred_init.initializer, initializer.Initializer)]
+    ok(not kept, f"parameters built under the guard hold arrays: {kept}")
 
 
 def test_one_process_stage_3_materialises_the_whole_init_bit_for_bit(small_pieces):
@@ -187,13 +208,47 @@ def test_a_parameter_built_outside_the_guard_keeps_its_values_in_a_lazy_buffer()
     np.testing.assert_array_equal(model.state_dict()["extra.weight"], values)
 
 
+def largest_block_alive():
+    """The bytes of the largest allocation ``tracemalloc`` traces now (NumPy's arrays among
+    them), after a collection, and where it was made."""
+    gc.collect()
+    traces = tracemalloc.take_snapshot().traces
+    largest = max(traces, key=lambda trace: trace.size)
+    return largest.size, str(largest.traceback)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_without_the_guard_stage_3_still_frees_the_whole_values():
+    """The model is built whole and broadcast, then sharded: after distributed_optimizer and
+    after each step no allocation of the whole model's size is alive anywhere in the process
+    (a reference kept by the model, the optimizer, the strategies or the communicators)."""
     fleet.init(is_collective=True)
     backend.manual_seed(0)
-    model = fleet.distributed_model(EveryInitializer())
-    fleet.distributed_optimizer(OPTIMIZERS["adam"](model.parameters()), sharding(3))
-    ok(all(buffer.data is None for buffer in model.flat_buffers()), "a whole buffer is alive")
+    rank, size = fleet.worker_index(), fleet.worker_num()
+    tracemalloc.start()
+    try:
+        model = fleet.distributed_model(nn.Sequential(*[nn.Linear(96, 96, dtype="float64")
+                                                        for _ in range(4)]))
+        (buffer,) = model.flat_buffers()
+        whole = buffer.size * 8
+        opt = fleet.distributed_optimizer(OPTIMIZERS["adam"](model.parameters()), sharding(3))
+        ok(all(b.data is None for b in model.flat_buffers()), "a whole buffer is alive")
+        held = [largest_block_alive()]
+        for step in range(2):
+            x = np.random.default_rng([step, rank]).standard_normal((4, 96))
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.clear_grad()
+            del loss
+            held.append(largest_block_alive())
+    finally:
+        tracemalloc.stop()
+    for moment, (nbytes, where) in zip(("after distributed_optimizer", "after step 1",
+                                        "after step 2"), held):
+        ok(nbytes < whole / size + 4096,
+           f"{moment}: an allocation of {nbytes} bytes is alive (the whole model is {whole}, "
+           f"a shard {whole // size}), made at {where}")
 
 
 def test_a_bad_initializer_shape_is_refused_under_the_guard_naming_both():

@@ -4,6 +4,7 @@ stage 3 frees what operations saved of a layer's parameters after its forward an
 them again for backward; evaluation under no_grad works; a layer used on some ranks only is a
 reported error; the configuration is checked."""
 import gc
+import tracemalloc
 import weakref
 
 import numpy as np
@@ -130,6 +131,114 @@ def test_stage_3_frees_what_operations_saved_of_a_layer_after_its_forward():
     plain_opt.step()
     for name, value in plain.state_dict().items():
         np.testing.assert_array_equal(model.state_dict()[name], value, err_msg=name)
+
+
+def test_stage_3_releases_a_unit_before_its_gradients_are_reduced():
+    """In backward a layer's gathered values, and the views its operations saved, are freed
+    as soon as the last backward that needs them is over: none is alive when a gradient
+    becomes final, nor after backward."""
+    fleet.init(is_collective=True)
+    backend.manual_seed(0)
+    model = fleet.distributed_model(make_mlp(sizes=(8, 32, 32, 32, 4)))
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()), sharding(3),
+                                      local=True)
+    gatherer, hook = opt.strategies["sharding"].gatherer, opt.strategies["sharding"]
+    alive, at_gradients = [], []
+    gathered, on_gradient = gatherer.gathered, hook.on_gradient
+
+    def recording(unit):
+        values = gathered(unit)
+        if not any(ref() is values for ref in alive):
+            alive.append(weakref.ref(values))
+        return values
+
+    def watching(ctx, parameters):
+        at_gradients.append(sum(ref() is not None for ref in alive))
+        return on_gradient(ctx, parameters)
+    gatherer.gathered, hook.on_gradient = recording, watching
+    for step in range(2):
+        x, y = global_batch(step, features=8, classes=4)
+        loss = F.cross_entropy(model(x), y)
+        at_gradients.clear()
+        loss.backward()
+        ok(len(at_gradients) >= 4, f"{len(at_gradients)} gradient-ready calls")
+        ok(max(at_gradients) == 0, f"gathered units alive when gradients were final: "
+                                   f"{at_gradients}")
+        ok(all(ref() is None for ref in alive), "a gathered unit is alive after backward")
+        opt.step()
+        opt.clear_grad()
+
+
+class TiedNet(nn.Layer):
+    """Linear layers whose first weight is used again at the end (a tied embedding): its
+    gradient starts at the beginning of backward and is final only at its end."""
+
+    def __init__(self, width=128, depth=6):
+        super().__init__()
+        self.embed = nn.Linear(width, width, dtype="float64")
+        self.blocks = nn.LayerList([nn.Linear(width, width, dtype="float64")
+                                    for _ in range(depth)])
+
+    def forward(self, x):
+        h = F.tanh(self.embed(x))
+        for block in self.blocks:
+            h = F.tanh(block(h))
+        return h @ self.embed.weight
+
+
+def traced_steps(strategy, steps=2):
+    """``(whole-process peak from building on, the most one backward adds over what was
+    alive before it, the distributed optimizer)`` of TiedNet with Adam, traced by
+    tracemalloc."""
+    fleet.init(is_collective=True)
+    rank = fleet.worker_index()
+    peaks, added = [], 0
+    tracemalloc.start()
+    try:
+        backend.manual_seed(0)
+        model = fleet.distributed_model(TiedNet())
+        opt = fleet.distributed_optimizer(OPTIMIZERS["adam"](model.parameters()), strategy)
+        for step in range(steps):
+            x = np.random.default_rng([step, rank]).standard_normal((4, 128))
+            loss = (model(x) ** 2).mean()
+            before, peak = tracemalloc.get_traced_memory()
+            peaks.append(peak)
+            tracemalloc.reset_peak()
+            loss.backward()
+            added = max(added, tracemalloc.get_traced_memory()[1] - before)
+            opt.step()
+            opt.clear_grad()
+            del loss
+        peaks.append(tracemalloc.get_traced_memory()[1])
+    finally:
+        tracemalloc.stop()
+    return max(peaks), added, opt
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fuse_grad_MB", (1, 64))
+def test_stage_2_holds_its_shard_and_small_buckets_at_every_bucket_size(fuse_grad_MB):
+    """Whatever fuse_grad_size_in_MB is, a stage-2 bucket holds at most a quarter of a shard
+    (or one parameter), so backward adds at most two such buckets to what data parallel's
+    backward adds, although a tied weight keeps its bucket alive through backward; and the
+    whole-process peak stays below data parallel's."""
+    stage_2 = sharding(2)
+    stage_2.fuse_grad_size_in_MB = fuse_grad_MB
+    whole, added, opt = traced_steps(stage_2)
+    dp_whole, dp_added, _ = traced_steps(make_strategy(fuse_grad_size_in_MB=fuse_grad_MB))
+    hook = opt.strategies["sharding"]
+    itemsize = 8
+    shard_bytes = -(-opt.inner.space_size // hook.group_size) * itemsize
+    largest = max(p.size for p in opt.inner.parameters()) * itemsize
+    for bucket in hook.buckets:
+        nbytes = (bucket.stop - bucket.start) * itemsize
+        ok(nbytes <= max(shard_bytes // 4, largest),
+           f"bucket {bucket.index} holds {nbytes} bytes, a shard {shard_bytes}")
+    allowed = 2 * max(shard_bytes // 4, largest) + 16384
+    ok(added - dp_added <= allowed,
+       f"stage 2's backward adds {added} bytes, data parallel's {dp_added}: more than two "
+       f"buckets ({allowed} bytes) apart")
+    ok(whole < dp_whole, f"stage 2 peaks at {whole} bytes, data parallel at {dp_whole}")
 
 
 @pytest.mark.parametrize("stage", (2, 3))

@@ -1,4 +1,5 @@
 """The stall inspector: a collective some rank never reaches is reported, then the job ends."""
+import gc
 import math
 import os
 import re
@@ -6,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -212,6 +214,25 @@ def test_polled_exchange_gives_every_rank_every_row_and_counts_calls():
     ok(stall.call_state(control).calls == before + 3)
     counts = control.allgather(stall.call_state(control).calls)
     ok(len(set(counts)) == 1, f"call counters differ across ranks: {counts}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("collective", ["broadcast_many", "allgather", "allreduce"])
+def test_a_finished_collective_leaves_its_arrays_to_the_caller(collective):
+    """The watch keeps the text of a communicator's last call, not its arrays: an array
+    broadcast once is freed when the caller drops it, not kept until the next call."""
+    comm = world()
+    values = np.arange(1000, dtype=np.float64) + comm.rank
+    call = {"broadcast_many": lambda: comm.broadcast_many([values], root=0),
+            "allgather": lambda: comm.allgather(values),
+            "allreduce": lambda: comm.allreduce(values, op="max")}[collective]
+    call()
+    alive = weakref.ref(values)
+    del values
+    gc.collect()
+    ok(alive() is None, f"the array of the last {collective} is still referenced")
+    text = stall_report.call_text(comm._watch.what)
+    ok(text.startswith(f"{collective} of float64 (1000,)"), f"the watch says {text!r}")
 
 
 @pytest.mark.parametrize("size", list(range(1, 70)) + [128, 1000, 1024, 4096])

@@ -154,10 +154,13 @@ def run_backward(roots, grads, on_leaf_ready=None):
             heapq.heappush(heap, (-node._seq, node))
     while heap:
         node = heapq.heappop(heap)[1]
-        if node._packed is not None:
-            node._packed.unpack(node)
+        packed = node._packed
+        if packed is not None:
+            packed.unpack(node)
             node._packed = None
         in_grads = type(node).backward(node, *pending.pop(node))
+        if packed is not None:
+            packed.release(node)
         if not isinstance(in_grads, tuple):
             in_grads = (in_grads,)
         if nan_inf.enabled:

@@ -29,7 +29,8 @@ class Tensor:
     # (``Parameter.bind_keeper``; sharding stage 3 binds one per parameter): the keeper's
     # ``fetch(tensor)`` gives the array, and its ``after_forward(node)`` may replace arrays the
     # recorded call ``node`` saved in its attributes and return a record whose
-    # ``unpack(node)`` puts them back before the call's backward (None: nothing replaced).
+    # ``unpack(node)`` puts them back before the call's backward (None: nothing replaced)
+    # and whose ``release(node)`` says that the backward is over (the graph is freed).
     _keeper = None
 
     def __init__(self, data, stop_gradient=True):

@@ -5,13 +5,15 @@
     dist.init_parallel_env()
     group = dist.new_group([0, 1])                 # every rank calls it
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    model, opt, _ = dist.sharding.group_sharded_parallel(model, opt, level="p_g_os")
 """
 from .collective import (all_gather, all_reduce, alltoall, broadcast, recv, reduce, scatter,
                          send)
+from . import sharding
 from .data_parallel import DataParallel
 from .group import (Group, ReduceOp, barrier, get_group, get_rank, get_world_size,
                     init_parallel_env, new_group)
 
 __all__ = ["DataParallel", "Group", "ReduceOp", "all_gather", "all_reduce", "alltoall",
            "barrier", "broadcast", "get_group", "get_rank", "get_world_size",
-           "init_parallel_env", "new_group", "recv", "reduce", "scatter", "send"]
+           "init_parallel_env", "new_group", "recv", "reduce", "scatter", "send", "sharding"]

@@ -39,12 +39,19 @@ class FlatBuffer:
                 p._place(self, start)
             return
         xp = backend.array_module()
+        # The values first, each parameter's own array freed as it is copied in; then the
+        # gradients: building holds the model's values about twice, never four times.
         self.data = xp.empty(offset, dtype=self.dtype)
-        self.grad = xp.zeros(offset, dtype=self.dtype)
+        self.grad = None
+        old_grads = []
         for p, start in zip(self.parameters, self.offsets):
-            old_data, old_grad = p.data, p.grad
+            old_grads.append(p.held_gradient())
+            values = self.data[start:start + p.size].reshape(p.shape)
+            values[...] = p.data
+            p.bind_data(values)
+        self.grad = xp.zeros(offset, dtype=self.dtype)
+        for p, start, old_grad in zip(self.parameters, self.offsets, old_grads):
             p._bind(self, start)
-            p.data[...] = old_data
             if old_grad is not None:
                 p.grad[...] = old_grad
 

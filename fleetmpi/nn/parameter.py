@@ -31,7 +31,8 @@ class Parameter(Tensor):
     first gradient backward accumulates is then copied in instead of added to zeros (one pass
     over the gradient memory instead of three). Reading ``grad`` writes the zeros first, and
     ``settle_gradient`` does it for a gradient no backward reached, before anything reads the
-    flat buffer directly.
+    flat buffer directly. A parameter not yet in a flat buffer allocates its zeros when
+    ``grad`` is first read or a gradient comes, so building a model allocates none.
 
     Under sharding stages 2 and 3 the flat gradient buffer does not exist: a parameter has
     gradient storage only from the moment backward first needs it (``home(parameter)``, given
@@ -56,8 +57,9 @@ class Parameter(Tensor):
         self.named_by_attr = name is not None
         self.name = name
         self._grad_is_zero = False
-        self.grad = None if deferred_init else backend.array_module().zeros_like(self.data)
-        self._grad_home = None
+        self._grad = None
+        # Its own zeros when first needed: a model under construction holds no gradients.
+        self._grad_home = None if deferred_init else _own_zeros
         self.buffer = None
         self.offset = None
         self.pipeline_stage = None
@@ -72,6 +74,8 @@ class Parameter(Tensor):
 
     @property
     def grad(self):
+        if self._grad is None and self._grad_home is _own_zeros:
+            _own_zeros(self)
         self.settle_gradient()
         return self._grad
 
@@ -111,6 +115,11 @@ class Parameter(Tensor):
                 and self._grad.dtype == dtype):
             return self._grad
         return None
+
+    def held_gradient(self):
+        """The gradient array, or None where none is held or it is zero (nothing is
+        allocated, unlike reading ``grad``)."""
+        return None if self._grad_is_zero else self._grad
 
     def bind_gradient(self, array):
         """Give the parameter ``array`` (its shape) as gradient storage, holding zero."""
@@ -161,12 +170,14 @@ class Parameter(Tensor):
         self.defer(value.data if isinstance(value, Tensor) else value, self.deferred_init.layer)
 
     def defer(self, values, layer):
-        """Hold no values from now on; ``values`` (an array of the parameter's shape) are the
-        initial values when the flat buffer is materialised. ``layer``: what built it, for
-        the error that using it raises."""
+        """Hold no values from now on; ``values`` (an array of the parameter's shape, or an
+        initializer, which draws from the shared generator's state now) give the initial
+        values when the flat buffer is materialised. ``layer``: what built it, for the error
+        that using it raises."""
         self.deferred_init = DeferredInit(values, self.shape, self.dtype, layer)
         self.data = _placeholder(self.shape, self.dtype)
         self._grad = None
+        self._grad_home = None
         self.bind_keeper(ABSENT)
 
     @property
@@ -193,6 +204,7 @@ class Parameter(Tensor):
         self.settle_gradient()
         self.data = buffer.data[offset:stop].reshape(self.shape)
         self.grad = buffer.grad[offset:stop].reshape(self.shape)
+        self._grad_home = None
         self.buffer = buffer
         self.offset = offset
 
@@ -202,6 +214,11 @@ class Parameter(Tensor):
 
     def __repr__(self):
         return f"Parameter({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
+
+
+def _own_zeros(parameter):
+    """The gradient home of a parameter outside a flat buffer: zeros of its own."""
+    parameter.bind_gradient(backend.array_module().zeros(parameter.shape, parameter.dtype))
 
 
 def _placeholder(shape, dtype):

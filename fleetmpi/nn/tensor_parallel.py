@@ -50,8 +50,15 @@ def initialize_weight(layer, init):
     """Set ``layer.weight`` to ``init(full shape)`` (an initializer), the layer's own part of
     it for a tensor-parallel layer: the values the serial layer would get from the same
     draws."""
-    shape = getattr(layer, "full_weight_shape", layer.weight.shape)
-    layer.weight.set_value(init(tuple(shape))[getattr(layer, "weight_part", ...)])
+    weight = layer.weight
+    part = getattr(layer, "weight_part", ...)
+    if not weight.materialized and part is ...:
+        # Under LazyGuard: the initializer is recorded in place of the one the layer gave,
+        # so that sharding stage 3 draws only this rank's shard of it.
+        weight.defer(init, weight.deferred_init.layer)
+        return
+    shape = getattr(layer, "full_weight_shape", weight.shape)
+    weight.set_value(init(tuple(shape))[part])
 
 
 def _check_fuse_matmul_bias(value):

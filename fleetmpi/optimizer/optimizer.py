@@ -39,6 +39,7 @@ import numbers
 import numpy as np
 
 from .. import backend, kernels
+from ..autograd import as_array
 from ..kernels import reference
 from . import graph_guard
 from .clip import check_grad_clip
@@ -116,11 +117,17 @@ def _stored(state, key, shape):
     if key not in state:
         raise KeyError(f"optimizer state has no {key!r}; it was saved by a different optimizer "
                        "or model")
-    value = state[key] if hasattr(state[key], "shape") else np.asarray(state[key])
+    value = _host(state[key])
     if tuple(value.shape) != shape:
         raise ValueError(f"optimizer state {key!r} has shape {tuple(value.shape)}, expected "
                          f"{shape}")
-    return backend.to_numpy(value)
+    return value
+
+
+def _host(value):
+    """A state value (a Tensor, a backend array, a list) as a host array."""
+    value = as_array(value)
+    return backend.to_numpy(value) if hasattr(value, "shape") else np.asarray(value)
 
 
 def _check_rate(name, value, low, high, high_inclusive=True):
@@ -451,12 +458,13 @@ class Optimizer:
     def set_state_dict(self, state):
         """Load a ``state_dict``: per-run arrays, or a ``"shard"`` range with its arrays, which
         may come from another sharding of the same space as long as it covers the range this
-        optimizer updates (a checkpoint's shards joined together cover all of it)."""
+        optimizer updates (a checkpoint's shards joined together cover all of it). Arrays or
+        Tensors (what ``fleetmpi.load`` gives)."""
         self.step_count = int(state["step_count"])
         if isinstance(self._learning_rate, LRScheduler) and state.get("lr_scheduler"):
             self._learning_rate.set_state_dict(state["lr_scheduler"])
         if "shard" in state:
-            start, stop, total = (int(v) for v in state["shard"])
+            start, stop, total = (int(v) for v in _host(state["shard"]))
             if total != self.space_size:
                 raise ValueError(f"optimizer state was saved for a parameter space of {total} "
                                  f"elements; this optimizer's has {self.space_size}")
