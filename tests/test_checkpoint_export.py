@@ -93,14 +93,21 @@ def test_data_parallel_and_every_sharding_stage_export_the_whole_model(stage,
         equal(exported[name], value, err_msg=name)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_tensor_parallel_saved_whole_exports_the_serial_model(tmp_path_factory):
+def tensor_parallel_saved(tmp_path_factory, save):
+    """A GPT trained 2 steps at mp_degree 2 and its optimizer, saved by ``save``; returns the
+    model and the checkpoint's folder."""
     fleet.init(is_collective=True)
     if fleet.worker_num() % 2:
         pytest.skip("mp_degree 2 needs an even world")
     model, opt, _ = train_hybrid({"mp_degree": 2}, tiny_gpt, token_batch, steps=2)
     directory = shared_directory(tmp_path_factory, "tp")
-    hybrid_checkpoint.save(directory, model, opt, step=2)
+    save(directory, model, opt, step=2)
+    return model, directory
+
+
+@pytest.mark.mpi(min_size=2)
+def test_tensor_parallel_saved_whole_exports_the_serial_model(tmp_path_factory):
+    model, directory = tensor_parallel_saved(tmp_path_factory, hybrid_checkpoint.save)
     whole = hybrid_checkpoint.merged_state_dict(model)
     exported = flat(exported_by_rank_0(directory))
     ok(sorted(exported) == sorted(whole), f"{sorted(exported)} != {sorted(whole)}")
@@ -116,12 +123,7 @@ def test_tensor_parallel_saved_whole_exports_the_serial_model(tmp_path_factory):
 
 @pytest.mark.mpi(min_size=2)
 def test_tensor_parallel_saved_in_parts_is_refused_naming_the_entry(tmp_path_factory):
-    fleet.init(is_collective=True)
-    if fleet.worker_num() % 2:
-        pytest.skip("mp_degree 2 needs an even world")
-    model, opt, _ = train_hybrid({"mp_degree": 2}, tiny_gpt, token_batch, steps=1)
-    directory = shared_directory(tmp_path_factory, "parts")
-    checkpoint.save(directory, model, opt, step=1)
+    _, directory = tensor_parallel_saved(tmp_path_factory, checkpoint.save)
     with raises(ValueError, match=r"part of the split \(tensor-parallel\) parameter '[\w.]+'.*"
                                   r"fleetmpi.hybrid_checkpoint"):
         exported_by_rank_0(directory)
