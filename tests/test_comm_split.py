@@ -66,9 +66,9 @@ def test_a_sharding_group_keeps_the_hierarchical_allreduce():
     fleet.init(is_collective=True)
     if fleet.worker_num() != 4:
         pytest.skip("two sharding groups of two ranks")
-    strategy = make_strategy(use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2,
-                             sharding=True, sharding_configs={"stage": 2, "hybrid_dp": True,
-                                                              "sharding_group_size": 2})
+    strategy = make_strategy(
+        use_hierarchical_allreduce=True, hierarchical_allreduce_inter_nranks=2, sharding=True,
+        sharding_configs={"stage": 2, "hybrid_dp": True, "sharding_group_size": 2})
     model = fleet.distributed_model(make_mlp())
     opt = fleet.distributed_optimizer(
         fleet.optimizer.SGD(0.1, parameters=model.parameters()), strategy)
