@@ -18,9 +18,17 @@ layers in eval mode), in the micro-batches of the strategy given to ``fleet.init
 reads the same one): with ``compute_loss`` the mean loss on every stage, without it this
 stage's output for each micro-batch (the model's outputs on the last stage), as Paddle's.
 
-``scaler``: a ``GradScaler``'s loss scaling is not wired into the pipeline's step here; a
-scaler is refused, naming ``strategy.amp``, whose loss scaling (static or dynamic) wraps the
-whole schedule, with the overflow check agreed by every stage.
+``scaler``: a ``fleetmpi.amp.GradScaler`` (or one ``fleet.distributed_scaler`` returned) scales
+the loss as Paddle's PipelineParallel does: the last stage seeds each micro-batch's backward
+with ``scale / accumulate_steps``, so the activation gradients travel back scaled; after the
+schedule, the sum of the shared weights' gradients and the data-parallel averaging, the
+gradients are unscaled and checked for inf and NaN, the verdict agreed by every rank of every
+axis (the optimizer's agreement, or the world after ``distributed_scaler``), the update skipped
+everywhere on overflow, and the scale updated (``GradScaler.minimize(optimizer, model,
+loss_fn, x, y)``). Mixed precision is the caller's ``with fleetmpi.amp.auto_cast(...):``
+around ``train_batch``, as PaddleNLP writes it: the forwards of the schedule compute under it
+(the activations between stages travel in the dtype they are computed in), and so does the
+loss on the last stage.
 """
 from .autograd import Tensor, as_array
 from .distributed_strategy import DistributedStrategy
@@ -58,12 +66,10 @@ class PipelineParallel:
     def train_batch(self, data, optimizer, lr_scheduler=None, scaler=None):
         layer = self._layers
         x, y = _batch(data, "train_batch")
-        if scaler is not None:
-            raise ValueError(f"train_batch(scaler={type(scaler).__name__}): a GradScaler's "
-                             "loss scaling is not applied inside the pipeline schedule here; "
-                             "pass scaler=None and set strategy.amp = True (amp_configs "
-                             "init_loss_scaling, use_dynamic_loss_scaling), whose loss scaling "
-                             "wraps the schedule")
+        if scaler is not None and not (callable(getattr(scaler, "minimize", None))
+                                       and callable(getattr(scaler, "unscale_", None))):
+            raise TypeError(f"train_batch scaler= takes a fleetmpi.amp.GradScaler (or the one "
+                            f"fleet.distributed_scaler returned), not {type(scaler).__name__}")
         strategies = getattr(optimizer, "strategies", None)
         if strategies is None:
             raise TypeError(f"train_batch needs the optimizer fleet.distributed_optimizer "
@@ -77,7 +83,10 @@ class PipelineParallel:
             raise ValueError("train_batch computes the loss on the last stage: build the "
                              "PipelineLayer with loss_fn=... and pass the labels as [x, y]")
         layer.train()
-        loss = optimizer.minimize(layer, layer.loss_fn, x, y)
+        if scaler is None:
+            loss = optimizer.minimize(layer, layer.loss_fn, x, y)
+        else:
+            loss = scaler.minimize(optimizer, layer, layer.loss_fn, x, y)
         if lr_scheduler is not None:
             lr_scheduler.step()
         return Tensor(loss)

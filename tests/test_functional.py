@@ -692,3 +692,18 @@ def test_autocast_casts_a_user_function_by_its_op_type():
     y.sum().backward()
     assert x.grad.dtype == np.float64
     np.testing.assert_allclose(host(x.grad), 3 * x.numpy().astype(np.float32) ** 2, rtol=1e-6)
+
+
+def test_paddles_reshape_zero_and_dropout_mode():
+    x = to_tensor(np.arange(24.0).reshape(2, 3, 4))
+    assert fleet.reshape(x, [0, 0, 2, 2]).shape == (2, 3, 2, 2)
+    assert x.reshape([0, -1]).shape == (2, 12)
+    with pytest.raises(ValueError, match=r"a 0 keeps the input's size on its axis, but the "
+                                         r"input \(2, 3, 4\) has no axis 3"):
+        fleet.reshape(x, [4, 3, 2, 0])
+    assert F.dropout(x, 0.5, training=False, mode="upscale_in_train") is x
+    for make in (lambda: F.dropout(x, 0.5, mode="downscale_in_infer"),
+                 lambda: fleet.nn.Dropout(0.5, mode="downscale_in_infer")):
+        with pytest.raises(ValueError, match="mode='downscale_in_infer'; allowed: "
+                                             "'upscale_in_train'"):
+            make()

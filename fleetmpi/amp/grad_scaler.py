@@ -12,7 +12,10 @@ How a step goes (Paddle's ``scale``, ``unscale_``, ``step``, ``update``, ``minim
 divides the gradients the update uses by the scale and checks them for inf and NaN;
 ``step(opt)`` unscales if that was not done, and updates unless the check found one (the
 gradients are then zeroed, and the step counted in ``skipped_steps``); ``update()`` moves the
-scale by the rule; ``minimize(opt, scaled)`` is ``step`` and ``update``.
+scale by the rule; ``minimize(opt, scaled)`` is ``step`` and ``update``;
+``minimize(opt, model, loss_fn, x, y)`` is one whole step of a distributed optimizer with the
+loss scaled inside it (what ``PipelineParallel.train_batch(..., scaler=...)`` runs: the last
+stage seeds the backward of each micro-batch with the scale).
 
 With a plain optimizer the gradients are this process's, checked here alone, unless
 ``fleet.distributed_scaler(scaler)`` made the scaler agree the verdict with every rank (one
@@ -52,7 +55,11 @@ def _checked(values):
 class _ScaledStep(StepHook):
     """The scaler's part of a ``DistributedOptimizer``'s step, outermost in its chain: when
     ``armed`` (by ``unscale_``, ``step`` or ``minimize``), after the gradient reduction of a
-    step that updates, the check of ``check_step`` and the update skipped on overflow."""
+    step that updates, the check of ``check_step`` and the update skipped on overflow. With
+    ``seeds_loss`` (a whole step, ``GradScaler.minimize(opt, model, loss_fn, x, y)``) the
+    step's forward stage also makes the scale the loss gradient's seed
+    (``StepContext.loss_scale``), which a pipeline's last stage seeds its micro-batches'
+    backwards with."""
 
     name = "grad_scaler"
 
@@ -60,6 +67,12 @@ class _ScaledStep(StepHook):
         self.scaler = scaler
         self.optimizer = optimizer
         self.armed = False
+        self.seeds_loss = False
+
+    def forward(self, ctx, proceed):
+        if self.seeds_loss:
+            ctx.loss_scale = self.scaler._scaling.seed()
+        return proceed(ctx)
 
     def reduce(self, ctx, proceed):
         if not self.armed:
@@ -233,11 +246,47 @@ class GradScaler:
 
     def minimize(self, optimizer, *args, **kwargs):
         """``step(optimizer)`` then ``update()``; the loss arguments Paddle passes on to the
-        optimizer are not needed: backward has already run."""
+        optimizer are not needed: backward has already run.
+
+        ``minimize(optimizer, model, loss_fn, x, y)``, with an optimizer from
+        ``fleet.distributed_optimizer``: one whole step, ``optimizer.minimize(model, loss_fn,
+        x, y)`` with the loss scaled (its gradient seeded with the scale, on a pipeline's last
+        stage for each micro-batch), the gradients unscaled and checked after the step's
+        gradient reduction (the verdict agreed as ``step``'s), then ``update()``; returns the
+        step's loss, unscaled. ``PipelineParallel.train_batch(..., scaler=scaler)`` runs
+        this, as Paddle's scales the loss on the last stage and steps the scaler after the
+        schedule."""
+        if len(args) == 4 and not kwargs:
+            return self._whole_step(optimizer, *args)
         if not self._enable:
             return optimizer.minimize(*args, **kwargs)
         self.step(optimizer)
         self.update()
+
+    def _whole_step(self, optimizer, model, loss_fn, x, y):
+        state = self._state(optimizer)
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise TypeError(f"GradScaler.minimize(optimizer, model, loss_fn, x, y) runs a whole "
+                            f"step of the optimizer fleet.distributed_optimizer returned, not "
+                            f"of a {type(optimizer).__name__}; with a plain optimizer scale "
+                            "the loss (scaler.scale(loss).backward()) and call "
+                            "scaler.minimize(optimizer, scaled)")
+        self._disable_for_bfloat16()
+        if not self._enable:
+            return optimizer.minimize(model, loss_fn, x, y)
+        if state != INIT:
+            raise RuntimeError("GradScaler.minimize(optimizer, model, loss_fn, x, y) runs a "
+                               "whole step, but unscale_() or step() was already called on "
+                               "this optimizer since the last update()")
+        hook = self._hook(optimizer)
+        hook.seeds_loss = True
+        try:
+            loss = optimizer.minimize(model, loss_fn, x, y)
+        finally:
+            hook.armed = hook.seeds_loss = False
+        self._states[id(optimizer)] = STEPPED
+        self.update()
+        return loss
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self):

@@ -414,7 +414,17 @@ def sigmoid(x):
 
 
 def reshape(x, shape):
-    return Reshape.apply(x, tuple(int(n) for n in shape))
+    """``x`` in ``shape``, Paddle's way: a 0 keeps ``x``'s size on that axis, and one -1 takes
+    what is left."""
+    sizes = tuple(int(n) for n in shape)
+    if 0 in sizes:
+        ndim = len(x.shape)
+        kept = [i for i, n in enumerate(sizes) if n == 0 and i >= ndim]
+        if kept:
+            raise ValueError(f"reshape shape={list(shape)}: a 0 keeps the input's size on its "
+                             f"axis, but the input {tuple(x.shape)} has no axis {kept[0]}")
+        sizes = tuple(x.shape[i] if n == 0 else n for i, n in enumerate(sizes))
+    return Reshape.apply(x, sizes)
 
 
 def transpose(x, perm):

@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import backend
 from ..autograd import Tensor
+from ..nn.functional import copy_to_model_parallel
 from .group import ReduceOp, reduce_op, resolve
 
 
@@ -169,3 +170,12 @@ def recv(tensor, src=0, group=None, sync_op=True):
     if comm is not None:
         comm.recv(x, source=_place(g, src, "src"))
     return _task(sync_op)
+
+
+def _c_identity(tensor, group=None):
+    """Paddle's ``paddle.distributed.collective._c_identity``, which PaddleNLP's
+    ``parallel_matmul`` calls before the product with a weight split over the model-parallel
+    ``group``: ``tensor`` unchanged, its gradient summed over ``group`` in backward
+    (``F.copy_to_model_parallel``)."""
+    communicator, _ = _member(group)
+    return copy_to_model_parallel(tensor, communicator)

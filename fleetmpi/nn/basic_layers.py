@@ -99,9 +99,10 @@ class Dropout(Layer):
     ``1 / (1 - p)`` (Paddle's ``upscale_in_train``); the identity in eval mode. Masks come from
     the rank generator, so they differ between ranks."""
 
-    def __init__(self, p=0.5):
+    def __init__(self, p=0.5, mode="upscale_in_train", name=None):
         super().__init__()
         self.p = F.common.check_dropout_rate(p)
+        F.common.check_dropout_mode(mode)
 
     def extra_repr(self):
         return f"p={self.p}"

@@ -93,9 +93,22 @@ def check_dropout_rate(p):
     return float(p)
 
 
-def dropout(x, p=0.5, training=True):
-    """``x`` with dropout at rate ``p`` while ``training``; the identity otherwise."""
+DROPOUT_MODES = ("upscale_in_train",)
+
+
+def check_dropout_mode(mode):
+    if mode not in DROPOUT_MODES:
+        raise ValueError(f"dropout mode={mode!r}; allowed: 'upscale_in_train' (the kept values "
+                         "scaled by 1 / (1 - p) while training, the identity in eval), the "
+                         "one mode this trainer computes")
+    return mode
+
+
+def dropout(x, p=0.5, training=True, mode="upscale_in_train", name=None):
+    """``x`` with dropout at rate ``p`` while ``training``; the identity otherwise. Paddle's
+    arguments by name: ``mode`` (``"upscale_in_train"`` alone) and ``name`` (a label)."""
     p = check_dropout_rate(p)
+    check_dropout_mode(mode)
     if not training or p == 0:
         return x if isinstance(x, Tensor) else Tensor(backend.asarray(x))
     return Dropout.apply(x, p)
