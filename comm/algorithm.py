@@ -39,16 +39,17 @@ class Algorithm:
     equal_parts = False
 
     def refusal(self, ctx, dtypes=(), op=None):
-        """Why this algorithm cannot run a call of ``op`` on arrays of ``dtypes`` on the
-        communicator of ``ctx``, in words; None when it can. (Compression and part sizes
-        are checked by ``call_checks``, which names the algorithms that take them.)"""
+        """Why this algorithm cannot run a call of ``op`` (None: not a reduction, or not
+        known yet) on arrays of ``dtypes`` on the communicator of ``ctx``, in words; None when
+        it can. (Compression and part sizes are checked by ``call_checks``, which names the
+        algorithms that take them.)"""
         if ctx.transport_name not in self.transports or ctx.world_topology not in self.topologies:
             return (f"algorithm={self.name!r} runs over transport "
                     f"{' or '.join(map(repr, self.transports))} on "
                     f"{' or '.join(self.topologies)} (this job: transport "
                     f"{ctx.transport_name!r}, {ctx.topology.num_nodes} node(s), {ctx.size} "
                     f"rank(s))")
-        if self.ops is not None and op not in self.ops:
+        if op is not None and self.ops is not None and op not in self.ops:
             return (f"algorithm={self.name!r} does not compute op={op!r}; it computes "
                     f"{', '.join(self.ops)}")
         for dtype in dtypes:
