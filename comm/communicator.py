@@ -568,7 +568,8 @@ class Communicator:
         shape and the dtype may not. ``stack=True``: equal shapes stacked along a new first
         axis, shape ``(size,) + x.shape``.
 
-        ``algorithm``: ``"ring"`` (default) or ``"native"`` (MPI's, for equal shapes).
+        ``algorithm``: ``"ring"`` or ``"native"`` (the library's, for equal shapes), or None
+        (``algorithm_choice``: the ring).
         """
         ctx = self.context
 
@@ -727,7 +728,8 @@ class Communicator:
         as ``numpy.array_split(reduced, size)`` does, so any length works; or, as MPI's
         ``Reduce_scatter``, ``counts[r]`` rows for rank ``r`` (zero allowed).
 
-        ``algorithm``: ``"ring"`` (default) or ``"native"``; ``compression`` as for allreduce.
+        ``algorithm``: ``"ring"`` or ``"native"``, or None (``algorithm_choice``: the ring);
+        ``compression`` as for allreduce.
         ``overwrite_input``: the ring may reduce in ``x`` itself, leaving partial sums there,
         instead of in a copy (for a caller that drops ``x`` afterwards).
         """
