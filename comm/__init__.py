@@ -6,9 +6,15 @@
     comm = get_communicator()
     total = comm.allreduce(x)                      # ring / hierarchical / native / shm
     comm.allreduce_many(grads, compression="fp16")  # fused, in place
+
+The layers above use the names exported here and nothing else of this package: the
+``Communicator`` (which also answers what they ask of the algorithms: ``allreduce_algorithm``,
+``prefers_native``, ``reduce_scatter_offsets``) and ``overlap_counts``, the per-rank counts of
+a range of elements cut by such offsets.
 """
 from .agreement import CollectiveMismatchError
 from .communicator import Communicator
+from .ring import overlap_counts
 from .topology import Topology
 from .transport_nccl import NCCLUnavailableError
 
@@ -40,4 +46,4 @@ def release_communicators():
 
 
 __all__ = ["CollectiveMismatchError", "Communicator", "NCCLUnavailableError", "Topology",
-           "get_communicator", "release_communicators"]
+           "get_communicator", "overlap_counts", "release_communicators"]

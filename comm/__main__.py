@@ -8,7 +8,8 @@ import sys
 
 from mpi4py import MPI
 
-from .algorithm_choice import CHOICES, TIMED, choose, table_text, topology_of
+from .algorithm_choice import CHOICES, TIMED, choose, table_text
+from .topology import topology_of
 
 SIZES = (4 << 10, 64 << 10, 1 << 20, 64 << 20)
 

@@ -1,16 +1,14 @@
 """Which algorithm a collective runs when the caller leaves ``algorithm=None``: one table.
 
 Each row of ``CHOICES`` names a collective, the request it applies to (the communicator's
-``use_hierarchical_allreduce``, a ``compression``, or neither), the transport, the topology,
-a range of flat-buffer sizes, the algorithm and why. ``choose`` returns the first row that
-matches a call. ``TIMED`` in a row's algorithm is not an algorithm but an input: the
-communicator times ring against shm once (``time_ring_against_shm``), on the first call that
-needs it, and runs the faster (``Communicator.allreduce_algorithm``). ``python -m
-fleetmpi.comm`` prints the table, and under ``mpiexec`` what this world chooses.
-
-Collectives not in the table run one algorithm unless asked otherwise: allgather,
-allgatherv and reduce_scatter the ring, alltoall pairwise, gather and scatter linear, barrier
-the dissemination barrier.
+``use_hierarchical_allreduce``, a ``compression``, neither, or ``any``), the transport, the
+topology, a range of flat-buffer sizes, the algorithm and why. ``choose`` returns the first row
+that matches a call. Every algorithm a row names is registered under that name for its
+collective (``registry``), and runs what the row covers; ``dispatch`` looks it up there.
+``TIMED`` in a row's algorithm is not an algorithm but an input: the communicator times ring
+against shm once (``time_ring_against_shm``), on the first call that needs it, and runs the
+faster (``dispatch.allreduce_algorithm``). ``python -m fleetmpi.comm`` prints the table, and
+under ``mpiexec`` what this world chooses.
 """
 import time
 from collections import namedtuple
@@ -18,9 +16,7 @@ from collections import namedtuple
 import numpy as np
 from mpi4py import MPI
 
-ALLREDUCE_ALGORITHMS = ("ring", "hierarchical", "native", "shm")
-BROADCAST_ALGORITHMS = ("tree", "chain", "native")
-GATHER_ALGORITHMS = ("ring", "native")
+from .topology import ONE_NODE
 
 # The library's own allreduce below this size, where a call's fixed cost (argument agreement,
 # Python) outweighs the transfer; ours above (measured, benchmarks/).
@@ -35,8 +31,6 @@ PROBE_REPEATS = 3
 ANY = "any"
 # Requests: what the communicator or the call asks for besides the size.
 HIERARCHICAL, COMPRESSED, PLAIN = "use_hierarchical_allreduce", "compression", "plain"
-# Topologies, as ``topology_of`` names a world.
-ONE_NODE, ONE_RANK, NODES = "one node", "one rank", "several nodes"
 
 Row = namedtuple("Row", "collective request transport topology min_bytes max_bytes algorithm why")
 Row.__doc__ = ("One choice: ``algorithm`` for a call that matches every other field; sizes "
@@ -57,24 +51,31 @@ CHOICES = (
         "log2(ranks) steps, each with the whole buffer: few and cheap for small buffers"),
     Row("broadcast", PLAIN, ANY, ANY, TREE_MAX_BYTES + 1, None, "chain",
         "pipelined in chunks: every link busy at once for large buffers"),
+    Row("allgather", ANY, ANY, ANY, 0, None, "ring",
+        "parts of any length, each passed once around the ring; the library's needs equal parts"),
+    Row("reduce_scatter", ANY, ANY, ANY, 0, None, "ring",
+        "parts of any length, float16 on the wire with compression"),
+    Row("alltoall", ANY, ANY, ANY, 0, None, "pairwise",
+        "every rank sends and receives once per step, so no step waits on a chain"),
+    Row("gather", ANY, ANY, ANY, 0, None, "linear", "the root receives one part per peer"),
+    Row("scatter", ANY, ANY, ANY, 0, None, "linear", "the root sends one part per peer"),
+    Row("send", ANY, ANY, ANY, 0, None, "p2p", "the transport's own transfer"),
+    Row("recv", ANY, ANY, ANY, 0, None, "p2p", "the transport's own transfer"),
+    Row("barrier", ANY, ANY, ANY, 0, None, "dissemination",
+        "log2(ranks) rounds of one-byte exchanges over the transport itself"),
 )
-
-
-def topology_of(size, local_size):
-    """The topology a world of ``size`` ranks, ``local_size`` of them on this node, has in
-    ``CHOICES``."""
-    if size == 1:
-        return ONE_RANK
-    return ONE_NODE if local_size == size else NODES
+_ROWS_OF = {}  # CHOICES by collective, in order: a call scans only its own
+for _row in CHOICES:
+    _ROWS_OF.setdefault(_row.collective, []).append(_row)
 
 
 def choose(collective, nbytes, transport, topology, compression=None, hierarchical=False):
     """The first row of ``CHOICES`` for a ``collective`` of ``nbytes`` bytes (its flat buffer)
-    over ``transport`` (``"mpi"`` or ``"nccl"``) on ``topology`` (``topology_of``), with a
-    ``compression`` and the communicator's ``use_hierarchical_allreduce``."""
+    over ``transport`` (``"mpi"`` or ``"nccl"``) on ``topology`` (``topology.topology_of``),
+    with a ``compression`` and the communicator's ``use_hierarchical_allreduce``."""
     request = HIERARCHICAL if hierarchical else COMPRESSED if compression is not None else PLAIN
-    for row in CHOICES:
-        if (row.collective == collective and row.request == request
+    for row in _ROWS_OF.get(collective, ()):
+        if (row.request in (ANY, request)
                 and row.transport in (ANY, transport) and row.topology in (ANY, topology)
                 and row.min_bytes <= nbytes
                 and (row.max_bytes is None or nbytes < row.max_bytes)):

@@ -5,7 +5,11 @@ The tree finishes in ``ceil(log2(size))`` rounds, which wins while latency domin
 passes the buffer down ranks ``root, root+1, ...`` in chunks; every inner rank receives chunk
 ``i`` while it forwards chunk ``i - 1``, so after the pipeline fills each link carries the
 whole buffer once and the time approaches one buffer transfer regardless of the rank count.
+
+Registered as the broadcasts ``"tree"`` and ``"chain"`` (``TreeBroadcastAlgorithm``,
+``ChainBroadcastAlgorithm``).
 """
+from .algorithm import BroadcastAlgorithm
 from .ring import DEFAULT_CHUNK_BYTES, _chunks
 
 
@@ -43,3 +47,30 @@ def broadcast_chain(transport, buf, root, chunk_bytes=DEFAULT_CHUNK_BYTES):
     if nxt is not None:
         transport.send(parts[-1], nxt)
 
+
+class TreeBroadcastAlgorithm(BroadcastAlgorithm):
+    """The binomial tree: ``log2(size)`` steps, each with the whole buffer."""
+
+    name = "tree"
+
+    def run(self, ctx, buf, root, index):
+        transport = ctx.transports[index]
+
+        def fn(b):
+            if ctx.size > 1 and b.size:
+                broadcast_tree(transport, b, root)
+        ctx.run_on(index, fn, buf)
+
+
+class ChainBroadcastAlgorithm(BroadcastAlgorithm):
+    """The pipelined chain: every link busy at once for large buffers."""
+
+    name = "chain"
+
+    def run(self, ctx, buf, root, index):
+        transport = ctx.transports[index]
+
+        def fn(b):
+            if ctx.size > 1 and b.size:
+                broadcast_chain(transport, b, root)
+        ctx.run_on(index, fn, buf)

@@ -6,7 +6,9 @@ in place on many arrays, fused into buckets. A collective first checks that all 
 called it with the same arguments (``call_checks``, ``agreement``), so a mismatch raises on
 every rank instead of hanging; by default only a call whose arguments have not been agreed
 before makes that exchange (``call_checks.agree``). With ``algorithm=None`` the algorithm
-comes from the table in ``algorithm_choice``; this module runs it over the transports.
+comes from the table in ``algorithm_choice``; each algorithm, registered in ``registry``,
+runs itself (``dispatch``). Behind this facade, the checks, the dispatch and the algorithms see
+the communicator only through its ``context`` (``AlgorithmContext``).
 
 Each collective is one event of the timeline (``fleetmpi.timeline``, lane ``comm``) with the
 algorithm it ran and its bytes (this rank's payload as it travels, as ``payload_bytes`` counts
@@ -33,19 +35,17 @@ from mpi4py import MPI
 from .. import capture_checks, timeline
 from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, CUDA_GRAPH, TRANSPORT, TRANSPORTS
 from ..log import logger
-from . import call_checks, dispatch
+from . import dispatch
 from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
-from .algorithm_choice import (BROADCAST_ALGORITHMS, GATHER_ALGORITHMS, TIMED, choose,
-                               time_ring_against_shm, topology_of)
-from .barrier import barrier as dissemination_barrier
-from .call_checks import (capture, check_algorithm, check_allreduce, check_array, check_arrays,
-                          check_counts, check_peer, check_positive, check_root)
-from .compression import accumulate_dtypes, to_wire
-from .exchange import alltoall_pairwise, gather_linear, scatter_linear
+from .algorithm_choice import choose
+from .call_checks import (CallAgreement, capture, check_algorithm, check_array, check_arrays,
+                          check_counts, check_parts, check_peer, check_positive,
+                          check_reduction, check_root)
+from .context import AlgorithmContext
 from .fusion import buckets_for
 from .handles import CommThread
-from .ops import array_module, finish_mean, is_device_array
-from .ring import DEFAULT_CHUNK_BYTES, count_offsets, reduce_scatter_ring, split_offsets
+from .ops import array_module, is_device_array
+from .ring import DEFAULT_CHUNK_BYTES, count_offsets, split_offsets
 from .stall import gather_rows
 from .stall_report import call_text
 from .topology import Topology
@@ -129,23 +129,27 @@ def _recorded(collective, nbytes=False, watched=True):
             event = timeline.span(collective, "comm")
             if not event:
                 return method(self, *args, **kwargs)
-            outer, self._algorithms = self._algorithms, []
+            ctx = self.context
+            outer, ctx.noted = ctx.noted, []
             before = self.payload_bytes
             try:
                 with event:
                     result = method(self, *args, **kwargs)
-                    event.args["algorithm"] = "+".join(dict.fromkeys(self._algorithms))
+                    event.args["algorithm"] = "+".join(dict.fromkeys(ctx.noted))
                     event.args["bytes"] = (int((args[0] if args else kwargs["x"]).nbytes)
                                            if nbytes else self.payload_bytes - before)
             finally:
-                self._algorithms = outer
+                ctx.noted = outer
             return result
         return call
     return wrap
 
 
 class Communicator:
-    """Collectives over the world of a ``Topology``; see the module docstring for the knobs."""
+    """Collectives over the world of a ``Topology``; see the module docstring for the knobs.
+
+    ``context``: the ``AlgorithmContext`` through which the argument checks, the dispatch and
+    the algorithms read this communicator's transports and settings and keep their state."""
 
     def __init__(self, topology, transport=None, nccl_comm_num=1, fuse_grad_size_in_MB=32,
                  fuse_broadcast_MB=32, use_hierarchical_allreduce=False,
@@ -183,21 +187,13 @@ class Communicator:
         self._control = world.Dup()
         self._watch = watch_of(self._control)  # the stall watchdog's view of every call
         self.transports = self._start_transports(world)
-        self._levels = {}
-        self._shm = None
-        self._world_topology = topology_of(self.size, topology.local_size)
-        self._timed_choice = None  # ring or shm, once timed (see allreduce_algorithm)
-        self._token = None
+        self.context = AlgorithmContext(
+            topology, self.transport_name, self.transports, self._make_transport,
+            self._control, self.chunk_bytes, self.use_hierarchical_allreduce, inter)
         self.payload_bytes = 0
-        self._algorithms = None
-        # The agreement's bookkeeping (see call_checks): here, for allreduce's repeated path.
-        self._agreed = {}
+        self._calls = CallAgreement(self._control, self.check)
         self._repeats = {}  # allreduce's repeats by previous call and key (see allreduce)
         self._same_arrays = {}  # by previous call: the arrays of its last repeat, weakly
-        self._rings = {}  # the RingAllreduce of each layout that a repeated allreduce runs
-        self._previous = -1
-        self._unchecked = 0
-        self._history = 0
         self._comm_thread = CommThread(f"fleetmpi-comm-{id(self):x}")
         self._watch.comm_thread = self._comm_thread
         self._async_stream = None
@@ -296,21 +292,13 @@ class Communicator:
         from .transport_mpi import MPITransport
         return MPITransport(comm)
 
-    def _single_node(self):
-        return self.transport_name == "mpi" and self.topology.local_size == self.size
-
     def _agree(self, collective, arrays, problem, layout=None, described=None, **fields):
         """Count the call's payload (unless its arguments were rejected) and check that every
-        rank called ``collective`` alike (``call_checks.agree``); ``described``: what a
+        rank called ``collective`` alike (``CallAgreement.agree``); ``described``: what a
         mismatch report prints, when ``arrays`` stand for it (``x[:0]`` for ``x``)."""
         if problem is None:
             self._count_payload(arrays, fields.get("compression"))
-        call_checks.agree(self, collective, arrays, problem, layout, fields, described)
-
-    def _note(self, algorithm):
-        """Remember the algorithm a flat operation ran, for the timeline event of its call."""
-        if self._algorithms is not None:
-            self._algorithms.append(algorithm)
+        self._calls.agree(collective, arrays, problem, layout, fields, described)
 
     def _count_payload(self, arrays, compression):
         """Add the bytes of ``arrays`` as they travel (float16 under compression) to
@@ -320,23 +308,28 @@ class Communicator:
             itemsize = 2 if compression == "fp16" else a.dtype.itemsize
             self.payload_bytes += int(a.size) * itemsize
 
-    # running an algorithm on a transport
+    # what the layers above ask of the algorithms
 
     def allreduce_algorithm(self, nbytes, compression=None):
         """The algorithm ``allreduce``/``allreduce_many`` run with ``algorithm=None`` on a flat
         buffer of ``nbytes`` bytes: this communicator's row of ``algorithm_choice.CHOICES``.
         Collective the first time it comes to a ``TIMED`` row (ring and shm are timed then):
         call it on every rank."""
-        algorithm = choose("allreduce", nbytes, self.transport_name, self._world_topology,
-                           compression, self.use_hierarchical_allreduce).algorithm
-        if algorithm == TIMED:
-            if self._timed_choice is None:
-                noted, self._algorithms = self._algorithms, None  # the probe is not the call's
-                self._timed_choice = time_ring_against_shm(
-                    functools.partial(dispatch.allreduce_flat, self), self._control)
-                self._algorithms = noted
-            algorithm = self._timed_choice
-        return algorithm
+        return dispatch.allreduce_algorithm(self.context, nbytes, compression)
+
+    def prefers_native(self, nbytes, compression=None):
+        """Whether a reduction of ``nbytes`` bytes is small enough that the library's own
+        collective is the cheapest here: where the table (``algorithm_choice``) runs the
+        native allreduce without ``use_hierarchical_allreduce`` (a call's fixed cost outweighs
+        the transfer). Sharding's reduce-scatters follow it."""
+        return choose("allreduce", nbytes, self.transport_name, self.context.world_topology,
+                      compression).algorithm == "native"
+
+    def reduce_scatter_offsets(self, n):
+        """Where ``reduce_scatter`` without ``counts`` cuts a flat array of ``n`` elements:
+        rank ``r`` gets ``offsets[r]:offsets[r + 1]``, the lengths differing by at most one
+        (the first ``n % size`` ranks get one more), as ``numpy.array_split``."""
+        return split_offsets(n, self.size)
 
     # collectives
 
@@ -363,7 +356,8 @@ class Communicator:
         every property of the arrays that the checks look at. ``check="always"`` and device
         arrays take the checked path.
         """
-        last = self._same_arrays.get(self._previous)
+        calls = self._calls
+        last = self._same_arrays.get(calls.previous)
         if (last is not None and out is not None and x is not None and last[0]() is x
                 and last[1]() is out and op is last[2] and algorithm is last[3]
                 and compression is last[4] and x.dtype is last[5] and out.dtype is last[5]
@@ -372,13 +366,13 @@ class Communicator:
         else:
             key = _repeat_key(x, op, algorithm, compression, out) if self._repeatable else None
             try:
-                repeat = self._repeats.get((self._previous, key))
+                repeat = self._repeats.get((calls.previous, key))
             except TypeError:  # an unhashable argument: the checks name it
                 key = repeat = None
             if repeat is None:
                 return self._allreduce_checked(x, op, algorithm, compression, out, key)
             if out is not None:
-                self._same_arrays[self._previous] = (weakref.ref(x), weakref.ref(out), op,
+                self._same_arrays[calls.previous] = (weakref.ref(x), weakref.ref(out), op,
                                                      algorithm, compression, x.dtype,
                                                      repeat)
         if (timeline.active_recorder is not None or capture_checks.current is not None
@@ -386,11 +380,11 @@ class Communicator:
             return self._allreduce_checked(x, op, algorithm, compression, out, None)
         code, payload, run, what = repeat
         self.payload_bytes += payload
-        # call_checks.skip_agreement, written out: this path is a small call's whole cost
+        # CallAgreement.skip, written out: this path is a small call's whole cost
         if self.check:
-            self._unchecked += 1
-            self._history = (self._history * HISTORY_PRIME + code) & HISTORY_MASK
-            self._previous = code
+            calls.unchecked += 1
+            calls.history = (calls.history * HISTORY_PRIME + code) & HISTORY_MASK
+            calls.previous = code
         watch = self._watch  # Watch.enter, written out: no call is in flight here
         watch.what = what
         watch.started += 1
@@ -402,24 +396,27 @@ class Communicator:
 
     @_recorded("allreduce")
     def _allreduce_checked(self, x, op, algorithm, compression, out, key):
+        ctx = self.context
+
         def check():
-            check_array(self, x)
-            check_allreduce(self, [x.dtype], op, algorithm, compression)
+            check_array(ctx, x)
+            check_reduction(ctx, "allreduce", [x.dtype], op, algorithm, compression)
             if out is not None:
-                check_array(self, out, "out", writable=True)
+                check_array(ctx, out, "out", writable=True)
                 if out.shape != x.shape or out.dtype != x.dtype or not out.flags.c_contiguous:
                     raise ValueError(f"out must be a C-contiguous {x.dtype} array of shape "
                                      f"{x.shape}, not {out.dtype} {out.shape}"
                                      f"{'' if out.flags.c_contiguous else ' (strided)'}")
         problem = capture(check)
-        before, previous = self.payload_bytes, self._previous
+        before, previous = self.payload_bytes, self._calls.previous
         self._agree("allreduce", [x], problem, op=op, algorithm=algorithm,
                     compression=compression)
         if key is None:
-            return dispatch.allreduce_into(self, x, op, algorithm, compression, out)
-        run = dispatch.allreduce_runner(self, x, op, algorithm, compression, out)
+            return dispatch.allreduce_into(ctx, x, op, algorithm, compression, out)
+        run = dispatch.allreduce_runner(ctx, x, op, algorithm, compression, out)
         what = ("allreduce", call_text(("allreduce", (x,), {})))
-        self._repeats[previous, key] = (self._previous, self.payload_bytes - before, run, what)
+        self._repeats[previous, key] = (self._calls.previous, self.payload_bytes - before, run,
+                                        what)
         result = run(x, out)
         return out if result is None else result
 
@@ -434,17 +431,19 @@ class Communicator:
         a packing copy.
         """
         mb = self.fuse_grad_size_in_MB if fuse_grad_size_in_MB is None else fuse_grad_size_in_MB
+        ctx = self.context
 
         def check():
-            check_arrays(self, arrays)
+            check_arrays(ctx, arrays)
             check_positive("fuse_grad_size_in_MB", mb)
-            check_allreduce(self, {a.dtype for a in arrays}, op, algorithm, compression)
+            check_reduction(ctx, "allreduce", {a.dtype for a in arrays}, op, algorithm,
+                            compression)
         problem = capture(check)
         self._agree("allreduce_many", arrays, problem, op=op, algorithm=algorithm,
                     compression=compression)
         for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
             flat = bucket.load()
-            dispatch.allreduce_flat(self, flat, op, algorithm, compression,
+            dispatch.allreduce_flat(ctx, flat, op, algorithm, compression,
                                     i % self.nccl_comm_num)
             bucket.store()
 
@@ -530,15 +529,17 @@ class Communicator:
         ``algorithm``: ``"tree"`` (binomial), ``"chain"`` (pipelined), ``"native"``, or None
         (by size, ``algorithm_choice``: the tree for small buffers, the chain for large).
         """
+        ctx = self.context
+
         def check():
-            check_array(self, x)
-            check_root(self, root)
-            check_algorithm(algorithm, BROADCAST_ALGORITHMS, "broadcast")
+            check_array(ctx, x)
+            check_root(ctx, root)
+            check_algorithm(ctx, "broadcast", algorithm)
         problem = capture(check)
         self._agree("broadcast", [x], problem, root=root, algorithm=algorithm)
         xp = array_module(x)
         buf = xp.array(x, order="C", copy=True).reshape(-1)
-        dispatch.broadcast_flat(self, buf, root, algorithm, 0)
+        dispatch.broadcast_flat(ctx, buf, root, algorithm, 0)
         return buf.reshape(x.shape)
 
     @_recorded("broadcast_many")
@@ -546,17 +547,18 @@ class Communicator:
         """Overwrite every array of ``arrays`` with ``root``'s, in place, fused into buckets
         of at most ``fuse_broadcast_MB``."""
         mb = self.fuse_broadcast_MB if fuse_broadcast_MB is None else fuse_broadcast_MB
+        ctx = self.context
 
         def check():
-            check_arrays(self, arrays)
-            check_root(self, root)
+            check_arrays(ctx, arrays)
+            check_root(ctx, root)
             check_positive("fuse_broadcast_MB", mb)
-            check_algorithm(algorithm, BROADCAST_ALGORITHMS, "broadcast")
+            check_algorithm(ctx, "broadcast", algorithm)
         problem = capture(check)
         self._agree("broadcast_many", arrays, problem, root=root, algorithm=algorithm)
         for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
             flat = bucket.load()
-            dispatch.broadcast_flat(self, flat, root, algorithm, i % self.nccl_comm_num)
+            dispatch.broadcast_flat(ctx, flat, root, algorithm, i % self.nccl_comm_num)
             bucket.store()
 
     @_recorded("allgather")
@@ -566,14 +568,17 @@ class Communicator:
         shape and the dtype may not. ``stack=True``: equal shapes stacked along a new first
         axis, shape ``(size,) + x.shape``.
 
-        ``algorithm``: ``"ring"`` (default) or ``"native"`` (MPI's, for equal shapes).
+        ``algorithm``: ``"ring"`` or ``"native"`` (the library's, for equal shapes), or None
+        (``algorithm_choice``: the ring).
         """
+        ctx = self.context
+
         def check():
-            check_array(self, x)
+            check_array(ctx, x)
             if not stack and x.ndim == 0:
                 raise ValueError("allgather joins along the first axis and needs an array with "
                                  "at least one dimension (or stack=True)")
-            check_algorithm(algorithm, GATHER_ALGORITHMS, "allgather")
+            check_algorithm(ctx, "allgather", algorithm)
         problem = capture(check)
         if stack:
             self._agree("allgather", [x], problem, algorithm=algorithm)
@@ -583,12 +588,10 @@ class Communicator:
             self._agree("allgather", [] if problem else [x[:0]], problem, algorithm=algorithm,
                         described=[] if problem else [x])
             rows = [int(v) for v in self._exchange_rows([x.shape[0]], "allgather")[:, 0]]
-            if algorithm == "native" and len(set(rows)) > 1:
-                raise ValueError(f"algorithm='native' gathers equal shapes, but the ranks' "
-                                 f"first dimensions are {rows}; use algorithm=None")
+            check_parts(check_algorithm(ctx, "allgather", algorithm), rows)
             offsets = count_offsets(rows, int(np.prod(x.shape[1:], dtype=np.int64)))
             shape = (sum(rows),) + x.shape[1:]
-        return dispatch.allgather_flat(self, x.reshape(-1), offsets, algorithm).reshape(shape)
+        return dispatch.allgather_flat(ctx, x.reshape(-1), offsets, algorithm).reshape(shape)
 
     def _exchange_rows(self, values, collective):
         """Every rank's ``values`` (integers, as many on every rank) as a table, one row per
@@ -602,7 +605,7 @@ class Communicator:
                 raise ValueError(f"{what} splits the first dimension {rows} equally over "
                                  f"{self.size} ranks, which does not divide it; pass splits")
             return [rows // self.size] * self.size
-        check_counts(self, list(splits) if isinstance(splits, (list, tuple)) else splits,
+        check_counts(self.context, list(splits) if isinstance(splits, (list, tuple)) else splits,
                      rows, "the first dimension of x")
         return [int(v) for v in splits]
 
@@ -612,8 +615,10 @@ class Communicator:
         None) to rank ``r``, and receive every rank's part for this rank. Returns
         ``(received, received_splits)``: the parts joined in rank order along the first axis,
         and how many rows came from each rank (Horovod's alltoall)."""
+        ctx = self.context
+
         def check():
-            check_array(self, x)
+            check_array(ctx, x)
             if x.ndim == 0:
                 raise ValueError("alltoall needs an array with at least one dimension")
             self._splits(splits, x.shape[0], "alltoall")
@@ -627,20 +632,20 @@ class Communicator:
         send = xp.ascontiguousarray(x).reshape(-1)
         send_offsets, recv_offsets = count_offsets(mine, row), count_offsets(received, row)
         out = xp.empty(recv_offsets[-1], x.dtype)
-        transport = self.transports[0]
-        self._note("pairwise")
         self._count_payload([x], None)
-        dispatch.run_on(self, 0, lambda a, b: alltoall_pairwise(transport, a, send_offsets, b,
-                                                                recv_offsets), send, out)
+        dispatch.chosen(ctx, "alltoall", None, send.nbytes).run(ctx, send, send_offsets, out,
+                                                                recv_offsets)
         return out.reshape((sum(received),) + x.shape[1:]), received
 
     @_recorded("gather")
     def gather(self, x, root=0):
         """Every rank's ``x`` joined along the first axis in rank order on ``root`` (the first
         dimension may differ between ranks); None on the other ranks."""
+        ctx = self.context
+
         def check():
-            check_array(self, x)
-            check_root(self, root)
+            check_array(ctx, x)
+            check_root(ctx, root)
             if x.ndim == 0:
                 raise ValueError("gather joins along the first axis and needs an array with at "
                                  "least one dimension")
@@ -654,9 +659,7 @@ class Communicator:
         lo = offsets[self.rank] if self.rank == root else 0
         buf[lo:lo + x.size] = x.reshape(-1)
         local = offsets if self.rank == root else [o - offsets[self.rank] for o in offsets]
-        transport = self.transports[0]
-        self._note("linear")
-        dispatch.run_on(self, 0, lambda b: gather_linear(transport, b, local, root), buf)
+        dispatch.chosen(ctx, "gather", None, buf.nbytes).run(ctx, buf, local, root)
         return buf.reshape((sum(rows),) + x.shape[1:]) if self.rank == root else None
 
     @_recorded("scatter")
@@ -664,9 +667,11 @@ class Communicator:
         """Rank ``r``'s part of the root's ``x``: rows ``splits[r]`` of its first axis (equal
         parts when None). The other ranks pass an array of the same dtype, whose shape and
         values are not used (the root's shape and splits reach them first)."""
+        ctx = self.context
+
         def check():
-            check_array(self, x)
-            check_root(self, root)
+            check_array(ctx, x)
+            check_root(ctx, root)
             if x.ndim == 0:
                 raise ValueError("scatter cuts the first axis and needs an array with at least "
                                  "one dimension")
@@ -691,21 +696,20 @@ class Communicator:
         offsets = count_offsets(parts, row)
         part = xp.empty(parts[self.rank] * row, x.dtype)
         send = xp.ascontiguousarray(x).reshape(-1) if self.rank == root else part[:0]
-        transport = self.transports[0]
-        self._note("linear")
-        dispatch.run_on(self, 0, lambda b, p: scatter_linear(transport, b, offsets, p, root),
-                        send, part)
+        dispatch.chosen(ctx, "scatter", None, send.nbytes).run(ctx, send, offsets, part, root)
         return part.reshape((parts[self.rank],) + tail)
 
     @_recorded("allgatherv")
     def allgatherv(self, x, counts):
         """Every rank's 1-d ``x`` (``counts[r]`` elements on rank ``r``, zero allowed)
         joined in rank order, as MPI's ``Allgatherv``; every rank passes the same ``counts``."""
+        ctx = self.context
+
         def check():
-            check_array(self, x)
+            check_array(ctx, x)
             if x.ndim != 1:
                 raise ValueError(f"allgatherv takes a 1-d array, not shape {tuple(x.shape)}")
-            check_counts(self, counts)
+            check_counts(ctx, counts)
             if x.size != counts[self.rank]:
                 raise ValueError(f"allgatherv got {x.size} elements on rank {self.rank}, "
                                  f"but counts[{self.rank}]={counts[self.rank]}")
@@ -715,7 +719,7 @@ class Communicator:
                     layout=None if problem else tuple(int(c) for c in counts),
                     described=[] if problem else [x])
         self._count_payload([x], None)
-        return dispatch.allgather_flat(self, x, count_offsets(counts))
+        return dispatch.allgather_flat(ctx, x, count_offsets(counts))
 
     @_recorded("reduce_scatter")
     def reduce_scatter(self, x, op="sum", algorithm=None, compression=None, counts=None,
@@ -724,64 +728,40 @@ class Communicator:
         as ``numpy.array_split(reduced, size)`` does, so any length works; or, as MPI's
         ``Reduce_scatter``, ``counts[r]`` rows for rank ``r`` (zero allowed).
 
-        ``algorithm``: ``"ring"`` (default) or ``"native"``; ``compression`` as for allreduce.
+        ``algorithm``: ``"ring"`` or ``"native"``, or None (``algorithm_choice``: the ring);
+        ``compression`` as for allreduce.
         ``overwrite_input``: the ring may reduce in ``x`` itself, leaving partial sums there,
         instead of in a copy, and return a view of ``x`` (for a caller that drops ``x``
         afterwards).
         """
+        ctx = self.context
+
         def check():
-            check_array(self, x)
+            check_array(ctx, x)
             if x.ndim == 0:
                 raise ValueError("reduce_scatter needs an array with at least one dimension")
             if counts is not None:
-                check_counts(self, counts, x.shape[0], "the length of x")
-            check_algorithm(algorithm, GATHER_ALGORITHMS, "reduce_scatter")
-            check_allreduce(self, [x.dtype], op, "native" if algorithm == "native" else None,
-                            compression)
+                check_counts(ctx, counts, x.shape[0], "the length of x")
+            check_reduction(ctx, "reduce_scatter", [x.dtype], op, algorithm, compression)
         problem = capture(check)
         self._agree("reduce_scatter", [x], problem, op=op, algorithm=algorithm,
                     compression=compression,
                     layout=None if counts is None or problem else tuple(map(int, counts)))
-        xp = array_module(x)
         row = int(np.prod(x.shape[1:], dtype=np.int64))
         rows = (split_offsets(x.shape[0], self.size) if counts is None
                 else count_offsets(counts))
         offsets = [r * row for r in rows]
-        lo, hi = offsets[self.rank], offsets[self.rank + 1]
         shape = (rows[self.rank + 1] - rows[self.rank],) + x.shape[1:]
-        transport = self.transports[0]
-        self._note(algorithm or "ring")
-        if algorithm == "native":
-            send = xp.ascontiguousarray(x).reshape(-1)
-            out = xp.empty(hi - lo, x.dtype)
-            counts = [offsets[r + 1] - offsets[r] for r in range(self.size)]
-
-            def native(s, o):
-                transport.native_reduce_scatter(s, o, counts, op)
-                finish_mean(o, op, self.size)
-            dispatch.run_on(self, 0, native, send, out)
-            return out.reshape(shape)
-        acc_dtype, wire_dtype = accumulate_dtypes(x.dtype, compression)
-        in_place = overwrite_input and acc_dtype == x.dtype and x.flags.c_contiguous
-        acc = x.reshape(-1) if in_place else xp.array(x, dtype=acc_dtype, order="C",
-                                                      copy=True).reshape(-1)
-
-        def ring(a):
-            reduce_scatter_ring(transport, a, op, offsets, wire_dtype, self.chunk_bytes)
-            finish_mean(a[lo:hi], op, self.size)
-        dispatch.run_on(self, 0, ring, acc)
-        if in_place and wire_dtype == acc.dtype:
-            # The caller gave x up: its block is the result, without a copy.
-            return acc[lo:hi].reshape(shape)
-        wire = xp.empty(hi - lo, wire_dtype)
-        to_wire(wire, acc[lo:hi])
-        return wire.astype(x.dtype, copy=False).reshape(shape)
+        block = dispatch.chosen(ctx, "reduce_scatter", algorithm, x.nbytes, compression).run(
+            ctx, x, op, compression, offsets, overwrite_input)
+        return block.reshape(shape)
 
     @_recorded("send", nbytes=True, watched=False)
     def send(self, x, dest):
         """Send ``x`` to rank ``dest``; the matching ``recv`` checks dtype and shape."""
-        check_array(self, x)
-        check_peer(self, dest, "dest")
+        ctx = self.context
+        check_array(ctx, x)
+        check_peer(ctx, dest, "dest")
         if x.ndim > HEADER_DIMS:
             raise ValueError(f"send supports arrays of up to {HEADER_DIMS} dimensions, "
                              f"not {x.ndim}")
@@ -790,9 +770,7 @@ class Communicator:
         header[4:4 + x.ndim] = x.shape
         self._control.Send(header, dest=dest, tag=P2P_TAG)
         buf = array_module(x).ascontiguousarray(x)
-        self._note("p2p")
-        dispatch.run_on(self, 0, lambda b: (self.transports[0].send(b, dest),
-                                            self.transports[0].synchronize()), buf)
+        dispatch.chosen(ctx, "send", None, buf.nbytes).run(ctx, buf, dest)
 
     @_recorded("recv", nbytes=True, watched=False)
     def recv(self, x, source):
@@ -801,25 +779,22 @@ class Communicator:
         If the sender's dtype or shape differ from ``x``'s, the message is drained and a
         ``ValueError`` names both.
         """
-        check_array(self, x, writable=True)
-        check_peer(self, source, "source")
+        ctx = self.context
+        check_array(ctx, x, writable=True)
+        check_peer(ctx, source, "source")
         header = np.empty(4 + HEADER_DIMS, dtype=np.int64)
         self._control.Recv(header, source=source, tag=P2P_TAG)
         num, _, nbytes, ndim = (int(v) for v in header[:4])
         shape = tuple(int(v) for v in header[4:4 + ndim])
         xp = array_module(x)
-        transport = self.transports[0]
-        self._note("p2p")
+        receive = dispatch.chosen(ctx, "recv", None, nbytes)
         if num != x.dtype.num or shape != x.shape:
-            dispatch.run_on(self, 0, lambda b: (transport.recv(b, source),
-                                                transport.synchronize()),
-                            xp.empty(nbytes, np.uint8))
+            receive.run(ctx, xp.empty(nbytes, np.uint8), source)
             raise ValueError(f"recv from rank {source}: expected a {x.dtype} array of shape "
                              f"{x.shape}, but rank {source} sent {dtype_name(num)} "
                              f"of shape {shape}")
         buf = x if x.flags.c_contiguous else xp.empty(x.shape, x.dtype)
-        dispatch.run_on(self, 0, lambda b: (transport.recv(b, source), transport.synchronize()),
-                        buf)
+        receive.run(ctx, buf, source)
         if buf is not x:
             x[...] = buf
         return x
@@ -828,11 +803,7 @@ class Communicator:
     def barrier(self):
         """Return once every rank has called ``barrier``."""
         self._agree("barrier", [], None)
-        if self._token is None:
-            self._token = array_module_for(self.transport_name).zeros(2, np.uint8)
-        self._note("dissemination")
-        dispatch.run_on(self, 0, lambda t: dissemination_barrier(self.transports[0], t),
-                        self._token)
+        dispatch.chosen(self.context, "barrier").run(self.context)
 
     def free(self):
         """Finish the asynchronous operations started, then release this communicator's MPI
@@ -843,20 +814,9 @@ class Communicator:
         for communicator in derived:
             communicator.free()
         self._comm_thread.stop()
-        if self._shm is not None:
-            self._shm.free()
-            self._shm.comm.Free()
-        for local, cross in self._levels.values():
-            local.free()
-            cross.free()
+        self.context.free()
         for transport in self.transports:
             transport.free()
         unwatch(self._control)
         self._control.Free()
 
-
-def array_module_for(transport_name):
-    if transport_name == "nccl":
-        import cupy
-        return cupy
-    return np

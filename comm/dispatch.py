@@ -1,177 +1,85 @@
-"""Running a chosen algorithm on the communicator's transports: the flat allreduce, broadcast
-and allgather that every collective of ``Communicator`` comes down to, and the runners a
-repeated ``allreduce`` goes straight to.
+"""Running a call's algorithm on the communicator's transports: a lookup in ``registry`` of
+the algorithm the call names, or of the one ``algorithm_choice``'s table chooses, which then
+runs itself; plus the flat allreduce, broadcast and allgather that many calls come down to,
+and the runners a repeated ``allreduce`` goes straight to.
 
-Each function takes the ``Communicator`` first and uses its transports and its state
-(the hierarchical levels, the shared-memory window, the ring layouts); which algorithm runs is
-``algorithm_choice``'s, and whether a call may run is ``call_checks``'.
+Each function takes the communicator's ``AlgorithmContext`` first; whether a call may run is
+``call_checks``'.
 """
-import numpy as np
+import functools
 
-from .algorithm_choice import choose
-from .broadcast import broadcast_chain, broadcast_tree
-from .hierarchical import allreduce_hierarchical
-from .ops import array_module, finish_mean, is_device_array
-from .ring import RingAllreduce, allgather_ring, allreduce_ring
+from . import registry
+from .algorithm_choice import TIMED, choose, time_ring_against_shm
+from .ops import array_module
 
 
-def run_on(comm, index, fn, *bufs):
-    """Call ``fn(*bufs)`` on transport ``index``; device arrays go through host memory
-    when the transport is MPI."""
-    transport = comm.transports[index]
-    if bufs and is_device_array(bufs[0]) and not transport.device:
-        host = [b.get() for b in bufs]
-        fn(*host)
-        for b, h in zip(bufs, host):
-            b.set(h)
-        return
-    with transport.activate():
-        fn(*bufs)
+def chosen(ctx, collective, name=None, nbytes=0, compression=None):
+    """The registered algorithm ``name`` of ``collective`` or, for None, the table's for a
+    flat buffer of ``nbytes``; noted for the call's timeline event. (An allreduce's choice
+    may be timed: ``allreduce_algorithm``.)"""
+    if name is None:
+        name = choose(collective, nbytes, ctx.transport_name, ctx.world_topology,
+                      compression).algorithm
+    ctx.note(name)
+    return registry.lookup(collective, name)
 
 
-def level_transports(comm, index):
-    """The (intra-group, inter-group) transports of the hierarchical algorithm for one comm."""
-    if index not in comm._levels:
-        k = comm.hierarchical_allreduce_inter_nranks
-        if k is None:
-            local, cross = comm.topology.local.Dup(), comm.topology.cross.Dup()
-        else:
-            world = comm.topology.world
-            local = world.Split(comm.rank // k, comm.rank)
-            cross = world.Split(comm.rank % k, comm.rank)
-        stream = getattr(comm.transports[index], "stream", None)
-        comm._levels[index] = (comm._make_transport(local, stream),
-                               comm._make_transport(cross, stream))
-    return comm._levels[index]
+def allreduce_algorithm(ctx, nbytes, compression=None):
+    """The allreduce algorithm for a flat buffer of ``nbytes`` (``Communicator
+    .allreduce_algorithm``): the table's row, a ``TIMED`` one resolved by timing ring against
+    shm the first time (a collective: every rank comes here at the same call)."""
+    name = choose("allreduce", nbytes, ctx.transport_name, ctx.world_topology, compression,
+                  ctx.use_hierarchical_allreduce).algorithm
+    if name == TIMED:
+        name = ctx.resource("timed allreduce", lambda: _time_ring_against_shm(ctx))
+    return name
 
 
-def shared_memory(comm):
-    """The communicator's shared-memory allreduce (one node), made on first use."""
-    if comm._shm is None:
-        from .shm import SharedMemoryAllreduce
-        comm._shm = SharedMemoryAllreduce(comm.topology.world.Dup())
-    return comm._shm
+def _time_ring_against_shm(ctx):
+    noted, ctx.noted = ctx.noted, None  # the probe is not the call's
+    try:
+        return time_ring_against_shm(functools.partial(allreduce_flat, ctx), ctx.control)
+    finally:
+        ctx.noted = noted
 
 
-def allreduce_flat(comm, buf, op, algorithm, compression, index, sendbuf=None):
+def allreduce_flat(ctx, buf, op, algorithm, compression, index, sendbuf=None):
     """Allreduce the flat ``buf`` in place on transport ``index``, or reduce the flat
-    ``sendbuf`` into it (MPI's separate send buffer: native, ring and shm read it where it
-    is; hierarchical copies it into ``buf`` first)."""
-    algorithm = algorithm or comm.allreduce_algorithm(buf.nbytes, compression)
-    comm._note(algorithm)
-    transport = comm.transports[index]
-    if algorithm == "hierarchical":
-        local, cross = level_transports(comm, index)
-        if sendbuf is not None:
-            array_module(buf).copyto(buf, sendbuf)
-
-        def fn(b):
-            allreduce_hierarchical(local, cross, b, op, compression, comm.chunk_bytes)
-        run_on(comm, index, fn, buf)
-        return
-    if algorithm == "ring":
-        def fn(b, s=None):
-            allreduce_ring(transport, b, op, compression, comm.chunk_bytes, sendbuf=s)
-    elif algorithm == "shm":
-        shm = shared_memory(comm)
-
-        def fn(b, s=None):
-            shm.allreduce(b if s is None else s, b, op)
-    else:
-        def fn(b, s=None):
-            transport.native_allreduce(b, op, s)
-            finish_mean(b, op, comm.size)
-    if sendbuf is None:
-        run_on(comm, index, fn, buf)
-    else:
-        run_on(comm, index, fn, buf, sendbuf)
+    ``sendbuf`` into it (MPI's separate send buffer)."""
+    name = algorithm or allreduce_algorithm(ctx, buf.nbytes, compression)
+    ctx.note(name)
+    registry.lookup("allreduce", name).run(ctx, buf, op, compression, index, sendbuf)
 
 
-def broadcast_flat(comm, buf, root, algorithm, index):
-    transport = comm.transports[index]
-    if algorithm == "native":
-        def fn(b):
-            transport.native_bcast(b, root)
-    else:
-        if algorithm is None:
-            algorithm = choose("broadcast", buf.nbytes, comm.transport_name,
-                               comm._world_topology).algorithm
-        algo = broadcast_tree if algorithm == "tree" else broadcast_chain
-
-        def fn(b):
-            if comm.size > 1 and b.size:
-                algo(transport, b, root)
-    comm._note(algorithm)
-    run_on(comm, index, fn, buf)
+def broadcast_flat(ctx, buf, root, algorithm, index):
+    chosen(ctx, "broadcast", algorithm, buf.nbytes).run(ctx, buf, root, index)
 
 
-def allgather_flat(comm, flat, offsets, algorithm=None):
+def allgather_flat(ctx, flat, offsets, algorithm=None):
     """Every rank's 1-d ``flat`` (part ``offsets[r]:offsets[r + 1]`` of the result on rank
-    ``r``) joined in rank order; ``"native"`` needs equal parts."""
+    ``r``) joined in rank order."""
     xp = array_module(flat)
     out = xp.empty(offsets[-1], flat.dtype)
-    out[offsets[comm.rank]:offsets[comm.rank + 1]] = flat
-    transport = comm.transports[0]
-    comm._note(algorithm or "ring")
-    if algorithm == "native":
-        run_on(comm, 0, transport.native_allgather, out)
-    else:
-        run_on(comm, 0, lambda b: allgather_ring(transport, b, offsets), out)
+    out[offsets[ctx.rank]:offsets[ctx.rank + 1]] = flat
+    chosen(ctx, "allgather", algorithm, out.nbytes).run(ctx, out, offsets)
     return out
 
 
-def allreduce_runner(comm, x, op, algorithm, compression, out):
+def allreduce_runner(ctx, x, op, algorithm, compression, out):
     """A function ``(x, out) -> result`` (None: the result is ``out``) that repeats this
-    agreed ``allreduce`` on arrays like ``x`` and ``out``, with the algorithm picked once.
-    A native or ring reduction of host arrays goes straight to the transport, reducing
-    ``x`` into the result without a copy (what MPI_Allreduce with a separate receive
-    buffer costs)."""
-    algorithm = algorithm or comm.allreduce_algorithm(x.nbytes, compression)
-    transport = comm.transports[0]
-    if algorithm == "native" and not transport.device and x.flags.c_contiguous:
-        return native_runner(comm, x, op, out)
-    if algorithm == "ring" and not transport.device and x.flags.c_contiguous:
-        layout = (x.size, x.dtype, op, compression)
-        if layout not in comm._rings:  # shared by the repeats of one layout
-            comm._rings[layout] = RingAllreduce(transport, *layout, comm.chunk_bytes)
-        ring, shape, dtype = comm._rings[layout], x.shape, x.dtype
-        if out is not None and out is not x and x.ndim == 1:
-            return lambda x, out: ring(out, x)
-
-        def run(x, out):
-            result = np.empty(shape, dtype) if out is None else out
-            ring(result.reshape(-1), None if result is x else x.reshape(-1))
-            return result
+    agreed ``allreduce`` on arrays like ``x`` and ``out``, with the algorithm picked once:
+    the algorithm's own ``runner`` where it has one for these arrays (a native or ring
+    reduction of host arrays goes straight to the transport, reducing ``x`` into the result
+    without a copy, as MPI_Allreduce with a separate receive buffer does), else
+    ``allreduce_into``."""
+    name = algorithm or allreduce_algorithm(ctx, x.nbytes, compression)
+    run = registry.lookup("allreduce", name).runner(ctx, x, op, compression, out)
+    if run is not None:
         return run
-    return lambda x, out: allreduce_into(comm, x, op, algorithm, compression, out)
+    return lambda x, out: allreduce_into(ctx, x, op, name, compression, out)
 
 
-def native_runner(comm, x, op, out):
-    """``allreduce_runner``'s native reduction of host arrays, one form per kind of
-    ``out``: a small call's cost is mostly Python, so each form does only what it needs,
-    and a sum or extremum into a separate ``out`` is the MPI call itself."""
-    transport, shape, dtype, size = comm.transports[0], x.shape, x.dtype, comm.size
-    if op != "mean" and out is not None and out is not x:
-        return transport.bound_allreduce(op)
-    reduce = transport.native_allreduce
-    if op == "mean":
-        def run(x, out):
-            result = np.empty(shape, dtype) if out is None else out
-            reduce(result, op, None if result is x else x)
-            finish_mean(result, op, size)
-            return result
-    elif out is None:
-        def run(x, out):
-            result = np.empty(shape, dtype)
-            reduce(result, op, x)
-            return result
-    else:
-        def run(x, out):
-            reduce(x, op)
-    return run
-
-
-def allreduce_into(comm, x, op, algorithm, compression, out):
+def allreduce_into(ctx, x, op, algorithm, compression, out):
     """The reduction of ``x`` into ``out`` (a new array when None, ``x`` itself in place),
     ``x`` read where it is (a strided ``x`` is copied first, and so is an ``x`` that
     overlaps ``out``)."""
@@ -181,5 +89,5 @@ def allreduce_into(comm, x, op, algorithm, compression, out):
     if src is not None and xp.may_share_memory(result, x):
         xp.copyto(result, x)
         src = None
-    allreduce_flat(comm, result.reshape(-1), op, algorithm, compression, 0, src)
+    allreduce_flat(ctx, result.reshape(-1), op, algorithm, compression, 0, src)
     return result

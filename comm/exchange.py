@@ -4,8 +4,10 @@ Each moves the rows of flat contiguous buffers cut by offsets (``offsets[r]:offs
 rank ``r``'s part), so parts may differ in length and be empty. alltoall runs ``size - 1``
 pairwise steps, in step ``k`` sending to ``rank + k`` and receiving from ``rank - k`` (every
 rank sends and receives once per step, so no step waits on a chain); gather and scatter are
-linear at the root, which handles one part per peer.
+linear at the root, which handles one part per peer. Registered as the alltoall
+``"pairwise"``, the gather ``"linear"`` and the scatter ``"linear"``.
 """
+from .algorithm import AlltoallAlgorithm, GatherAlgorithm, ScatterAlgorithm
 
 
 def alltoall_pairwise(transport, send, send_offsets, recv, recv_offsets):
@@ -42,3 +44,34 @@ def scatter_linear(transport, buf, offsets, part, root):
         if dest != root:
             transport.send(buf[offsets[dest]:offsets[dest + 1]], dest)
     part[...] = buf[offsets[root]:offsets[root + 1]]
+
+
+class PairwiseAlltoallAlgorithm(AlltoallAlgorithm):
+    """``size - 1`` pairwise steps; parts of any length."""
+
+    name = "pairwise"
+
+    def run(self, ctx, send, send_offsets, recv, recv_offsets):
+        transport = ctx.transports[0]
+        ctx.run_on(0, lambda a, b: alltoall_pairwise(transport, a, send_offsets, b,
+                                                     recv_offsets), send, recv)
+
+
+class LinearGatherAlgorithm(GatherAlgorithm):
+    """The root receives from each rank in turn; parts of any length."""
+
+    name = "linear"
+
+    def run(self, ctx, buf, offsets, root):
+        transport = ctx.transports[0]
+        ctx.run_on(0, lambda b: gather_linear(transport, b, offsets, root), buf)
+
+
+class LinearScatterAlgorithm(ScatterAlgorithm):
+    """The root sends to each rank in turn; parts of any length."""
+
+    name = "linear"
+
+    def run(self, ctx, buf, offsets, part, root):
+        transport = ctx.transports[0]
+        ctx.run_on(0, lambda b, p: scatter_linear(transport, b, offsets, p, root), buf, part)

@@ -10,12 +10,17 @@ a small receive buffer, so the reduction reads data that is still in cache.
 ``wire_dtype`` may differ from the accumulator's dtype (fp16 on the wire, float32 partial sums,
 see ``compression``); the allgather then circulates the wire copy, so every rank ends with the
 same bits.
+
+The allreduce, allgather and reduce-scatter here are registered as the ``"ring"`` algorithm
+of each (``RingAllreduceAlgorithm``, ``RingAllgatherAlgorithm``,
+``RingReduceScatterAlgorithm``).
 """
 import functools
 
 import numpy as np
 
-from .compression import accumulate_dtypes, to_wire
+from .algorithm import AllgatherAlgorithm, AllreduceAlgorithm, ReduceScatterAlgorithm
+from .compression import COMPRESSIONS, accumulate_dtypes, to_wire
 from .ops import array_module, finish_mean, reducer
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -217,3 +222,80 @@ def allreduce_ring(transport, buf, op, compression=None, chunk_bytes=DEFAULT_CHU
     reduce ``sendbuf`` into it): ``RingAllreduce``, made for this one call."""
     RingAllreduce(transport, buf.size, buf.dtype, op, compression, chunk_bytes, mean_size,
                   array_module(buf))(buf, sendbuf)
+
+
+class RingAllreduceAlgorithm(AllreduceAlgorithm):
+    """The ring allreduce: bandwidth-optimal, each rank sends and receives about twice its
+    buffer; float16 on the wire with compression."""
+
+    name = "ring"
+    compressions = COMPRESSIONS
+
+    def run(self, ctx, buf, op, compression, index, sendbuf=None):
+        transport = ctx.transports[index]
+
+        def fn(b, s=None):
+            allreduce_ring(transport, b, op, compression, ctx.chunk_bytes, sendbuf=s)
+        if sendbuf is None:
+            ctx.run_on(index, fn, buf)
+        else:
+            ctx.run_on(index, fn, buf, sendbuf)
+
+    def runner(self, ctx, x, op, compression, out):
+        """The ``RingAllreduce`` of ``x``'s layout, made once per communicator and shared by
+        the repeats of every call of that layout, reducing ``x`` into the result where it
+        is."""
+        transport = ctx.transports[0]
+        if transport.device or not x.flags.c_contiguous:
+            return None
+        layout = (x.size, x.dtype, op, compression)
+        ring = ctx.resource(("ring", layout),
+                            lambda: RingAllreduce(transport, *layout, ctx.chunk_bytes))
+        shape, dtype = x.shape, x.dtype
+        if out is not None and out is not x and x.ndim == 1:
+            return lambda x, out: ring(out, x)
+
+        def run(x, out):
+            result = np.empty(shape, dtype) if out is None else out
+            ring(result.reshape(-1), None if result is x else x.reshape(-1))
+            return result
+        return run
+
+
+class RingAllgatherAlgorithm(AllgatherAlgorithm):
+    """The ring allgather: ``size - 1`` steps, each passing one finished part on; parts of
+    any length."""
+
+    name = "ring"
+
+    def run(self, ctx, buf, offsets):
+        transport = ctx.transports[0]
+        ctx.run_on(0, lambda b: allgather_ring(transport, b, offsets), buf)
+
+
+class RingReduceScatterAlgorithm(ReduceScatterAlgorithm):
+    """The ring reduce-scatter (the first half of the ring allreduce); float16 on the wire
+    with compression."""
+
+    name = "ring"
+    compressions = COMPRESSIONS
+
+    def run(self, ctx, x, op, compression, offsets, overwrite_input):
+        xp = array_module(x)
+        lo, hi = offsets[ctx.rank], offsets[ctx.rank + 1]
+        acc_dtype, wire_dtype = accumulate_dtypes(x.dtype, compression)
+        in_place = overwrite_input and acc_dtype == x.dtype and x.flags.c_contiguous
+        acc = x.reshape(-1) if in_place else xp.array(x, dtype=acc_dtype, order="C",
+                                                      copy=True).reshape(-1)
+        transport = ctx.transports[0]
+
+        def ring(a):
+            reduce_scatter_ring(transport, a, op, offsets, wire_dtype, ctx.chunk_bytes)
+            finish_mean(a[lo:hi], op, ctx.size)
+        ctx.run_on(0, ring, acc)
+        if in_place and wire_dtype == acc.dtype:
+            # The caller gave x up: its block is the result, without a copy.
+            return acc[lo:hi]
+        wire = xp.empty(hi - lo, wire_dtype)
+        to_wire(wire, acc[lo:hi])
+        return wire.astype(x.dtype, copy=False)

@@ -9,18 +9,24 @@ exactly once by one rank (so every rank returns the same bits), and the slots ar
 to stay in cache. Each slot holds two chunks used in turn, so a rank may copy in chunk ``k + 1``
 while slower ranks still read chunk ``k``: the first barrier of chunk ``k + 1`` is only passed
 once everyone has finished chunk ``k``, so two barriers per chunk suffice.
+
+Registered as the allreduce ``"shm"`` (``SharedMemoryAllreduceAlgorithm``): host memory, one
+node, the MPI transport.
 """
 import numpy as np
 from mpi4py import MPI
 
+from .algorithm import AllreduceAlgorithm
 from .ops import finish_mean, reduce_into
 from .ring import split_offsets
+from .topology import ONE_NODE, ONE_RANK
 
 CHUNK_BYTES = 256 << 10
 
 
 class SharedMemoryAllreduce:
-    """Allreduce of host arrays among the ranks of one shared-memory communicator."""
+    """Allreduce of host arrays among the ranks of one shared-memory communicator ``comm``,
+    which becomes this object's: ``free`` releases it."""
 
     def __init__(self, comm, chunk_bytes=CHUNK_BYTES):
         self.comm = comm
@@ -80,3 +86,23 @@ class SharedMemoryAllreduce:
         self.slots = []
         self.win.Unlock_all()
         self.win.Free()
+        self.comm.Free()
+
+
+class SharedMemoryAllreduceAlgorithm(AllreduceAlgorithm):
+    """One copy in, one reduction, one copy out through a window every rank of the node maps
+    (``SharedMemoryAllreduce``, made on the first call)."""
+
+    name = "shm"
+    transports = ("mpi",)
+    topologies = (ONE_RANK, ONE_NODE)
+
+    def run(self, ctx, buf, op, compression, index, sendbuf=None):
+        shm = ctx.resource("shm", lambda: SharedMemoryAllreduce(ctx.topology.world.Dup()))
+
+        def fn(b, s=None):
+            shm.allreduce(b if s is None else s, b, op)
+        if sendbuf is None:
+            ctx.run_on(index, fn, buf)
+        else:
+            ctx.run_on(index, fn, buf, sendbuf)

@@ -2,10 +2,23 @@
 
 Nodes come from ``MPI.COMM_TYPE_SHARED``. ``FLEETMPI_LOCAL_SIZE=k`` instead makes each run of k
 consecutive world ranks act as one node, so multi-node algorithms can be exercised on one machine.
+
+The kind of a world, as the algorithm table (``algorithm_choice``) and the algorithms
+(``algorithm.Algorithm.topologies``) name it, is ``topology_of``'s.
 """
 import numpy as np
 
 from ..knobs import LOCAL_SIZE
+
+# The kinds of world, as ``topology_of`` names them.
+ONE_NODE, ONE_RANK, NODES = "one node", "one rank", "several nodes"
+
+
+def topology_of(size, local_size):
+    """The kind of a world of ``size`` ranks, ``local_size`` of them on this node."""
+    if size == 1:
+        return ONE_RANK
+    return ONE_NODE if local_size == size else NODES
 
 
 def _local_size_override(world_size):

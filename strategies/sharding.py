@@ -37,8 +37,7 @@ data-parallel replicas. Steps that do not update (gradient_merge between its upd
 overflow) broadcast nothing.
 """
 from .. import backend, timeline
-from ..comm.algorithm_choice import NATIVE_BELOW_BYTES
-from ..comm.ring import overlap_counts, split_offsets
+from ..comm import overlap_counts
 from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
@@ -110,7 +109,8 @@ class Sharding(Strategy):
         self.group, self.replicas = sharding_communicators(communicator, self.group_size,
                                                            self.fuse_broadcast_MB)
         self.compression = "fp16" if strategy.fp16_allreduce else None
-        self.offsets = split_offsets(optimizer.space_size, self.group_size)
+        self.offsets = ((0, optimizer.space_size) if self.group is None
+                        else self.group.reduce_scatter_offsets(optimizer.space_size))
         group_rank = 0 if self.group is None else self.group.rank
         self.shard = (self.offsets[group_rank], self.offsets[group_rank + 1])
         self.buckets = self.schedule = self.gatherer = None
@@ -228,8 +228,8 @@ class Sharding(Strategy):
         (it may hold partial sums)."""
         if self.group is None:
             return flat
-        # As the communicator's allreduce does: the library's own below NATIVE_BELOW_BYTES.
-        native = self.compression is None and flat.nbytes < NATIVE_BELOW_BYTES
+        # As the communicator's allreduce does: the library's own for small messages.
+        native = self.group.prefers_native(flat.nbytes, self.compression)
         return self.group.reduce_scatter(flat, op="mean", compression=self.compression,
                                          algorithm="native" if native else None,
                                          counts=counts, overwrite_input=True)

@@ -25,7 +25,7 @@ others do not enter, reported by the comm layer's checks.
 import numpy as np
 
 from .. import backend
-from ..comm.ring import overlap_counts
+from ..comm import overlap_counts
 from .gradient_allreduce import layer_of
 
 

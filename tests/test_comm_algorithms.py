@@ -262,7 +262,6 @@ def test_shared_memory_allreduce_over_many_small_chunks(dtype):
                 equal(everyone, np.broadcast_to(out, (size, n)))
     finally:
         shm.free()
-        shm.comm.Free()
 
 
 @pytest.mark.mpi

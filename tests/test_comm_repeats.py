@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi.comm import Communicator, stall
+from fleetmpi.comm import Communicator, registry, stall
 
 from comm_support import all_data, close, ok, raises, single_process, tolerance
 
@@ -42,7 +42,7 @@ FORMS = ("new", "in place", "separate", "same base", "overlapping")
 def test_repeated_calls_equal_one_process_for_every_algorithm_op_and_output(algorithm, op,
                                                                             check):
     comm = fresh(check=check)
-    if algorithm == "shm" and not comm._single_node():
+    if algorithm == "shm" and registry.lookup("allreduce", "shm").refusal(comm.context):
         pytest.skip("shm needs one node")  # the same on every rank
     everyone = all_data(comm.size, 24, np.float64, case=3)
     want = single_process(everyone, op)
@@ -107,7 +107,8 @@ def test_repeats_of_one_ring_layout_share_its_scratch_buffers():
             comm.allreduce(y, op=before)
             close(comm.allreduce(x, algorithm="ring", out=np.empty(4096)),
                   np.full(4096, float(comm.size)), rtol=0, atol=0)
-    ok(len(comm._rings) == 1, f"{len(comm._rings)} ring layouts for one")
+    rings = [key for key in comm.context._resources if key[0] == "ring"]
+    ok(len(rings) == 1, f"{len(rings)} ring layouts for one")
 
 
 def reuse(comm, x, out, calls=3):

@@ -337,10 +337,10 @@ def test_parameters_travel_back_in_messages_of_at_most_fuse_broadcast_mb(monkeyp
     messages = []
     broadcast = dispatch.broadcast_flat
 
-    def recording(comm, buf, root, algorithm, index):
-        if comm is group:
+    def recording(ctx, buf, root, algorithm, index):
+        if ctx is group.context:
             messages.append((root, buf.nbytes))
-        return broadcast(comm, buf, root, algorithm, index)
+        return broadcast(ctx, buf, root, algorithm, index)
     monkeypatch.setattr(dispatch, "broadcast_flat", recording)
     x, y = global_batch(0)
     opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))

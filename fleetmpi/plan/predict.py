@@ -31,7 +31,8 @@ import numbers
 
 import numpy as np
 
-from ..comm.algorithm_choice import TIMED, choose, topology_of
+from ..comm.algorithm_choice import TIMED, choose
+from ..comm.topology import topology_of
 from ..strategies.dgc import INDEX_DTYPE, keep_count
 from . import costs
 from .buckets import Buckets
