@@ -10,8 +10,10 @@ stage 3.
 Two models, float32, with Adam and the default strategy fields (``fuse_grad_size_in_MB`` 32):
 ``nn.GPT`` (``--layers`` blocks of width ``--width``, a tied embedding) and a user's
 ``nn.Layer`` of ``--mlp_layers`` Linear layers of ``--mlp_width`` with ReLU and a head of 10
-classes, large enough for two data-parallel buckets. Five runs of each: data parallel,
-``sharding`` stages 1, 2 and 3 built as usual, and stage 3 built under ``fleet.LazyGuard``.
+classes, large enough for two data-parallel buckets. Six runs of each: data parallel,
+``sharding`` stages 1, 2 and 3 built as usual, and stage 3 built under ``fleet.LazyGuard``,
+without and with ``sharding_configs["prefetch_depth"]`` 1 (the next unit's all-gather runs
+ahead, on the communicator's background thread).
 
 Memory: one ``mpiexec`` job per rank count, model and run. Each rank starts ``tracemalloc``
 (NumPy reports its allocations to it) right after ``fleet.init()`` and reads it after building
@@ -50,13 +52,15 @@ import tracemalloc
 
 import numpy as np
 
-# name: (sharding stage, 0 for data parallel; built under LazyGuard)
-RUNS = {"dp": (0, False), "stage 1": (1, False), "stage 2": (2, False), "stage 3": (3, False),
-        "stage 3, LazyGuard": (3, True)}
+# name: (sharding stage, 0 for data parallel; built under LazyGuard; prefetch_depth)
+RUNS = {"dp": (0, False, 0), "stage 1": (1, False, 0), "stage 2": (2, False, 0),
+        "stage 3": (3, False, 0), "stage 3, LazyGuard": (3, True, 0),
+        "stage 3, LazyGuard, prefetch 1": (3, True, 1)}
 MODELS = ("gpt", "mlp")
 # Whole-process peak per rank relative to data parallel at TARGET_RANKS (the targets).
-TARGETS = {"stage 1": 0.75, "stage 2": 0.6, "stage 3, LazyGuard": 0.35}
-TIME_TARGET = ("stage 3, LazyGuard", 1.25)
+TARGETS = {"stage 1": 0.75, "stage 2": 0.6, "stage 3, LazyGuard": 0.35,
+           "stage 3, LazyGuard, prefetch 1": 0.35}
+TIME_TARGETS = {"stage 3, LazyGuard": 1.25, "stage 3, LazyGuard, prefetch 1": 1.25}
 TARGET_RANKS = 4
 MEMORY_STEPS = 2
 CAPPED = ("dp", "stage 3, LazyGuard")
@@ -111,7 +115,7 @@ def _build(args, model, run):
     import fleetmpi as fleet
     from fleetmpi import backend, optimizer
 
-    stage, lazy = RUNS[run]
+    stage, lazy, depth = RUNS[run]
     backend.manual_seed(0)
     with fleet.LazyGuard() if lazy else contextlib.nullcontext():
         net = _model(args, model)
@@ -119,7 +123,7 @@ def _build(args, model, run):
     strategy = fleet.DistributedStrategy()
     if stage:
         strategy.sharding = True
-        strategy.sharding_configs = {"stage": stage}
+        strategy.sharding_configs = {"stage": stage, "prefetch_depth": depth}
     opt = optimizer.Adam(learning_rate=1e-4, parameters=net.parameters())
     return net, fleet.distributed_optimizer(opt, strategy)
 
@@ -314,12 +318,12 @@ def target_lines(rows, times, models):
             lines.append(f"target {model}, {run}: whole-process peak <= {target:.2f}x of data "
                          f"parallel's at {TARGET_RANKS} ranks: {ratio:.3f}x, "
                          f"{'met' if ratio <= target else 'MISSED'}")
-        run, target = TIME_TARGET
         step = times[TARGET_RANKS]
-        ratio = step[model, run]["step_ms"] / step[model, "dp"]["step_ms"]
-        lines.append(f"target {model}, {run}: step time <= {target:.2f}x of data parallel's "
-                     f"at {TARGET_RANKS} ranks: {ratio:.2f}x, "
-                     f"{'met' if ratio <= target else 'MISSED'}")
+        for run, target in TIME_TARGETS.items():
+            ratio = step[model, run]["step_ms"] / step[model, "dp"]["step_ms"]
+            lines.append(f"target {model}, {run}: step time <= {target:.2f}x of data "
+                         f"parallel's at {TARGET_RANKS} ranks: {ratio:.2f}x, "
+                         f"{'met' if ratio <= target else 'MISSED'}")
     return lines
 
 

@@ -472,6 +472,11 @@ class Communicator:
         """``allgather`` started on the background thread; ``wait()`` gives the joined array."""
         return self.submit("allgather", lambda: self.allgather(x, algorithm, stack), x)
 
+    def allgatherv_async(self, x, counts):
+        """``allgatherv`` started on the background thread; ``wait()`` gives the joined
+        array (sharding stage 3 prefetches the next unit's parameters with it)."""
+        return self.submit("allgatherv", lambda: self.allgatherv(x, counts), x)
+
     def reduce_scatter_async(self, x, op="sum", algorithm=None, compression=None, counts=None):
         """``reduce_scatter`` started on the background thread; ``wait()`` gives this rank's
         block."""

@@ -133,6 +133,9 @@ class CommThread:
             except BaseException as exc:  # delivered by handle.wait(), on the caller's thread
                 result, error = None, exc
             handle._finish(result, error)
+            # Not kept until the next operation arrives: the result may be a large array that
+            # its caller has already dropped (a prefetched unit of sharding stage 3).
+            del item, handle, operation, result, error
             with self._idle:
                 self.pending_count -= 1
                 self._idle.notify_all()

@@ -22,12 +22,19 @@ Re-sharding: the optimizer state of a ``sharding`` run is saved as each rank's s
 range of the parameter space. Loading joins, for the range the loading optimizer updates, the
 shards of the files that hold it, so such a checkpoint loads into a job of any size, sharded
 or not.
+
+Sharding stage 3 (a model built under ``LazyGuard`` too): a rank never holds the whole model.
+Saving gathers and writes one parameter at a time (the gathers are collectives, in the same
+order on every rank), and loading reads one parameter at a time from the file and keeps this
+rank's shard of it (``Parameter.assign``); what is put back if loading fails is a copy of the
+shard, not the model's values.
 """
 import hashlib
 import json
 import os
 import re
 import zipfile
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -131,7 +138,9 @@ def save(directory, model, optimizer, step, extra=None):
     step = int(step)
     comm, rank, size = _world()
     os.makedirs(directory, exist_ok=True)
-    arrays = {MODEL_PREFIX + name: value for name, value in model.state_dict().items()}
+    shard = _stage_3_shard(optimizer)
+    arrays = {} if shard is not None else {
+        MODEL_PREFIX + name: value for name, value in model.state_dict().items()}
     scalars = {}
     trained = _trained(model, optimizer)
     if optimizer is not None:
@@ -151,8 +160,12 @@ def save(directory, model, optimizer, step, extra=None):
     if comm is not None:
         _check_shared(comm, rank, directory, save)
     path = os.path.join(directory, _rank_file(step, rank, save))
-    files.write_atomically(path, lambda f: np.savez(f, **arrays),
-                           _temporary_prefix(f"rank{rank}"))
+    if shard is None:
+        files.write_atomically(path, lambda f: np.savez(f, **arrays),
+                               _temporary_prefix(f"rank{rank}"))
+    else:
+        files.write_atomically(path, lambda f: _write_entries(f, _one_at_a_time(model, arrays)),
+                               _temporary_prefix(f"rank{rank}"))
     digests = _gather_digests(comm, _digest(path))
     if rank == 0:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": size,
@@ -165,6 +178,66 @@ def save(directory, model, optimizer, step, extra=None):
         _exchange(comm, [0])
     _remove_stale(directory, rank, os.path.basename(path))
     return path
+
+
+def _stage_3_shard(optimizer):
+    """The shard of the parameters that ``optimizer`` updates under sharding stage 3, where the
+    model holds no values of its own; None otherwise."""
+    inner = getattr(optimizer, "inner", optimizer)
+    return getattr(inner, "shard_parameters", None)
+
+
+def _one_at_a_time(model, arrays):
+    """``(key, array)`` of the model's parameters, each gathered when it is written, then its
+    buffers and ``arrays``."""
+    for name, p in model.named_parameters():
+        yield MODEL_PREFIX + name, backend.to_numpy(p.values())
+    for name, b in model.named_buffers():
+        yield MODEL_PREFIX + name, backend.to_numpy(b)
+    yield from arrays.items()
+
+
+def _write_entries(f, entries):
+    """``np.savez``'s format (a zip of ``<key>.npy``), written one entry at a time."""
+    with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, value in entries:
+            with archive.open(key + ".npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.asanyarray(value), allow_pickle=False)
+
+
+class _StoredModel(Mapping):
+    """The model arrays of the checkpoint file ``path`` by name, each read from the file when
+    asked for: a stage-3 model takes its shard of one parameter at a time."""
+
+    def __init__(self, path, names):
+        self.path = path
+        self.names = names
+
+    def __getitem__(self, name):
+        if name not in self.names:
+            raise KeyError(name)
+        with np.load(self.path, allow_pickle=False) as stored:
+            return stored[MODEL_PREFIX + name]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+
+class _ShardCopy:
+    """What a stage-3 model holds, to put back: a copy of the shard and of the buffers."""
+
+    def __init__(self, model, shard):
+        self.shard = shard
+        self.values = shard.copy()
+        self.buffers = {name: b.copy() for name, b in model.named_buffers()}
+
+    def restore(self, model):
+        self.shard[...] = self.values
+        for name, b in model.named_buffers():
+            b[...] = self.buffers[name]
 
 
 def _trained(model, optimizer):
@@ -265,12 +338,19 @@ def read_meta(path):
         return _meta(stored)
 
 
-def _read(path):
+def _read(path, model=True):
     """Every array of the checkpoint file ``path`` and its metadata, as ``(arrays, meta)``;
-    a file that is not a readable checkpoint is a ValueError naming it."""
+    a file that is not a readable checkpoint is a ValueError naming it. ``model``: False
+    leaves the model's arrays out, "lazy" gives them as one ``_StoredModel`` under the key
+    ``MODEL_PREFIX``."""
     try:
         with np.load(path, allow_pickle=False) as stored:
-            return {k: stored[k] for k in stored.files if k != _META}, _meta(stored)
+            arrays = {k: stored[k] for k in stored.files
+                      if k != _META and (model is True or not k.startswith(MODEL_PREFIX))}
+            if model == "lazy":
+                arrays[MODEL_PREFIX] = _StoredModel(path, [
+                    k[len(MODEL_PREFIX):] for k in stored.files if k.startswith(MODEL_PREFIX)])
+            return arrays, _meta(stored)
     except (zipfile.BadZipFile, OSError, EOFError, KeyError, ValueError) as error:
         raise ValueError(f"{path} is not a readable checkpoint file ({error})") from None
 
@@ -288,7 +368,7 @@ def _join_shards(directory, manifest, state, own):
     joined = {k: np.empty(stop - start, dtype=state[k].dtype) for k in keys}
     covered = np.zeros(stop - start, dtype=bool)
     for entry in manifest["files"]:
-        stored, meta = _read(verified_file(directory, entry))
+        stored, meta = _read(verified_file(directory, entry), model=False)
         a, b, _ = meta["optimizer"]["shard"]
         lo, hi = max(a, start), min(b, stop)
         if lo >= hi or covered[lo - start:hi - start].all():
@@ -370,14 +450,16 @@ def _read_part(directory, rank, size, optimizer, replicated):
     saved = manifest["world_size"]
     entry = manifest["files"][rank % saved]
     path = verified_file(directory, entry)
-    stored, meta = _read(path)
+    lazy = _stage_3_shard(optimizer) is not None
+    stored, meta = _read(path, model="lazy" if lazy else True)
     sharded = optimizer is not None and "shard" in meta["optimizer"]
     if saved != size and not sharded and not replicated:
         raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "
                          f"this job has {size} (only the optimizer state of a sharding "
                          "run is re-sharded to another number of ranks, or a state that "
                          "load(..., replicated=True) is told every rank holds alike)")
-    model_state = {k[len(MODEL_PREFIX):]: v for k, v in stored.items() if k.startswith(MODEL_PREFIX)}
+    model_state = stored.pop(MODEL_PREFIX) if lazy else {
+        k[len(MODEL_PREFIX):]: v for k, v in stored.items() if k.startswith(MODEL_PREFIX)}
     state = dict(meta["optimizer"])
     state.update({k[len(_OPTIMIZER):]: v for k, v in stored.items() if k.startswith(_OPTIMIZER)})
     if sharded:
@@ -395,7 +477,9 @@ def _set_rng(rng):
 
 def _current(model, optimizer):
     """The model's, the optimizer's and the random state as they are, in ``_apply``'s form."""
-    return (model.state_dict(), optimizer.state_dict() if optimizer is not None else None,
+    shard = _stage_3_shard(optimizer)
+    return (model.state_dict() if shard is None else _ShardCopy(model, shard),
+            optimizer.state_dict() if optimizer is not None else None,
             (backend.rng_state(), backend.rng_device_state()))
 
 
@@ -403,7 +487,10 @@ def _apply(model, optimizer, states):
     """Load the three ``states`` (the random one: the rank generator's, and on a GPU its
     device state)."""
     model_state, optimizer_state, rng = states
-    model.set_state_dict(model_state)
+    if isinstance(model_state, _ShardCopy):
+        model_state.restore(model)
+    else:
+        model.set_state_dict(model_state)
     if optimizer is not None:
         optimizer.set_state_dict(optimizer_state)
     _set_rng(rng)

@@ -145,6 +145,17 @@ def _sharding_reasons(strategy, default, sharding, reasons):
             and configs["fuse_broadcast_MB"] != default.sharding_configs["fuse_broadcast_MB"]:
         reasons["sharding_configs.fuse_broadcast_MB"] = (
             "a sharding group of one rank broadcasts no shards")
+    if sharding.stage < 3:
+        for key in ("prefetch_depth", "unit_size_MB"):
+            if configs[key] != default.sharding_configs[key]:
+                reasons[f"sharding_configs.{key}"] = (
+                    f"stage {sharding.stage} keeps the parameters whole; units are gathered "
+                    "from stage 3 on")
+    elif sharding.group is None and configs["prefetch_depth"] != \
+            default.sharding_configs["prefetch_depth"]:
+        reasons["sharding_configs.prefetch_depth"] = (
+            "a sharding group of one rank copies its units instead of gathering them; there "
+            "is nothing to run ahead")
     if configs["hybrid_dp"] and sharding.replicas is None:
         reasons["sharding_configs.hybrid_dp"] = (
             f"the sharding group is the whole world of {sharding.world_size} rank(s), so there "

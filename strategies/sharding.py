@@ -29,7 +29,9 @@ its window too. Steps 2-4 follow as in stage 1.
 Stage 3 keeps no full-size parameters either: the optimizer updates ``shard_parameters`` and
 the flat values are freed; ``sharding_parameters.ParameterGatherer`` all-gathers a layer's
 parameters when an operation uses them and frees them when another layer's are needed, and
-again in backward for the operations that saved them. Nothing is broadcast after the update.
+again in backward for the operations that saved them, gathering up to
+``sharding_configs["prefetch_depth"]`` units ahead of use. Nothing is broadcast after the
+update.
 
 Group: the whole world, or with ``hybrid_dp`` runs of ``sharding_group_size`` (Paddle's later
 name: ``sharding_degree``) consecutive ranks, ``world size / group size`` of them training as
@@ -122,7 +124,9 @@ class Sharding(Strategy):
         if self.stage == 3:
             from .sharding_parameters import ParameterGatherer
 
-            self.gatherer = ParameterGatherer(optimizer, self.group, self.offsets)
+            self.gatherer = ParameterGatherer(
+                optimizer, self.group, self.offsets, int(self.configs["prefetch_depth"]),
+                int(float(self.configs["unit_size_MB"]) * 2 ** 20))
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -274,6 +278,8 @@ class Sharding(Strategy):
 
     # -- parameters -------------------------------------------------------------------------
     def update(self, ctx, proceed):
+        if self.gatherer is not None:
+            self.gatherer.settle()  # a gather in flight reads the shard the update writes
         result = proceed(ctx)
         if self.gatherer is not None:
             self.gatherer.end_step()

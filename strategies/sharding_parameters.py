@@ -21,7 +21,28 @@ somewhere else) still holds the right values, only its memory stays.
 Every rank of a group must therefore run the same operations on the same parameters in the
 same order, as with FSDP or ZeRO-3; a unit gathered on one rank only is a collective that the
 others do not enter, reported by the comm layer's checks.
+
+Units (``sharding_configs["unit_size_MB"]``): one layer's parameters by default (0); above 0,
+units adjacent in the parameter space join while the joined unit stays within that size, so a
+model of many small layers makes fewer, larger gathers. A layer larger than it stays one unit.
+
+Prefetch (``sharding_configs["prefetch_depth"]``, the most units gathered ahead). The gatherer
+records the units it gathers in one step, in order: forward's, then backward's (about the
+reverse), and a recomputed segment's. The next step is expected to repeat it. Whenever a unit is
+gathered, the all-gathers of the next ``prefetch_depth`` units of that sequence are started on
+the communicator's background thread (``allgatherv_async``), so they run while the current
+unit computes; a unit asked for that is in flight is waited for instead of gathered. The
+sequence is the same on every rank (the ranks run the same operations), so every rank starts
+the same collectives in the same order. A wrong guess costs time only: the units started ahead
+of the one asked for are waited for and dropped, the one asked for is gathered now, and the
+guess goes on from where it appears next in the sequence (or stops for the step). At most
+``prefetch_depth + 1`` units are whole at once, besides what backward keeps (above). Before the
+update, and before ``assign`` writes the shard, the units in flight are waited for and dropped:
+their values would be stale. The first step has no record; it expects the units in the order of
+the parameter space, then in reverse (the last unit, still whole, is not gathered again).
 """
+import collections
+
 import numpy as np
 
 from .. import backend
@@ -99,21 +120,46 @@ def _put(node, attribute, position, value):
     setattr(node, attribute, type(held)(items))
 
 
+def _joined(layers, most):
+    """``layers`` (each a list of ``(start, parameter)``, in parameter-space order) joined
+    where adjacent in the space while the joined elements stay within ``most`` (0: none
+    joined)."""
+    joined = []
+    for members in layers:
+        if joined and most:
+            last = joined[-1]
+            stop = last[-1][0] + last[-1][1].size
+            size = members[-1][0] + members[-1][1].size - last[0][0]
+            if members[0][0] == stop and size <= most:
+                last.extend(members)
+                continue
+        joined.append(list(members))
+    return joined
+
+
 class ParameterGatherer:
     """The keeper of every parameter of a stage-3 optimizer (module docstring). ``units``:
-    the units in parameter-space order; ``gathers``: how many all-gathers ran."""
+    the units in parameter-space order; ``gathers``: how many all-gathers ran, of which
+    ``prefetched`` were started ahead and ``dropped`` were not the unit asked for next;
+    ``sequence``: the unit indices gathered so far in this step. ``prefetch_depth``: the most
+    units gathered ahead (none in a group of one rank, where a gather is a copy);
+    ``unit_bytes``: the most bytes of joined layers (0: one layer a unit)."""
 
-    def __init__(self, optimizer, group, offsets):
+    def __init__(self, optimizer, group, offsets, prefetch_depth=0, unit_bytes=0):
         self.optimizer = optimizer
         self.group = group
         self.offsets = offsets
         rank = 0 if group is None else group.rank
         self.shard = (offsets[rank], offsets[rank + 1])
+        self.prefetch_depth = 0 if group is None else int(prefetch_depth)
         self.units = []
         self._unit_of = {}
         self._position = {}
         self.current = None
-        self.gathers = 0
+        self.gathers = self.prefetched = self.dropped = 0
+        self.sequence = []
+        self._in_flight = collections.deque()  # (unit, handle): _expected[_cursor:] in order
+        self._cursor = 0
         placed = []
         for run, (low, _) in zip(optimizer.runs, optimizer.run_spans):
             placed += [(low + p.offset - run.start, p) for p in run.parameters]
@@ -121,18 +167,22 @@ class ParameterGatherer:
         by_layer = {}
         for start, p in placed:
             by_layer.setdefault(layer_of(p), []).append((start, p))
+        layers = []
         for members in by_layer.values():
             run = [members[0]]
             for start, p in members[1:]:
                 if start == run[-1][0] + run[-1][1].size:
                     run.append((start, p))
                 else:
-                    self._add_unit(run)
+                    layers.append(run)
                     run = [(start, p)]
-            self._add_unit(run)
-        self.units.sort(key=lambda unit: unit.start)
-        for index, unit in enumerate(self.units):
-            unit.index = index
+            layers.append(run)
+        layers.sort(key=lambda members: members[0][0])
+        itemsize = optimizer.runs[0].buffer.dtype.itemsize if optimizer.runs else 1
+        for members in _joined(layers, int(unit_bytes) // itemsize):
+            self._add_unit(members)
+        forward = [unit.index for unit in self.units]
+        self._expected = forward + forward[-2::-1]
         for buffer in {id(run.buffer): run.buffer for run in optimizer.runs}.values():
             buffer.release_data()
         for _, p in placed:
@@ -188,32 +238,79 @@ class ParameterGatherer:
 
     # -- gathering --------------------------------------------------------------------------
     def gathered(self, unit):
-        """``unit``'s values, all-gathered unless it is the current unit; the unit gathered
-        before is released."""
+        """``unit``'s values, all-gathered (or taken from the prefetched ones) unless it is
+        the current unit; the unit gathered before is released, and the next units expected
+        are started ahead."""
         if self.current is unit:
             return unit.values
         self.forget()
-        start, stop = self.shard
-        lo, hi = max(unit.start, start), min(unit.stop, stop)
-        piece = self.optimizer.shard_parameters[max(0, lo - start):max(0, hi - start)]
-        if self.group is None:
-            values = piece.copy()
-        else:
-            values = self.group.allgatherv(piece, unit.counts)
-        self.gathers += 1
+        values = self._take(unit)
+        self.sequence.append(unit.index)
         unit.values = values
         for p in unit.parameters:
             begin = self._position[id(p)] - unit.start
             p.bind_data(values[begin:begin + p.size].reshape(p.shape))
         self.current = unit
+        self._prefetch()
         return values
+
+    def _piece(self, unit):
+        start, stop = self.shard
+        lo, hi = max(unit.start, start), min(unit.stop, stop)
+        return self.optimizer.shard_parameters[max(0, lo - start):max(0, hi - start)]
+
+    def _take(self, unit):
+        """``unit``'s values: from its prefetch when it is in flight (those started before it
+        are waited for and dropped), else gathered now, the guess moved to where ``unit``
+        appears next in the expected sequence."""
+        if any(ahead is unit for ahead, _ in self._in_flight):
+            while True:
+                ahead, handle = self._in_flight.popleft()
+                values = handle.wait()
+                self._cursor += 1
+                if ahead is unit:
+                    return values
+                self.dropped += 1
+        self.settle()
+        following = self._expected[self._cursor:]
+        self._cursor += following.index(unit.index) + 1 if unit.index in following \
+            else len(following)
+        self.gathers += 1
+        if self.group is None:
+            return self._piece(unit).copy()
+        return self.group.allgatherv(self._piece(unit), unit.counts)
+
+    def _prefetch(self):
+        """Start the all-gathers of the next expected units, up to ``prefetch_depth``."""
+        while len(self._in_flight) < self.prefetch_depth:
+            position = self._cursor + len(self._in_flight)
+            if position >= len(self._expected):
+                return
+            unit = self.units[self._expected[position]]
+            self._in_flight.append((unit, self.group.allgatherv_async(self._piece(unit),
+                                                                      unit.counts)))
+            self.gathers += 1
+            self.prefetched += 1
+
+    def settle(self):
+        """Wait for the units in flight and drop them (before the shard changes, or when the
+        guess was wrong); the guess moves past them."""
+        while self._in_flight:
+            self._in_flight.popleft()[1].wait()
+            self._cursor += 1
+            self.dropped += 1
 
     def end_step(self):
         """After the update: the unit gathered last is stale, and what forward packed and
-        backward did not reach (an output left unused) is not waited for."""
+        backward did not reach (an output left unused) is not waited for. This step's
+        sequence is what the next step expects."""
+        self.settle()
         self.forget()
         for unit in self.units:
             unit.packed = 0
+        if self.sequence:
+            self._expected, self.sequence = self.sequence, []
+        self._cursor = 0
 
     def forget(self):
         """Release the unit gathered last."""
@@ -225,6 +322,7 @@ class ParameterGatherer:
 
     def assign(self, parameter, values):
         """Write the part of ``values`` (``parameter``'s whole values) in this rank's shard."""
+        self.settle()
         begin = self._position[id(parameter)]
         start, stop = self.shard
         lo, hi = max(begin, start), min(begin + parameter.size, stop)

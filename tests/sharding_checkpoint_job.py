@@ -5,7 +5,9 @@
 
 Every rank trains on its shard of ``strategy_support.global_batch(step)`` with Adam under
 ``sharding`` of ``STAGE``; ``resume`` starts from other parameters (seed 7) and writes the final parameters
-and each rank's optimizer-state bytes into ``OUT`` (``np.savez``).
+and each rank's optimizer-state bytes into ``OUT`` (``np.savez``). With ``--lazy`` after the
+arguments the model is built under ``LazyGuard``, and ``resume`` checks on every rank that the
+loaded model equals the saved values.
 """
 import sys
 
@@ -17,15 +19,21 @@ from strategy_support import global_batch, make_mlp, make_strategy, shard, world
 
 STEPS = 6
 HALF = 3
+# The model built under LazyGuard: deeper than make_mlp()'s, its shards cutting layers.
+LAZY_SIZES = (6,) + (64,) * 8 + (4,)
 
 
 def adam(parameters):
     return optimizer.Adam(learning_rate=0.01, parameters=parameters)
 
 
-def build(seed, stage):
+def build(seed, stage, lazy=False):
     backend.manual_seed(seed)
-    model = fleet.distributed_model(make_mlp())
+    if lazy:
+        with fleet.LazyGuard():
+            model = fleet.distributed_model(make_mlp(sizes=LAZY_SIZES))
+    else:
+        model = fleet.distributed_model(make_mlp())
     opt = fleet.distributed_optimizer(adam(model.parameters()),
                                       make_strategy(sharding=True,
                                                     sharding_configs={"stage": int(stage)}))
@@ -39,15 +47,19 @@ def train(model, opt, steps):
         opt.minimize(model, nn.CrossEntropyLoss(), shard(x, rank, size), shard(y, rank, size))
 
 
-def main(stage, mode, directory, out=None):
+def main(stage, mode, directory, out=None, lazy=False):
     fleet.init(is_collective=True)
     if mode == "save":
-        model, opt = build(0, stage)
+        model, opt = build(0, stage, lazy)
         train(model, opt, range(HALF))
         checkpoint.save(directory, model, opt, HALF)
         return
-    model, opt = build(7, stage)
+    model, opt = build(7, stage, lazy)
     info = checkpoint.load(directory, model, opt)
+    if lazy:
+        for name, value in model.state_dict().items():
+            if not np.array_equal(value, checkpoint.saved_model_value(directory, name)):
+                raise AssertionError(f"{name} after loading differs from the saved values")
     train(model, opt, range(info["step"], STEPS))
     final = model.state_dict()        # under stage 3 a collective: every rank calls it
     for name, value in final.items():
@@ -60,4 +72,5 @@ def main(stage, mode, directory, out=None):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    arguments = [a for a in sys.argv[1:] if a != "--lazy"]
+    main(*arguments, lazy=len(arguments) < len(sys.argv) - 1)

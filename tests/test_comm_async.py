@@ -182,7 +182,7 @@ def test_a_device_operation_is_ordered_by_events_on_its_own_stream(reads, monkey
 
 @pytest.mark.mpi(min_size=2)
 def test_every_collective_has_an_asynchronous_form_with_the_blocking_result():
-    """Uneven first dimensions (an empty part on rank 1) and all five forms started before
+    """Uneven first dimensions (an empty part on rank 1) and all six forms started before
     any is waited on: each result equals the blocking call's, on every rank."""
     comm = world()
     rows = [2, 0, 3, 1][comm.rank % 4]
@@ -193,6 +193,8 @@ def test_every_collective_has_an_asynchronous_form_with_the_blocking_result():
     calls = {  # name: (arguments, keyword arguments)
         "broadcast": ((block,), {"root": comm.size - 1}),
         "allgather": ((x,), {}),
+        "allgatherv": ((x.reshape(-1),), {"counts": [[2, 0, 3, 1][r % 4] * 3
+                                                     for r in range(comm.size)]}),
         "reduce_scatter": ((block,), {"op": "max"}),
         "alltoall": ((parts,), {"splits": splits}),
         "barrier": ((), {}),
@@ -213,3 +215,4 @@ def test_every_collective_has_an_asynchronous_form_with_the_blocking_result():
     everyone = [rank_data(r, [2, 0, 3, 1][r % 4] * 3, np.float64, case=7).reshape(-1, 3)
                 for r in range(comm.size)]
     equal(handles["allgather"].wait(), np.concatenate(everyone))
+    equal(handles["allgatherv"].wait(), np.concatenate(everyone).reshape(-1))

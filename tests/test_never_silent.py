@@ -202,6 +202,11 @@ FIELDS = {
                                                     "conflicts_with_a_different_group_size")),
     "sharding_configs.stage": Effect(2, "test_sharding_stages.py::"
                                      + _t("n_ranks_equal_one_process_on_a_user_model")),
+    "sharding_configs.prefetch_depth": Effect(1, "test_sharding_prefetch.py::"
+                                              + _t("prefetch_changes_no_result_bit_for_bit")),
+    "sharding_configs.unit_size_MB": Effect(1.0, "test_sharding_prefetch.py::"
+                                            + _t("units_join_adjacent_layers_up_to_unit_size_"
+                                                 "mb")),
     "elastic": Effect(True, "test_elastic.py::" + _t("a_run_that_lost_a_rank_resumes_at_two_and_"
                                                      "ends_as_an_uninterrupted_one")),
     "a_sync_configs.k_steps": Effect(0, "test_pserver.py::"

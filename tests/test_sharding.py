@@ -411,6 +411,24 @@ def test_a_checkpoint_of_2_sharded_ranks_continues_identically_on_3_and_on_1(tmp
                                    err_msg=key)
 
 
+@pytest.mark.parametrize("ranks", [1, 3, 4])
+def test_a_lazy_stage_3_checkpoint_of_2_ranks_loads_at_other_counts(tmp_path, ranks):
+    """Saved at 2 ranks from a model built under LazyGuard, loaded at 1, 3 and 4 into one built
+    under the guard: the loaded values are the saved ones (checked in the job on every rank),
+    and training ends where the uninterrupted run does."""
+    from sharding_checkpoint_job import LAZY_SIZES, STEPS as JOB_STEPS, adam as job_adam
+
+    directory, out = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
+    run_job(2, "3", "save", directory, "--lazy")
+    run_job(ranks, "3", "resume", directory, out, "--lazy")
+    expected, _, _ = train(make_strategy(), job_adam, steps=JOB_STEPS, local=True,
+                           make_model=lambda: make_mlp(sizes=LAZY_SIZES))
+    with np.load(out, allow_pickle=False) as final:
+        for key, value in expected.state_dict().items():
+            np.testing.assert_allclose(final[key], value, rtol=1e-10, atol=1e-13, err_msg=key)
+        assert len(final["state_bytes"]) == ranks
+
+
 def test_a_sharded_checkpoint_of_another_model_is_refused(tmp_path):
     fleet.init(is_collective=True)
     model, opt, _ = train(sharding(), adam, steps=1, local=True)
