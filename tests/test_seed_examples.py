@@ -198,7 +198,8 @@ def test_sharding():
     }
     assert dict(strategy.sharding_configs) == {"fuse_broadcast_MB": 32.0, "hybrid_dp": True,
                                                "sharding_group_size": 8, "sharding_degree": 8,
-                                               "stage": 1}
+                                               "stage": 1, "prefetch_depth": 0,
+                                               "unit_size_MB": 0.0}
 
 
 def test_amp_recompute_lars_combination():

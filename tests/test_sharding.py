@@ -171,9 +171,10 @@ def test_the_ring_reduce_scatter_in_place_equals_data_parallel(stage, monkeypatc
     """Gradients of any size go through the library's ring, which reduces in the gradient's
     own storage and returns this rank's block as a view of it (large models take this path;
     the small ones of the other tests the native one)."""
-    from fleetmpi.strategies import sharding as sharding_module
+    from fleetmpi.comm import Communicator
 
-    monkeypatch.setattr(sharding_module, "NATIVE_BELOW_BYTES", 0)
+    monkeypatch.setattr(Communicator, "prefers_native", lambda self, nbytes, compression=None:
+                        False)
     model, _, _ = train(sharding(stage=stage), OPTIMIZERS["adam"], steps=STEPS)
     expected, _, _ = train(make_strategy(), OPTIMIZERS["adam"], steps=STEPS, local=True)
     assert_close_everywhere(model, expected.state_dict())
