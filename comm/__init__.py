@@ -9,10 +9,13 @@
 
 The layers above use the names exported here and nothing else of this package: the
 ``Communicator`` (which also answers what they ask of the algorithms: ``allreduce_algorithm``,
-``prefers_native``, ``reduce_scatter_offsets``) and ``overlap_counts``, the per-rank counts of
-a range of elements cut by such offsets.
+``prefers_native``, ``reduce_scatter_offsets``), ``overlap_counts``, the per-rank counts of
+a range of elements cut by such offsets, and the one bucket plan (``plan_buckets`` over
+``Extent``s, sizes in ``megabytes``) that the gradient strategies share with
+``allreduce_many``.
 """
 from .agreement import CollectiveMismatchError
+from .bucketing import Extent, megabytes, plan_buckets
 from .communicator import Communicator
 from .ring import overlap_counts
 from .topology import Topology
@@ -45,5 +48,6 @@ def release_communicators():
         _world = None
 
 
-__all__ = ["CollectiveMismatchError", "Communicator", "NCCLUnavailableError", "Topology",
-           "get_communicator", "overlap_counts", "release_communicators"]
+__all__ = ["CollectiveMismatchError", "Communicator", "Extent", "NCCLUnavailableError",
+           "Topology", "get_communicator", "megabytes", "overlap_counts", "plan_buckets",
+           "release_communicators"]

@@ -42,6 +42,7 @@ from .call_checks import (CallAgreement, capture, check_algorithm, check_array, 
                           check_counts, check_parts, check_peer, check_positive,
                           check_reduction, check_root)
 from .context import AlgorithmContext
+from .bucketing import megabytes
 from .fusion import buckets_for
 from .handles import CommThread
 from .ops import array_module, is_device_array
@@ -441,7 +442,7 @@ class Communicator:
         problem = capture(check)
         self._agree("allreduce_many", arrays, problem, op=op, algorithm=algorithm,
                     compression=compression)
-        for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
+        for i, bucket in enumerate(buckets_for(arrays, megabytes(mb))):
             flat = bucket.load()
             dispatch.allreduce_flat(ctx, flat, op, algorithm, compression,
                                     i % self.nccl_comm_num)
@@ -561,7 +562,7 @@ class Communicator:
             check_algorithm(ctx, "broadcast", algorithm)
         problem = capture(check)
         self._agree("broadcast_many", arrays, problem, root=root, algorithm=algorithm)
-        for i, bucket in enumerate(buckets_for(arrays, int(mb * (1 << 20)))):
+        for i, bucket in enumerate(buckets_for(arrays, megabytes(mb))):
             flat = bucket.load()
             dispatch.broadcast_flat(ctx, flat, root, algorithm, i % self.nccl_comm_num)
             bucket.store()

@@ -1,30 +1,17 @@
 """Gradient fusion: many arrays reduced (or broadcast) as a few flat buckets.
 
-Consecutive arrays of one dtype go into a bucket until it would exceed the bucket size; an
-array larger than that is a bucket of its own. When a bucket's arrays already lie back to back
-in one allocation (the trainer keeps parameters and gradients as views of one flat buffer), the
-bucket is a view of that memory and needs no copy; otherwise it is packed into a scratch buffer
-(on GPU by one batched kernel, ``pack.cu``) and unpacked afterwards.
+Which arrays share a bucket is ``bucketing.plan_buckets``' plan (consecutive arrays of one
+dtype up to the bucket size; an array larger than that is a bucket of its own). When a
+bucket's arrays already lie back to back in one allocation (the trainer keeps parameters and
+gradients as views of one flat buffer), the bucket is a view of that memory and needs no copy;
+otherwise it is packed into a scratch buffer (on GPU by one batched kernel, ``pack.cu``) and
+unpacked afterwards.
 """
 import numpy as np
 
+from .bucketing import plan_buckets
 from .ops import array_module, is_device_array
 from .pack import pack_device, pack_reference, unpack_device, unpack_reference
-
-
-def plan_buckets(arrays, bucket_bytes):
-    """Index lists of the buckets for ``arrays``, in order."""
-    buckets, current, current_bytes = [], [], 0
-    for i, a in enumerate(arrays):
-        if current and (a.dtype != arrays[current[0]].dtype
-                        or current_bytes + a.nbytes > bucket_bytes):
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += a.nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def _host_owner(a):
@@ -98,4 +85,5 @@ class Bucket:
 
 
 def buckets_for(arrays, bucket_bytes):
+    """The ``Bucket``s of ``arrays`` in buckets of at most ``bucket_bytes``."""
     return [Bucket([arrays[i] for i in idx]) for idx in plan_buckets(arrays, bucket_bytes)]

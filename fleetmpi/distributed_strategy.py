@@ -187,7 +187,7 @@ class DistributedStrategy(_MessageObject):
     the keys given (``strategy.amp_configs["incr_ratio"] = 3.0`` works too);
     ``strategy.build_strategy`` and ``strategy.execution_strategy`` are live objects, and
     can be assigned a ``BuildStrategy``/``ExecutionStrategy`` or a dict of their fields.
-    Paddle 2.1-2.4's fields that fleetmpi lacks (``find_unused_parameters``,
+    Paddle 2.1-2.4's fields that fleetmpi lacks (``fuse_grad_size_in_num``,
     ``pipeline_configs["p2p_cache_shape"]``, ...: ``fleetmpi.paddle_fields``) are kept as a
     loaded file's are, and reported as not applied with the reason.
     """

@@ -15,10 +15,6 @@ _HYBRID = ("fleetmpi lays ranks out over data, model, pipeline and sharding degr
 PADDLE_ONLY = {
     "mode": "fleetmpi takes the mode from fleet.init (is_collective or the role maker), as "
             "Paddle's fleet.init does",
-    "last_comm_group_size_MB": "the last gradient bucket is sized by fuse_grad_size_in_MB like "
-                               "every other bucket",
-    "find_unused_parameters": "a parameter that received no gradient is reduced as zeros; the "
-                              "trainer needs no search for unused parameters",
     "without_graph_optimization": "the trainer runs define-by-run; there is no program graph "
                                   "to optimize",
     "fuse_grad_size_in_num": "gradient buckets are bounded by fuse_grad_size_in_MB and "

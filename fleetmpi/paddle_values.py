@@ -1,4 +1,4 @@
-"""Paddle-only strategy fields set from Python (``strategy.find_unused_parameters = True``,
+"""Paddle-only strategy fields set from Python (``strategy.fuse_grad_size_in_num = 4``,
 ``strategy.pipeline_configs["p2p_cache_shape"] = False``), kept as the text a strategy file holds.
 
 A strategy keeps the Paddle-only fields (``fleetmpi.paddle_fields.PADDLE_ONLY``) a loaded file
@@ -39,7 +39,7 @@ def _value_text(path, value):
 
 def render(path, value):
     """The text of field ``path`` holding ``value``, named by its last part, as a file holds
-    it (``find_unused_parameters: true``, ``trainer_desc_configs { dump_param: ["w"] }``)."""
+    it (``fuse_grad_size_in_num: 4``, ``trainer_desc_configs { dump_param: ["w"] }``)."""
     name = path.rpartition(".")[2]
     if isinstance(value, dict):
         body = " ".join(f"{key}: {_value_text(f'{path}[{key!r}]', item)}"

@@ -27,8 +27,8 @@ from .inert_fields import inert_fields_set, report_once
 CUDNN_FIELDS = ("cudnn_exhaustive_search", "conv_workspace_size_limit")
 # Fields that only shape how gradients travel between ranks.
 COMMUNICATION_FIELDS = ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS",
-                        "nccl_comm_num", "use_hierarchical_allreduce",
-                        "hierarchical_allreduce_inter_nranks")
+                        "last_comm_group_size_MB", "find_unused_parameters", "nccl_comm_num",
+                        "use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks")
 _ALONE = "this process trains alone ({}), so there are no gradients to exchange"
 # Strategies whose whole effect is between ranks, and what a process alone lacks for them.
 _ALONE_SWITCHES = {
@@ -101,7 +101,8 @@ def not_applied(strategy, communicator, on_gpu, hooks=()):
                        "every pipeline stage has one replica here (world = stages), so no "
                        "gradients are exchanged")
     if not strategy.fuse_all_reduce_ops:
-        for name in ("fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS"):
+        for name in ("fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS",
+                     "last_comm_group_size_MB"):
             if changed(strategy, default, name):
                 reasons.setdefault(name, "fuse_all_reduce_ops is off: one allreduce per "
                                          "parameter")
@@ -135,6 +136,14 @@ def _sharding_reasons(strategy, default, sharding, reasons):
     for name in ("use_hierarchical_allreduce", "hierarchical_allreduce_inter_nranks"):
         if changed(strategy, default, name):
             reasons[name] = flat
+    if changed(strategy, default, "last_comm_group_size_MB"):
+        reasons["last_comm_group_size_MB"] = (
+            "sharding reduce-scatters each gradient bucket before backward goes on, so no "
+            "bucket's reduction overlaps backward and the last one's size shortens nothing")
+    if changed(strategy, default, "find_unused_parameters"):
+        reasons["find_unused_parameters"] = (
+            "sharding reduces a parameter without a gradient as zeros without looking for "
+            "one, so there is no warning for the field to silence")
     if sharding.stage == 1:
         for name in ("fuse_all_reduce_ops", "fuse_grad_size_in_MB", "fuse_grad_size_in_TFLOPS"):
             if changed(strategy, default, name):

@@ -34,6 +34,10 @@ FIELDS = {
                                          "allreduce"),
     "fuse_grad_size_in_TFLOPS": (COLLECTIVE, "gradient buckets: the most layers per fused "
                                              "allreduce"),
+    "last_comm_group_size_MB": (COLLECTIVE, "gradient buckets: the most bytes of the last "
+                                            "bucket, reduced after backward"),
+    "find_unused_parameters": (COLLECTIVE, "data parallel: parameters without a gradient are "
+                                           "reduced as zeros; off warns once naming them"),
     "nccl_comm_num": (COLLECTIVE, "communicator: buckets spread over this many communicators"),
     "use_hierarchical_allreduce": (COLLECTIVE, "communicator: two-level allreduce"),
     "hierarchical_allreduce_inter_nranks": (COLLECTIVE, "communicator: ranks per group of the "

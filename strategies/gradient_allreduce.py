@@ -7,7 +7,9 @@ update waits for every bucket (``FLEETMPI_OVERLAP_ALLREDUCE=0``: each bucket is 
 backward goes on). Buckets follow the collective guide's fusion
 fields: ``fuse_all_reduce_ops`` (off: one bucket per parameter), ``fuse_grad_size_in_MB`` (the
 most bytes in a bucket) and ``fuse_grad_size_in_TFLOPS`` (despite its name, the guide defines it
-as the most layers whose gradients one fused allreduce carries).
+as the most layers whose gradients one fused allreduce carries), and Paddle's
+``last_comm_group_size_MB`` (the most bytes of the last bucket, whose reduction nothing
+overlaps), planned by the comm layer's ``plan_buckets``.
 
 The allreduce algorithm of each bucket is chosen once per bucket plan, at its first reduction
 (``Communicator.allreduce_algorithm``), and passed to every reduction of the bucket. Each
@@ -22,7 +24,9 @@ contributed a batch (``StepContext.contributors``).
 import os
 
 from .. import backend, timeline
+from ..comm import Extent, megabytes, plan_buckets
 from ..knobs import OVERLAP_ALLREDUCE
+from ..log import logger
 from .base import Strategy
 
 
@@ -61,37 +65,30 @@ def layer_of(parameter):
 
 
 def fusion_limits(strategy):
-    """``(bucket_bytes, max_layers)`` of the fusion fields: ``fuse_all_reduce_ops`` off means
-    no fusion (a bucket per parameter)."""
+    """``(bucket_bytes, max_layers, last_bucket_bytes)`` of the fusion fields
+    (``fuse_grad_size_in_MB``, ``fuse_grad_size_in_TFLOPS``, ``last_comm_group_size_MB``);
+    ``fuse_all_reduce_ops`` off means no fusion (a bucket per parameter)."""
     if not strategy.fuse_all_reduce_ops:
-        return None, None
-    return int(strategy.fuse_grad_size_in_MB * 2 ** 20), strategy.fuse_grad_size_in_TFLOPS
+        return None, None, None
+    return (megabytes(strategy.fuse_grad_size_in_MB), strategy.fuse_grad_size_in_TFLOPS,
+            megabytes(strategy.last_comm_group_size_MB))
 
 
-def plan_gradient_buckets(runs, bucket_bytes, max_layers=None):
-    """Buckets over the contiguous runs of the optimizer's parameters, each holding at most
-    ``bucket_bytes`` (a parameter bigger than that alone) and the parameters of at most
-    ``max_layers`` layers (its whole part, at least one: ``fuse_grad_size_in_TFLOPS`` is any
-    positive float, as in Paddle); ``bucket_bytes=None`` gives one bucket per parameter (no
-    fusion)."""
-    max_layers = None if max_layers is None else max(1, int(max_layers))
+def plan_gradient_buckets(runs, bucket_bytes, max_layers=None, last_bucket_bytes=None,
+                          shard_bytes=None):
+    """The ``GradientBucket``s of the optimizer's contiguous runs of parameters, in the order
+    backward completes them: the comm layer's ``plan_buckets`` over each run, by the
+    parameters' bytes and layers (``layer_of``), the bound on the last bucket applied to the
+    last run's (the one reduced last)."""
     buckets = []
-    for run in runs:
-        current, current_bytes, layers = [], 0, set()
-        for p in run.parameters:
-            nbytes = p.size * p.dtype.itemsize
-            layer = layer_of(p)
-            full = (bucket_bytes is None or current_bytes + nbytes > bucket_bytes
-                    or (max_layers is not None and layer not in layers
-                        and len(layers) >= max_layers))
-            if current and full:
-                buckets.append(GradientBucket(run.buffer, current, len(buckets)))
-                current, current_bytes, layers = [], 0, set()
-            current.append(p)
-            current_bytes += nbytes
-            layers.add(layer)
-        if current:
-            buckets.append(GradientBucket(run.buffer, current, len(buckets)))
+    for number, run in enumerate(runs):
+        parameters = run.parameters
+        extents = [Extent(p.size * p.dtype.itemsize, p.dtype) for p in parameters]
+        last = last_bucket_bytes if number == len(runs) - 1 else None
+        for indices in plan_buckets(extents, bucket_bytes, [layer_of(p) for p in parameters],
+                                    max_layers, shard_bytes, last):
+            buckets.append(GradientBucket(run.buffer, [parameters[i] for i in indices],
+                                          len(buckets)))
     return buckets
 
 
@@ -103,14 +100,18 @@ class BucketSchedule:
     it, still in index order, so every rank issues the same collectives in the same order even
     when ranks take different branches. ``reduce(bucket)`` does the reduction,
     or starts it and returns its ``Handle``: ``finish`` waits for those before the update (as
-    Horovod and DDP do), so the reduction of one bucket overlaps the backward still to come."""
+    Horovod and DDP do), so the reduction of one bucket overlaps the backward still to come.
+    ``on_unused``, when set, is called by ``finish`` with the parameters that reported no
+    gradient in a step whose buckets it reduces."""
 
-    def __init__(self, buckets, reduce):
+    def __init__(self, buckets, reduce, on_unused=None):
         self.buckets = buckets
         self._reduce = reduce
         self._bucket_of = {id(p): bucket for bucket in buckets for p in bucket.parameters}
         self._next = 0
         self._handles = []
+        self.on_unused = on_unused
+        self._reported = set()
 
     def bucket_of(self, parameter):
         return self._bucket_of.get(id(parameter))
@@ -121,6 +122,8 @@ class BucketSchedule:
             bucket = self._bucket_of.get(id(p))
             if bucket is not None:
                 bucket.pending -= 1
+                if self.on_unused is not None:
+                    self._reported.add(id(p))
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             self._run(self.buckets[self._next])
             self._next += 1
@@ -135,6 +138,12 @@ class BucketSchedule:
         """The end of the step's backward: reduce the buckets not reduced yet (unless
         ``reduce_rest`` is off), wait for the reductions started asynchronously, and start the
         next step afresh."""
+        if reduce_rest and self.on_unused is not None:
+            unused = [p for bucket in self.buckets if bucket.pending > 0
+                      for p in bucket.parameters if id(p) not in self._reported]
+            if unused:
+                self.on_unused(unused)
+        self._reported.clear()
         for bucket in self.buckets:
             if reduce_rest and bucket.pending >= 0:
                 self._run(bucket)
@@ -159,7 +168,13 @@ class BucketSchedule:
 class GradientAllreduce(Strategy):
     """Averages the gradients over the ranks, bucket by bucket (``BucketSchedule``'s order),
     on every step whose ``ctx.sync_gradients`` is on; a parameter unused on some ranks gets
-    the average of the gradients (zero where unused) over all ranks."""
+    the average of the gradients (zero where unused) over all ranks.
+
+    ``find_unused_parameters``: Paddle's DataParallel raises when a parameter gets no gradient
+    unless it is on. Here such a parameter is always reduced as zeros (ranks may take different
+    branches, and every rank still issues the same collectives); with the field off, Paddle's
+    default, the first step that has one logs a warning on that rank naming them, so a
+    parameter left out of the graph by mistake is not silent."""
 
     name = "gradient_allreduce"
     compression = None
@@ -169,9 +184,20 @@ class GradientAllreduce(Strategy):
         self.buckets = plan_gradient_buckets(optimizer.runs, *fusion_limits(strategy))
         self.bucket_algorithms = None  # by bucket index, once chosen (see _algorithm)
         self.overlap = overlap_allreduce()
-        self.schedule = BucketSchedule(self.buckets, self._start if self.overlap else self._reduce)
+        self.schedule = BucketSchedule(
+            self.buckets, self._start if self.overlap else self._reduce,
+            None if strategy.find_unused_parameters else self._warn_unused)
         self.check_bucket = None
         self.contributors = None
+
+    def _warn_unused(self, parameters):
+        """Warn once that ``parameters`` got no gradient this step (see the class docstring)."""
+        self.schedule.on_unused = None
+        names = ", ".join(p.name or f"<unnamed {list(p.shape)}>" for p in parameters)
+        logger.warning("%d parameter(s) got no gradient in this step and are reduced as zeros: "
+                       "%s. Paddle's DataParallel raises here unless find_unused_parameters "
+                       "is on; set strategy.find_unused_parameters = True if they are left "
+                       "out on purpose (this warning is given once)", len(parameters), names)
 
     def _algorithm(self, bucket):
         """The allreduce algorithm of ``bucket``, chosen for every bucket of the plan at the

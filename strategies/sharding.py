@@ -44,8 +44,6 @@ from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
 DEFAULT_GROUP_SIZE = 8
-# From stage 2 on a gradient bucket holds at most this fraction of a shard (``_bucket_bound``).
-SHARDED_BUCKETS_PER_SHARD = 4
 WITH_PIPELINE = ("stages 1 and 2 only, which partition each pipeline stage's optimizer state "
                  "(and gradients) over that stage's replicas; stage 3 frees the model's flat "
                  "values whole, while a pipeline stage's optimizer holds only its own part")
@@ -159,9 +157,9 @@ class Sharding(Strategy):
         buffers that the optimizer does not update (another pipeline stage's, or one left
         out of the optimizer) gets gradient storage of its own if backward reaches it."""
         runs = self.optimizer.runs
-        bucket_bytes, max_layers = fusion_limits(strategy)
-        self.buckets = plan_gradient_buckets(runs, self._bucket_bound(bucket_bytes),
-                                             max_layers)
+        bucket_bytes, max_layers, _ = fusion_limits(strategy)
+        self.buckets = plan_gradient_buckets(runs, bucket_bytes, max_layers,
+                                             shard_bytes=self._shard_bytes())
         self.schedule = BucketSchedule(self.buckets, self._reduce_scatter_bucket)
         # Each bucket's place in the parameter space, and its elements in each rank's shard.
         self._placement = {}
@@ -176,17 +174,16 @@ class Sharding(Strategy):
         for buffer in {id(run.buffer): run.buffer for run in runs}.values():
             buffer.release_gradient(self._bind_bucket)
 
-    def _bucket_bound(self, bucket_bytes):
-        """The most bytes of a gradient bucket from stage 2 on: ``fuse_grad_size_in_MB``'s,
-        and at most ``1 / SHARDED_BUCKETS_PER_SHARD`` of this rank's shard, so that the
+    def _shard_bytes(self):
+        """The bytes of the largest shard: from stage 2 on a gradient bucket holds at most a
+        fraction of it (the comm layer's ``plan_buckets``, ``shard_bytes``), so that the
         buckets holding storage at once (the one backward fills, and one per weight used
         early and late in the step, such as a tied embedding) stay small beside the shard
-        (docs/sharding.md, "Gradient buckets"). None (no fusion) stays None."""
-        if bucket_bytes is None:
-            return None
-        shard_bytes = -(-self.optimizer.space_size // self.group_size) * \
+        (docs/sharding.md, "Gradient buckets"). ``last_comm_group_size_MB`` does not apply:
+        each bucket is reduce-scattered before backward goes on, so no bucket's reduction
+        overlaps backward and the last one's size shortens nothing."""
+        return -(-self.optimizer.space_size // self.group_size) * \
             self.optimizer.runs[0].buffer.dtype.itemsize
-        return max(1, min(bucket_bytes, shard_bytes // SHARDED_BUCKETS_PER_SHARD))
 
     def _bind_bucket(self, parameter):
         """Gradient storage for ``parameter``'s bucket, every parameter of it bound to its

@@ -20,6 +20,8 @@ TOP_LEVEL_DEFAULTS = {
     "fuse_all_reduce_ops": True,
     "fuse_grad_size_in_MB": 32,
     "fuse_grad_size_in_TFLOPS": 20.0,
+    "last_comm_group_size_MB": 1.0,
+    "find_unused_parameters": False,
     "cudnn_exhaustive_search": True,
     "conv_workspace_size_limit": 4000,
     "cudnn_batchnorm_spatial_persistent": True,
@@ -131,6 +133,7 @@ IMPOSSIBLE_TOP_LEVEL_VALUES = [
     ("hierarchical_allreduce_inter_nranks", 0),
     ("fuse_grad_size_in_MB", -16),
     ("fuse_grad_size_in_TFLOPS", 0),
+    ("last_comm_group_size_MB", 0),
     ("conv_workspace_size_limit", -1),
     ("nccl_comm_num", 2**31),
 ]

@@ -70,6 +70,11 @@ FIELDS = {
     "fuse_grad_size_in_TFLOPS": Effect(3.0, "test_composition.py::"
                                        + _t("fuse_grad_size_in_tflops_caps_the_layers_per_"
                                             "bucket")),
+    "last_comm_group_size_MB": Effect(0.5, "test_bucket_fields.py::"
+                                      + _t("last_comm_group_size_mb_bounds_the_last_bucket_at_"
+                                           "n_ranks")),
+    "find_unused_parameters": Effect(True, "test_bucket_fields.py::"
+                                     + _t("find_unused_parameters_off_warns_once_naming_them")),
     # on a GPU with cuDNN; on the CPU, or without cuDNN, reported (test_cudnn_frontend.py)
     "cudnn_exhaustive_search": Effect(False, "test_cudnn_frontend.py::"
                                       + _t("strategy_fields_reach_the_cudnn_graphs")),

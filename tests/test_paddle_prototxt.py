@@ -86,7 +86,7 @@ PADDLE_22_FILE = {
     "build_strategy": {"fuse_bn_add_act_ops": True, "enable_inplace": True},
 }
 PADDLE_ONLY_IN_FILE = {
-    "mode", "last_comm_group_size_MB", "find_unused_parameters", "fuse_grad_size_in_num",
+    "mode", "fuse_grad_size_in_num",
     "amp_configs.use_fp16_guard", "sharding_configs.sharding_segment_strategy",
     "sharding_configs.segment_anchors", "pipeline_configs.p2p_cache_shape",
     "build_strategy.fuse_bn_add_act_ops"}
@@ -119,6 +119,7 @@ def test_a_file_of_paddle_2_2_loads_and_writes_back_what_paddle_reads(tmp_path, 
     assert strategy.sharding_configs["sharding_degree"] == 8
     assert strategy.build_strategy.enable_inplace is True
     assert strategy.pipeline_configs["accumulate_steps"] == 4     # a field of fleetmpi's too
+    assert strategy.last_comm_group_size_MB == 2.0 and strategy.find_unused_parameters is True
     assert set(strategy.paddle_only_fields()) == PADDLE_ONLY_IN_FILE
     assert strategy.paddle_only_fields()["sharding_configs.segment_anchors"] == [
         'segment_anchors: "a"', 'segment_anchors: "b"']
@@ -161,6 +162,7 @@ def _set_as_attributes(trainer_desc=True):
     strategy = fleet.DistributedStrategy()
     strategy.find_unused_parameters = True
     strategy.last_comm_group_size_MB = 1.5
+    strategy.fuse_grad_size_in_num = 4
     strategy.pipeline_configs["p2p_cache_shape"] = False
     strategy.pipeline_configs = {"schedule_mode": "1F1B", "accumulate_steps": 3}
     if trainer_desc:
@@ -176,9 +178,9 @@ def test_paddle_only_fields_set_as_attributes_read_back_save_and_are_reported(tm
     assert strategy.pipeline_configs["accumulate_steps"] == 3
     assert strategy.pipeline_configs["schedule_mode"] == "1F1B"
     assert strategy.trainer_desc_configs == {"dump_fields_path": "out/", "dump_param": ["w", "b"]}
-    assert fleet.DistributedStrategy().find_unused_parameters is None     # unset
-    kept = {"find_unused_parameters", "last_comm_group_size_MB", "trainer_desc_configs",
-            "pipeline_configs.p2p_cache_shape"}
+    assert strategy.fuse_grad_size_in_num == 4
+    assert fleet.DistributedStrategy().fuse_grad_size_in_num is None     # unset
+    kept = {"fuse_grad_size_in_num", "trainer_desc_configs", "pipeline_configs.p2p_cache_shape"}
     assert set(strategy.paddle_only_fields()) == kept
     path = tmp_path / "set.prototxt"
     strategy.save_to_prototxt(str(path))
@@ -187,6 +189,7 @@ def test_paddle_only_fields_set_as_attributes_read_back_save_and_are_reported(tm
     paddle = paddle_message()
     text_format.Parse(path.read_text(), paddle)     # strict: Paddle 2.2's message reads it
     assert paddle.find_unused_parameters and paddle.pipeline_configs.p2p_cache_shape is False
+    assert paddle.last_comm_group_size_MB == 1.5 and paddle.fuse_grad_size_in_num == 4
     assert paddle.pipeline_configs.accumulate_steps == 3
     model = nn.Linear(4, 2)
     fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1, parameters=model.parameters()),
@@ -203,8 +206,10 @@ def test_a_misspelt_attribute_or_key_is_refused_with_the_nearest_name():
         strategy.find_unused_parameter = True
     with pytest.raises(KeyError, match="'micro_batch_sise' .*did you mean 'micro_batch_size'"):
         strategy.pipeline_configs["micro_batch_sise"] = 2
-    with pytest.raises(ValueError, match="last_comm_group_size_MB = \\{1\\}: Paddle's field "
-                                         "holds a number"):
+    with pytest.raises(ValueError, match="fuse_grad_size_in_num = \\{1\\}: Paddle's field "
+                                         "holds"):
+        strategy.fuse_grad_size_in_num = {1}
+    with pytest.raises(TypeError, match="last_comm_group_size_MB = \\{1\\} has type set"):
         strategy.last_comm_group_size_MB = {1}
     assert strategy.paddle_only_fields() == {}
 

@@ -30,6 +30,7 @@ import os
 import statistics
 
 from ... import backend, nn
+from ...comm import megabytes
 from ...distributed_strategy import DistributedStrategy
 from ...proto import distributed_strategy_pb2 as schema
 from ..applied import changed
@@ -242,8 +243,11 @@ class Calibration:
                                           "arithmetic"))
         return False
 
-    def _buckets(self, megabytes, layers):
-        return plan_gradient_buckets(self.optimizer.runs, megabytes * 2 ** 20, layers)
+    def _buckets(self, size_mb, layers):
+        """The buckets the data-parallel reduction plans at these fusion sizes (the last one
+        bounded by the strategy's ``last_comm_group_size_MB``, as it will be)."""
+        return plan_gradient_buckets(self.optimizer.runs, size_mb * 2 ** 20, layers,
+                                     megabytes(self.strategy.last_comm_group_size_MB))
 
     def _fusion_candidates(self):
         """Fusion settings that cut the gradients into other numbers of buckets: by bytes
