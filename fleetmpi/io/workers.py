@@ -162,6 +162,12 @@ class WorkerPool:
                 waited += POLL_S
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
+                # A worker puts its last result (a failure's traceback) before it exits, but
+                # the result may reach the queue after the exit is seen: read it first.
+                try:
+                    return self.results.get(timeout=POLL_S)
+                except queue.Empty:
+                    pass
                 self.close()
                 raise WorkerError("DataLoader worker " + ", ".join(
                     f"{p.name.rsplit(' ', 1)[-1]} (pid {p.pid}) died with exit code "
