@@ -48,29 +48,31 @@ def broadcast_chain(transport, buf, root, chunk_bytes=DEFAULT_CHUNK_BYTES):
         transport.send(parts[-1], nxt)
 
 
-class TreeBroadcastAlgorithm(BroadcastAlgorithm):
+class _TransportBroadcast(BroadcastAlgorithm):
+    """A broadcast written against one transport: ``broadcast(transport, buf, root)``."""
+
+    @staticmethod
+    def broadcast(transport, buf, root):
+        raise NotImplementedError
+
+    def run(self, ctx, buf, root, index):
+        transport = ctx.transports[index]
+
+        def fn(b):
+            if ctx.size > 1 and b.size:
+                self.broadcast(transport, b, root)
+        ctx.run_on(index, fn, buf)
+
+
+class TreeBroadcastAlgorithm(_TransportBroadcast):
     """The binomial tree: ``log2(size)`` steps, each with the whole buffer."""
 
     name = "tree"
-
-    def run(self, ctx, buf, root, index):
-        transport = ctx.transports[index]
-
-        def fn(b):
-            if ctx.size > 1 and b.size:
-                broadcast_tree(transport, b, root)
-        ctx.run_on(index, fn, buf)
+    broadcast = staticmethod(broadcast_tree)
 
 
-class ChainBroadcastAlgorithm(BroadcastAlgorithm):
+class ChainBroadcastAlgorithm(_TransportBroadcast):
     """The pipelined chain: every link busy at once for large buffers."""
 
     name = "chain"
-
-    def run(self, ctx, buf, root, index):
-        transport = ctx.transports[index]
-
-        def fn(b):
-            if ctx.size > 1 and b.size:
-                broadcast_chain(transport, b, root)
-        ctx.run_on(index, fn, buf)
+    broadcast = staticmethod(broadcast_chain)

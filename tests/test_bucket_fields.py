@@ -37,9 +37,9 @@ def test_the_gradient_plan_bounds_only_the_last_bucket():
     assert [p.name for p in cut[-1].parameters] == ["fc0.bias", "fc0.weight"]
 
 
-def _train(strategy, rank, size):
+def _train(strategy, rank, size, build=make_model):
     backend.manual_seed(0)
-    model = fleet.distributed_model(make_model())
+    model = fleet.distributed_model(build())
     opt = fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1,
                                                     parameters=model.parameters()), strategy)
     share = GLOBAL_BATCH // size
@@ -105,15 +105,7 @@ def test_find_unused_parameters_off_warns_once_naming_them(find_unused, fleetmpi
     size, rank = fleet.worker_num(), fleet.worker_index()
     strategy = fleet.DistributedStrategy()
     strategy.find_unused_parameters = find_unused
-    backend.manual_seed(0)
-    model = fleet.distributed_model(Unused())
-    opt = fleet.distributed_optimizer(optimizer.SGD(learning_rate=0.1,
-                                                    parameters=model.parameters()), strategy)
-    share = GLOBAL_BATCH // size
-    for step in range(STEPS):
-        x, y = global_batch(step)
-        opt.minimize(model, nn.CrossEntropyLoss(), x[rank * share:(rank + 1) * share],
-                     y[rank * share:(rank + 1) * share])
+    model, _ = _train(strategy, rank, size, Unused)
     warned = [m for m in fleetmpi_warnings() if "got no gradient" in m]
     if find_unused:
         assert warned == [], f"rank {rank}: {warned}"

@@ -358,18 +358,24 @@ def replica_share(kind, step, replica, replicas):
     return [x[replica * share:(replica + 1) * share], y[replica * share:(replica + 1) * share]]
 
 
-def train_ranks(kind, layout=None, steps=STEPS, **kwargs):
-    """Every rank: its stage of ``kind``'s PipelineLayer, trained by train_batch on its
-    replica's share of the global batch; ``layout``: hybrid_configs (None: the plain world
-    cut into two stages)."""
+def pipeline_place(layout):
+    """``fleet.init`` with the layout ``layout`` (hybrid_configs; None: the plain world cut
+    into two stages); returns ``(strategy, topology, replicas, replica)``: the topology a
+    PipelineLayer reads its stage from, the data-parallel replicas and this rank's."""
     strategy = make_strategy(**({"hybrid_configs": layout} if layout else {"pipeline": True}))
     fleet.init(is_collective=True, strategy=strategy)
     if layout:
         group = fleet.get_hybrid_communicate_group()
-        topology, replicas = group.topology(), group.get_data_parallel_world_size()
-        replica = group.get_data_parallel_rank()
-    else:
-        topology, replicas, replica = None, fleet.worker_num() // 2, fleet.worker_index() // 2
+        return (strategy, group.topology(), group.get_data_parallel_world_size(),
+                group.get_data_parallel_rank())
+    return strategy, None, fleet.worker_num() // 2, fleet.worker_index() // 2
+
+
+def train_ranks(kind, layout=None, steps=STEPS, **kwargs):
+    """Every rank: its stage of ``kind``'s PipelineLayer, trained by train_batch on its
+    replica's share of the global batch; ``layout``: hybrid_configs (None: the plain world
+    cut into two stages)."""
+    strategy, topology, replicas, replica = pipeline_place(layout)
     layer = build(kind, local=False, topology=topology, **kwargs)
     model = fleet.distributed_model(layer)
     strategy.pipeline_configs = pipeline_configs(BATCH // replicas)

@@ -22,6 +22,7 @@ from fleetmpi.meta_parallel import ColumnParallelLinear, LayerDesc, PipelineLaye
 from fleetmpi.nn.initializer import Constant
 from comm_support import close, ok
 from strategy_support import make_strategy
+from test_pipeline_layer import pipeline_place
 
 STEPS = 4
 OVERFLOW_STEP = 2
@@ -228,14 +229,7 @@ def ranks_run(trap, layout=None, distributed=True, level=None, dtype="float64", 
     """Every rank: its stage of the PipelineLayer, trained by train_batch with a GradScaler
     (through ``fleet.distributed_scaler`` when ``distributed``) on its replica's share of the
     global batch; ``layout``: hybrid_configs (None: the plain world cut into two stages)."""
-    strategy = make_strategy(**({"hybrid_configs": layout} if layout else {"pipeline": True}))
-    fleet.init(is_collective=True, strategy=strategy)
-    if layout:
-        group = fleet.get_hybrid_communicate_group()
-        topology, replicas = group.topology(), group.get_data_parallel_world_size()
-        replica = group.get_data_parallel_rank()
-    else:
-        topology, replicas, replica = None, fleet.worker_num() // 2, fleet.worker_index() // 2
+    strategy, topology, replicas, replica = pipeline_place(layout)
     layer = build(local=False, topology=topology, dtype=dtype, **kwargs)
     model = fleet.distributed_model(layer)
     strategy.pipeline_configs = configs(BATCH // replicas)
