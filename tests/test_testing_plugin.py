@@ -1,6 +1,7 @@
 """``fleetmpi.testing``, the pytest plugin, as a user meets it: pytest under ``mpiexec`` on a
 small test file of their own."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -107,5 +108,6 @@ def test_the_projects_own_multi_rank_tests_run_the_standard_way(tmp_path):
         timeout=JOB_TIMEOUT_S * 3)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
-    summaries = [line for line in output.splitlines() if " passed" in line]
+    # one summary per rank; the two ranks' lines may come out joined
+    summaries = re.findall(r"\d+ passed[^\n]*? in [0-9.]+s", output)
     assert len(summaries) == 2 and all("failed" not in s for s in summaries), summaries
