@@ -26,7 +26,7 @@ every update (4 bytes per rank, as amp's flag). On localsgd's local steps, where
 update is its own, each rank decides on its verdict alone and sends nothing.
 
 Outside a CUDA graph capture the answer is read on the host once per update (free on the
-CPU). Where a rank's verdict was set, ``stop`` raises ``NonFiniteError`` on every rank that
+CPU, where the flags are host memory and the check branches on them instead of selecting). Where a rank's verdict was set, ``stop`` raises ``NonFiniteError`` on every rank that
 decided, naming the ranks, what was not finite, the step and the first parameter whose
 gradient here holds an inf or NaN (with its gradient bucket), and the job ends through the
 failure path of an uncaught exception; ``skip`` zeroes the gradients, puts the layers'
@@ -125,18 +125,34 @@ class NonFiniteCheck(StepHook):
         """``bucket`` of ``buckets`` is about to be reduced: check it as ``check_local`` does,
         and where the reduction ``carries`` the verdicts, write a NaN into its last element
         where it holds an inf or NaN, or, for the plan's last bucket, where this rank's verdict
-        is set by then (module docstring); a select on the device, nothing read on the host
-        there."""
+        is set by then (module docstring). Host arrays are branched on (``_on_host``); on a
+        device, a select, nothing read on the host."""
         grad = bucket.grad
+        last = bucket.index == len(self.buckets) - 1
+        if self._on_host():
+            if not kernels.host_finite(grad):
+                self.local[0] |= GRADIENT
+                found = True
+            else:
+                found = last and bool(self.local[0])
+            if found and self.carries:
+                grad[-1] = np.nan
+            return
         found = self._found
         found[...] = 0
         kernels.multi_tensor_check_finite([grad], found)
         self.local |= found
         if not self.carries:
             return
-        if bucket.index == len(self.buckets) - 1:
+        if last:
             found = self.local
         kernels.where_found(found, [grad[-1:]], [grad.dtype.type(np.nan)])
+
+    def _on_host(self):
+        """Whether the verdicts are host memory read by a branch (``kernels.reads_flag``):
+        a NumPy flag outside a CUDA graph capture. A few Python operations then do what a
+        select does on a device, which matters where a step costs milliseconds."""
+        return kernels.reads_flag(self.local)
 
     # -- step stages ------------------------------------------------------------------------
     def forward(self, ctx, proceed):
@@ -145,10 +161,15 @@ class NonFiniteCheck(StepHook):
         return proceed(ctx)
 
     def backward(self, ctx, proceed):
-        if ctx.loss is not None:
+        if ctx.loss is None:
+            return proceed(ctx)
+        loss = as_array(ctx.loss)
+        if self._on_host():
+            if not np.isfinite(loss).all():
+                self.local[0] |= LOSS
+        else:
             xp = backend.array_module()
-            self.local |= xp.where(xp.isfinite(as_array(ctx.loss)).all(), 0, LOSS).astype(
-                np.int32)
+            self.local |= xp.where(xp.isfinite(loss).all(), 0, LOSS).astype(np.int32)
         return proceed(ctx)
 
     def reduce(self, ctx, proceed):
@@ -167,8 +188,10 @@ class NonFiniteCheck(StepHook):
         return result
 
     def _carried(self):
-        """1 where a reduced bucket's last element is not finite (the same on every rank),
-        else 0, on the device."""
+        """Whether a reduced bucket's last element is not finite (the same on every rank): a
+        bool on the host (``_on_host``), else a one-element int32 flag on the device."""
+        if self._on_host():
+            return not all(np.isfinite(bucket.grad[-1]) for bucket in self.buckets)
         found = self._found
         found[...] = 0
         kernels.multi_tensor_check_finite([bucket.grad[-1:] for bucket in self.buckets], found)
@@ -176,20 +199,26 @@ class NonFiniteCheck(StepHook):
 
     def _agree(self, ctx, carried):
         """Every rank's verdict (this rank's alone on a local step), on the device; after a
-        reduction that carried the verdicts, their one-element answer inside a capture, and
-        None where it says that none is set. This rank's own is cleared for the next
-        update."""
+        reduction that carried the verdicts, their one-element answer inside a capture; None
+        where none is set (read on the host: the carried answer, or this rank's own verdict
+        where it decides alone). This rank's own is cleared for the next update."""
+        exchange = self.communicator is not None and self.communicator.size > 1 and (
+            ctx.sync_gradients or not self.local_steps_alone)
+        if not exchange and self._on_host() and not self.local[0]:
+            return None
         found = self._carried() if carried else None
-        if found is not None and (capture_checks.current is not None
-                                  or not backend.to_numpy(found)[0]):
-            self.local[...] = 0
-            return found if capture_checks.current is not None else None
+        if found is not None:
+            if capture_checks.current is not None:
+                self.local[...] = 0
+                return found
+            if not (found if isinstance(found, bool) else backend.to_numpy(found)[0]):
+                self.local[...] = 0
+                return None
         self._verdicts[...] = 0
         self._verdicts[self.rank:self.rank + 1] = self.local
         self.local[...] = 0
-        self._agreed = self.communicator is not None and self.communicator.size > 1 and (
-            ctx.sync_gradients or not self.local_steps_alone)
-        if self._agreed:
+        self._agreed = exchange
+        if exchange:
             self.communicator.allreduce(self._verdicts, op="max", out=self._verdicts)
             self.exchanged_bytes += self.verdict_bytes
         self._carried_found = found is not None

@@ -262,6 +262,30 @@ def test_a_graphed_amp_step_skips_and_scales_bit_for_bit_as_the_eager_step(setup
     assert eager_state[3] == 2
 
 
+@pytest.mark.parametrize("mode, options", [("stop", {}), ("skip", {}), ("skip", {"norm": True})],
+                         ids=["stop", "skip", "skip with batch norm"])
+def test_a_graphed_step_skips_a_non_finite_step_on_the_device_as_the_eager_step_skips_it(
+        mode, options, monkeypatch):
+    """The non-finite check without amp captured (``strategies/nonfinite.py``): inside the
+    capture nothing is read on the host, and in both modes the step whose batch holds an inf
+    is skipped on the device (gradients zeroed, the update launched with the flag; under
+    ``skip`` the batch-norm statistics put back too), which trains bit for bit as the eager
+    ``skip`` mode, whose verdict is read on the host, and counts the same skipped steps."""
+    data = batches(8)
+    for index in (4, 6):
+        data[index][0][1, 2] = np.inf
+    monkeypatch.setenv("FLEETMPI_NONFINITE", "skip")
+    model, opt, train_step = build(strategy=make_strategy(), **options)
+    eager = (model, opt, eager_run(train_step, data))
+    assert opt.strategies["nonfinite_check"].skipped_steps == 2
+    monkeypatch.setenv("FLEETMPI_NONFINITE", mode)
+    model, opt, train_step = build(strategy=make_strategy(), **options)
+    step, losses = graphed_run(train_step, data, warmup_steps=2)
+    assert step.graph is not None and step.graph.captured
+    assert_same_training(eager, (model, opt, losses))
+    assert opt.strategies["nonfinite_check"].skipped_steps == 2
+
+
 STRATEGIES = {
     "gradient_merge": ({"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}},
                        "whether a step of the k_steps window updates"),

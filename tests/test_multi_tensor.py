@@ -244,16 +244,17 @@ def test_check_finite_flags_exactly_the_non_finite_and_writes_no_gradient(device
 def test_the_host_check_is_not_fooled_by_finite_values_whose_squares_or_sums_overflow(
         dtype, huge, shape):
     """The host probe (a dot product with itself, or a sum) overflows for these finite
-    values; the elementwise test settles them, and still flags each inf and NaN."""
+    values; the elementwise test settles them, and still flags each inf and NaN, in the flag
+    and in the bool of ``kernels.host_finite`` alike."""
     grad = np.full(shape, huge, dtype=dtype)
     found = np.zeros(1, dtype=np.int32)
     reference.check_finite(grad, found)
-    assert found[0] == 0
+    assert found[0] == 0 and kernels.host_finite(grad) is True
     for bad in (np.inf, -np.inf, np.nan):
         flat = grad.copy().reshape(-1)
         flat[len(flat) // 2] = bad
         reference.check_finite(flat.reshape(shape), found)
-        assert found[0] == 1, bad
+        assert found[0] == 1 and kernels.host_finite(flat.reshape(shape)) is False, bad
         found[0] = 0
 
 

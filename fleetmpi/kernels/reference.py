@@ -221,12 +221,20 @@ def unscale(grad, inverse, found):
 def check_finite(grad, found):
     """The non-finite check of a step without amp: ``found[0]`` (an int32 flag) set to 1 when
     ``grad`` holds an inf or NaN, left as it was otherwise (no read of a device array on the
-    host). A host array is reduced to one number first (``_finite_probe``): an inf or NaN
-    carries through it, so a finite one settles it, and the elementwise test runs only where
-    it is not finite (an inf or NaN, or finite values whose sum overflowed)."""
-    if isinstance(grad, np.ndarray) and np.isfinite(_finite_probe(grad)):
+    host; a host array is tested by ``all_finite``)."""
+    if isinstance(grad, np.ndarray):
+        if not all_finite(grad):
+            found |= 1
         return
     found |= ~np.isfinite(grad).all()
+
+
+def all_finite(grad):
+    """Whether every element of the host array ``grad`` is finite. It is reduced to one
+    number first (``_finite_probe``): an inf or NaN carries through it, so a finite one
+    settles it, and the elementwise test runs only where it is not finite (an inf or NaN, or
+    finite values whose squares overflowed)."""
+    return bool(np.isfinite(_finite_probe(grad))) or bool(np.isfinite(grad).all())
 
 
 _DOT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
