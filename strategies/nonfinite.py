@@ -27,7 +27,8 @@ update is its own, each rank decides on its verdict alone and sends nothing.
 
 Outside a CUDA graph capture the answer is read on the host once per update (free on the
 CPU, where the flags are host memory and the check branches on them instead of selecting).
-Where a rank's verdict was set, ``stop`` raises ``NonFiniteError`` on every rank that decided, naming the ranks, what was not finite, the step and the first parameter whose
+Where a rank's verdict was set, ``stop`` raises ``NonFiniteError`` on every rank that
+decided, naming the ranks, what was not finite, the step and the first parameter whose
 gradient here holds an inf or NaN (with its gradient bucket), and the job ends through the
 failure path of an uncaught exception; ``skip`` zeroes the gradients, puts the layers'
 buffers back as the step's first forward found them (batch-norm statistics), updates
