@@ -4,7 +4,10 @@ optimizer with the check and one built with ``FLEETMPI_NONFINITE=off``, their st
 (which goes first alternating too) so that the machine's drift falls on both; prints the median
 step of each and the difference, in wall-clock time and in this process's CPU time (which
 other jobs on a shared machine disturb less; under MPI it includes the polling of a wait),
-then the same for the fastest step of each (what a step costs when nothing else ran).
+then the same for the fastest step of each (what a step costs when nothing else ran). Last, more
+steps with the check, its read of the gradients timed (``check_local`` where the check reads the
+flat gradients itself, ``check_bucket`` where the gradient reduction hands it each bucket, on
+the communicator's thread): its median per step, the part of the cost that is that read.
 
     [mpiexec -n 2] python benchmarks/nonfinite_cost.py mlp|gpt STEPS
 """
@@ -53,24 +56,54 @@ def timed_step(name, model, opt, x, y):
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def timed_read(name, model, opt, batches_xy, steps):
+    """Median seconds per step of the check's read of the gradients over ``steps`` steps with
+    the check (module docstring), its two entry points wrapped on this optimizer alone."""
+    check = opt.strategies["nonfinite_check"]
+    spent = []
+
+    def timed(function):
+        def call(*args):
+            start = time.perf_counter()
+            function(*args)
+            spent[-1] += time.perf_counter() - start
+        return call
+    check.check_local = timed(check.check_local)
+    for hook in opt.hooks:
+        if getattr(hook, "check_bucket", None) is not None:
+            hook.check_bucket = timed(hook.check_bucket)
+    for i in range(steps):
+        spent.append(0.0)
+        timed_step(name, model, opt, *batches_xy(i))
+    return statistics.median(spent)
+
+
 def main(name, steps):
     fleet.init(is_collective=True)
     xs, ys = batches(name, "cpu")
+
+    def batch(i):
+        return fleet.to_tensor(xs[i % len(xs)]), fleet.to_tensor(ys[i % len(ys)])
     built = build(name)
     times = {(mode, clock): [] for mode in ("off", "stop") for clock in ("wall", "CPU")}
     for i in range(steps + WARMUP):
-        x, y = fleet.to_tensor(xs[i % len(xs)]), fleet.to_tensor(ys[i % len(ys)])
+        x, y = batch(i)
         for mode in (("off", "stop") if i % 2 else ("stop", "off")):
             wall, cpu = timed_step(name, *built[mode], x, y)
             if i >= WARMUP:
                 times[mode, "wall"].append(wall)
                 times[mode, "CPU"].append(cpu)
+    read = timed_read(name, *built["stop"], batch, steps)
     if fleet.worker_index() == 0:
         for statistic, clock in itertools.product((statistics.median, min), ("wall", "CPU")):
             off, on = (statistic(times[mode, clock]) for mode in ("off", "stop"))
             print(f"{name} at {fleet.worker_num()} rank(s), {clock}: "
                   f"{statistic.__name__} step {off * 1e3:.2f} ms without the check, "
                   f"{on * 1e3:.2f} ms with it: {100 * (on / off - 1):+.2f}% ({steps} steps each)")
+        off = statistics.median(times["off", "wall"])
+        print(f"{name} at {fleet.worker_num()} rank(s): the check's read of the gradients, median "
+              f"{read * 1e3:.2f} ms a step = {100 * read / off:.2f}% of the median step without "
+              f"the check ({steps} more steps)")
 
 
 if __name__ == "__main__":
