@@ -22,9 +22,12 @@ Every rank of a group must therefore run the same operations on the same paramet
 same order, as with FSDP or ZeRO-3; a unit gathered on one rank only is a collective that the
 others do not enter, reported by the comm layer's checks.
 
-Units (``sharding_configs["unit_size_MB"]``): one layer's parameters by default (0); above 0,
-units adjacent in the parameter space join while the joined unit stays within that size, so a
-model of many small layers makes fewer, larger gathers. A layer larger than it stays one unit.
+Units (``sharding_configs["unit_size_MB"]``): layers adjacent in the parameter space join
+while the joined unit stays within that size, so a model of many small layers makes fewer,
+larger gathers; a layer larger than it stays one unit. The default, 0, takes the model's
+largest layer as the size: a whole unit then never takes more memory than that layer alone
+does, and a small layer (a norm, a bias) costs no all-gather of its own, whose fixed cost
+(every rank of the group entering it, on each of its steps) does not shrink with its bytes.
 
 Prefetch (``sharding_configs["prefetch_depth"]``, the most units gathered ahead). The gatherer
 records the units it gathers in one step, in order: forward's, then backward's (about the
@@ -120,17 +123,21 @@ def _put(node, attribute, position, value):
     setattr(node, attribute, type(held)(items))
 
 
+def _elements(members):
+    """How many elements of the parameter space ``members`` (``(start, parameter)`` pairs in
+    order) span."""
+    return members[-1][0] + members[-1][1].size - members[0][0]
+
+
 def _joined(layers, most):
     """``layers`` (each a list of ``(start, parameter)``, in parameter-space order) joined
-    where adjacent in the space while the joined elements stay within ``most`` (0: none
-    joined)."""
+    where adjacent in the space while the joined elements stay within ``most``."""
     joined = []
     for members in layers:
-        if joined and most:
+        if joined:
             last = joined[-1]
-            stop = last[-1][0] + last[-1][1].size
-            size = members[-1][0] + members[-1][1].size - last[0][0]
-            if members[0][0] == stop and size <= most:
+            adjacent = members[0][0] == last[0][0] + _elements(last)
+            if adjacent and _elements([last[0], members[-1]]) <= most:
                 last.extend(members)
                 continue
         joined.append(list(members))
@@ -143,7 +150,7 @@ class ParameterGatherer:
     ``prefetched`` were started ahead and ``dropped`` were not the unit asked for next;
     ``sequence``: the unit indices gathered so far in this step. ``prefetch_depth``: the most
     units gathered ahead (none in a group of one rank, where a gather is a copy);
-    ``unit_bytes``: the most bytes of joined layers (0: one layer a unit)."""
+    ``unit_bytes``: the most bytes of joined layers (0: the largest layer's)."""
 
     def __init__(self, optimizer, group, offsets, prefetch_depth=0, unit_bytes=0):
         self.optimizer = optimizer
@@ -179,7 +186,8 @@ class ParameterGatherer:
             layers.append(run)
         layers.sort(key=lambda members: members[0][0])
         itemsize = optimizer.runs[0].buffer.dtype.itemsize if optimizer.runs else 1
-        for members in _joined(layers, int(unit_bytes) // itemsize):
+        most = int(unit_bytes) // itemsize or max(map(_elements, layers), default=0)
+        for members in _joined(layers, most):
             self._add_unit(members)
         forward = [unit.index for unit in self.units]
         self._expected = forward + forward[-2::-1]
