@@ -10,10 +10,12 @@ stage 3.
 Two models, float32, with Adam and the default strategy fields (``fuse_grad_size_in_MB`` 32):
 ``nn.GPT`` (``--layers`` blocks of width ``--width``, a tied embedding) and a user's
 ``nn.Layer`` of ``--mlp_layers`` Linear layers of ``--mlp_width`` with ReLU and a head of 10
-classes, large enough for two data-parallel buckets. Six runs of each: data parallel,
+classes, large enough for two data-parallel buckets. Seven runs of each: data parallel,
 ``sharding`` stages 1, 2 and 3 built as usual, and stage 3 built under ``fleet.LazyGuard``,
 without and with ``sharding_configs["prefetch_depth"]`` 1 (the next unit's all-gather runs
-ahead, on the communicator's background thread).
+ahead, on the communicator's background thread), the latter also with one layer a unit
+(``unit_size_MB`` below any layer's size; the default joins adjacent layers up to the largest
+layer's size).
 
 Memory: one ``mpiexec`` job per rank count, model and run. Each rank starts ``tracemalloc``
 (NumPy reports its allocations to it) right after ``fleet.init()`` and reads it after building
@@ -52,10 +54,14 @@ import tracemalloc
 
 import numpy as np
 
-# name: (sharding stage, 0 for data parallel; built under LazyGuard; prefetch_depth)
-RUNS = {"dp": (0, False, 0), "stage 1": (1, False, 0), "stage 2": (2, False, 0),
-        "stage 3": (3, False, 0), "stage 3, LazyGuard": (3, True, 0),
-        "stage 3, LazyGuard, prefetch 1": (3, True, 1)}
+# A unit_size_MB below any layer's size: one layer a unit.
+LAYER_UNITS_MB = 1e-6
+# name: (sharding stage, 0 for data parallel; built under LazyGuard; prefetch_depth;
+# unit_size_MB)
+RUNS = {"dp": (0, False, 0, 0), "stage 1": (1, False, 0, 0), "stage 2": (2, False, 0, 0),
+        "stage 3": (3, False, 0, 0), "stage 3, LazyGuard": (3, True, 0, 0),
+        "stage 3, LazyGuard, prefetch 1": (3, True, 1, 0),
+        "stage 3, LazyGuard, prefetch 1, a unit per layer": (3, True, 1, LAYER_UNITS_MB)}
 MODELS = ("gpt", "mlp")
 # Whole-process peak per rank relative to data parallel at TARGET_RANKS (the targets).
 TARGETS = {"stage 1": 0.75, "stage 2": 0.6, "stage 3, LazyGuard": 0.35,
@@ -115,7 +121,7 @@ def _build(args, model, run):
     import fleetmpi as fleet
     from fleetmpi import backend, optimizer
 
-    stage, lazy, depth = RUNS[run]
+    stage, lazy, depth, unit_MB = RUNS[run]
     backend.manual_seed(0)
     with fleet.LazyGuard() if lazy else contextlib.nullcontext():
         net = _model(args, model)
@@ -123,7 +129,8 @@ def _build(args, model, run):
     strategy = fleet.DistributedStrategy()
     if stage:
         strategy.sharding = True
-        strategy.sharding_configs = {"stage": stage, "prefetch_depth": depth}
+        strategy.sharding_configs = {"stage": stage, "prefetch_depth": depth,
+                                     "unit_size_MB": unit_MB}
     opt = optimizer.Adam(learning_rate=1e-4, parameters=net.parameters())
     return net, fleet.distributed_optimizer(opt, strategy)
 

@@ -25,9 +25,10 @@ others do not enter, reported by the comm layer's checks.
 Units (``sharding_configs["unit_size_MB"]``): layers adjacent in the parameter space join
 while the joined unit stays within that size, so a model of many small layers makes fewer,
 larger gathers; a layer larger than it stays one unit. The default, 0, takes the model's
-largest layer as the size: a whole unit then never takes more memory than that layer alone
-does, and a small layer (a norm, a bias) costs no all-gather of its own, whose fixed cost
-(every rank of the group entering it, on each of its steps) does not shrink with its bytes.
+largest layer and an eighth of it as the size (``DEFAULT_UNIT_SLACK``): a whole unit then
+takes little more memory than that layer alone does, and a small layer (a norm, a bias) beside
+a large one costs no all-gather of its own, whose fixed cost (every rank of the group
+entering it, on each of its steps) does not shrink with its bytes.
 
 Prefetch (``sharding_configs["prefetch_depth"]``, the most units gathered ahead). The gatherer
 records the units it gathers in one step, in order: forward's, then backward's (about the
@@ -51,6 +52,9 @@ import numpy as np
 from .. import backend
 from ..comm import overlap_counts
 from .gradient_allreduce import layer_of
+
+# unit_size_MB 0: units up to the largest layer's size and this fraction of it more.
+DEFAULT_UNIT_SLACK = 1 / 8
 
 
 def _address(array):
@@ -150,7 +154,8 @@ class ParameterGatherer:
     ``prefetched`` were started ahead and ``dropped`` were not the unit asked for next;
     ``sequence``: the unit indices gathered so far in this step. ``prefetch_depth``: the most
     units gathered ahead (none in a group of one rank, where a gather is a copy);
-    ``unit_bytes``: the most bytes of joined layers (0: the largest layer's)."""
+    ``unit_bytes``: the most bytes of joined layers (0: the largest layer's and
+    ``DEFAULT_UNIT_SLACK`` of it more)."""
 
     def __init__(self, optimizer, group, offsets, prefetch_depth=0, unit_bytes=0):
         self.optimizer = optimizer
@@ -186,7 +191,9 @@ class ParameterGatherer:
             layers.append(run)
         layers.sort(key=lambda members: members[0][0])
         itemsize = optimizer.runs[0].buffer.dtype.itemsize if optimizer.runs else 1
-        most = int(unit_bytes) // itemsize or max(map(_elements, layers), default=0)
+        largest = max(map(_elements, layers), default=0)
+        most = (int(unit_bytes) // itemsize if unit_bytes
+                else largest + int(largest * DEFAULT_UNIT_SLACK))
         for members in _joined(layers, most):
             self._add_unit(members)
         forward = [unit.index for unit in self.units]

@@ -28,6 +28,10 @@ def sharding(stage, **configs):
     return make_strategy(sharding=True, sharding_configs=dict(configs, stage=stage))
 
 
+# unit_size_MB below any layer's size: one layer a unit, for the tests of when a unit is freed.
+LAYER_UNITS = {"unit_size_MB": 1e-6}
+
+
 def assert_models_close(model, reference, rtol=1e-10, atol=1e-12):
     expected = reference.state_dict()
     for name, value in model.state_dict().items():
@@ -102,8 +106,8 @@ def test_stage_3_frees_what_operations_saved_of_a_layer_after_its_forward():
     sizes = (8, 32, 32, 32, 32, 4)
     backend.manual_seed(0)
     model = make_mlp(sizes=sizes)
-    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()), sharding(3),
-                                      local=True)
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()),
+                                      sharding(3, **LAYER_UNITS), local=True)
     gatherer = opt.strategies["sharding"].gatherer
     alive = []
     gathered = gatherer.gathered
@@ -135,13 +139,13 @@ def test_stage_3_frees_what_operations_saved_of_a_layer_after_its_forward():
 
 def test_stage_3_releases_a_unit_before_its_gradients_are_reduced():
     """In backward a layer's gathered values, and the views its operations saved, are freed
-    as soon as the last backward that needs them is over: none is alive when a gradient
-    becomes final, nor after backward."""
+    as soon as the last backward that needs them is over: with one layer a unit, none is
+    alive when a gradient becomes final, nor after backward."""
     fleet.init(is_collective=True)
     backend.manual_seed(0)
     model = fleet.distributed_model(make_mlp(sizes=(8, 32, 32, 32, 4)))
-    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()), sharding(3),
-                                      local=True)
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()),
+                                      sharding(3, **LAYER_UNITS), local=True)
     gatherer, hook = opt.strategies["sharding"].gatherer, opt.strategies["sharding"]
     alive, at_gradients = [], []
     gathered, on_gradient = gatherer.gathered, hook.on_gradient
