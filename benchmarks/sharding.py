@@ -96,7 +96,8 @@ def _model(args, model):
 
 def _batch(args, model, rank):
     """``(inputs, loss function of the outputs)`` of this rank."""
-    from fleetmpi import backend, nn
+    from fleetmpi.core import backend
+    from fleetmpi import nn
 
     rng = np.random.default_rng(rank)
     if model == "gpt":
@@ -113,7 +114,8 @@ def _batch(args, model, rank):
 def _build(args, model, run):
     """``(model, distributed optimizer)`` of ``run`` from seed 0."""
     import fleetmpi as fleet
-    from fleetmpi import backend, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import optimizer
 
     stage, lazy, depth = RUNS[run]
     backend.manual_seed(0)
@@ -159,7 +161,7 @@ def memory_worker(args):
 def time_worker(args):
     """Every run of every model built at once and trained in turn, step by step."""
     import fleetmpi as fleet
-    from fleetmpi import backend
+    from fleetmpi.core import backend
     from mpi4py import MPI
 
     fleet.init(is_collective=True)

@@ -22,9 +22,9 @@ take.
 """
 import copy
 
-from . import backend
+from .core import backend
 from .comm import hybrid_topology
-from .rng_tracker import MODEL_PARALLEL_RNG, get_rng_state_tracker
+from .core.rng_tracker import MODEL_PARALLEL_RNG, get_rng_state_tracker
 from .comm import get_communicator
 from .comm.hybrid_topology import DEGREE_NAMES, HybridCommunicateGroup, resolve_degrees
 
@@ -68,7 +68,7 @@ def model_parallel_random_seed(seed=None):
     a model-parallel group holds whole); then give the tracker's ``"model_parallel_rng"`` a
     seed of this model-parallel rank's own (Paddle's ``seed * 1024 + 100 * rank``, from the
     current seed when ``seed`` is None), for the dropout of this rank's part of a split
-    activation (``fleetmpi.rng_tracker``)."""
+    activation (``fleetmpi.core.rng_tracker``)."""
     if seed is not None:
         backend.manual_seed(seed)
     layout = hybrid_topology.current()

@@ -17,10 +17,11 @@ Two ways to train, with the same strategies:
 """
 import weakref
 
-from . import backend, hybrid, paddle_flags, world
+from .core import backend, paddle_flags
+from . import hybrid, world
 from .autograd import engine, is_grad_enabled
-from .distributed_strategy import DistributedStrategy
-from .log import logger
+from .config.distributed_strategy import DistributedStrategy
+from .core.log import logger
 from .nn import lazy
 from .nn.pipeline_layer import PipelineLayer
 from .nn.functional import cudnn

@@ -31,7 +31,7 @@ around ``train_batch``, as PaddleNLP writes it: the forwards of the schedule com
 loss on the last stage.
 """
 from .autograd import Tensor, as_array
-from .distributed_strategy import DistributedStrategy
+from .config.distributed_strategy import DistributedStrategy
 from .nn.pipeline_layer import PipelineLayer
 from .strategies.pipeline import micro_batch_count, split_micro_batches
 from .strategies.pipeline_run import StageLayout, StageSchedule, final_loss

@@ -51,8 +51,8 @@ lamb's) seeing ``apply_update`` as before.
 """
 import numpy as np
 
-from ..autograd import Function, autocast
-from ..log import RateLimited
+from fleetmpi.autograd import Function, autocast
+from fleetmpi.core.log import RateLimited
 from . import amp_precision
 from .base import Strategy
 from .loss_scaling import LossScaling, check_step

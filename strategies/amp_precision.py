@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import backend
+from fleetmpi.core import backend
 
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"

@@ -10,13 +10,13 @@ the active strategies at INFO, every field that is not applied as a warning on t
 import os
 import types
 
-from .. import schema_view
-from .. import job, knobs, paddle_flags
-from ..distributed_strategy import DistributedStrategy
-from ..log import logger
-from ..nn import BatchNorm, Sequential
-from ..nn.functional import cudnn
-from ..paddle_fields import PADDLE_ONLY
+from fleetmpi.config import schema_view
+from fleetmpi.core import job, knobs, paddle_flags
+from fleetmpi.config.distributed_strategy import DistributedStrategy
+from fleetmpi.core.log import logger
+from fleetmpi.nn import BatchNorm, Sequential
+from fleetmpi.nn.functional import cudnn
+from fleetmpi.config.paddle_fields import PADDLE_ONLY
 from . import amp_precision
 from .compose import ORDER
 from .field_effects import IN_PARAMETER_SERVER_MODE, NO_EFFECT, NO_EFFECT_KEYS

@@ -5,7 +5,7 @@ A strategy is enabled by the DistributedStrategy field of its ``name`` and confi
 ``StepHook`` stages (forward, backward, on_gradient, reduce, update, after_step); ``compose``
 puts the enabled ones in a fixed order around the gradient reduction.
 """
-from ..optimizer import StepHook
+from fleetmpi.optimizer import StepHook
 
 
 class Strategy(StepHook):

@@ -44,9 +44,10 @@ import math
 
 import numpy as np
 
-from .. import backend, kernels
-from ..kernels import reference
-from ..optimizer import ClipGradByNorm, Momentum
+from fleetmpi.core import backend
+from fleetmpi import kernels
+from fleetmpi.kernels import reference
+from fleetmpi.optimizer import ClipGradByNorm, Momentum
 from .base import Strategy
 
 INDEX_DTYPE = np.int32

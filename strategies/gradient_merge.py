@@ -12,7 +12,7 @@ gradients are reduce-scattered as usual, and the window is merged in the optimiz
 ``shard_gradient`` instead (``ctx.keep_gradients`` between updates; with ``avg`` divided by
 ``k_steps`` before the update), so a rank holds 1/N of the merged gradient.
 """
-from .. import backend
+from fleetmpi.core import backend
 from .base import Strategy
 
 

@@ -24,9 +24,9 @@ inside their update, where ``exclude_from_weight_decay`` and the norms see the d
 decay from the optimizer (L2 added to the gradient, or AdamW's decoupled shrink) would act
 outside the trust ratio and on the excluded parameters too, which is neither published rule.
 """
-from .. import backend
-from ..log import logger
-from ..optimizer import Adam, Momentum, graph_guard
+from fleetmpi.core import backend
+from fleetmpi.core.log import logger
+from fleetmpi.optimizer import Adam, Momentum, graph_guard
 from .base import Strategy
 
 

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .. import backend
+from fleetmpi.core import backend
 from .base import Strategy
 
 MAX_K_STEPS = 16

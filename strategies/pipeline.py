@@ -44,11 +44,11 @@ after the other: the single-process math the ranks must match.
 import contextlib
 import time
 
-from ..autograd import Tensor
-from ..nn import Sequential
-from ..nn.pipeline_layer import pipeline_layer_of
-from ..optimizer.clip import ClipGradByGlobalNorm
-from ..optimizer.step import loss_seed
+from fleetmpi.autograd import Tensor
+from fleetmpi.nn import Sequential
+from fleetmpi.nn.pipeline_layer import pipeline_layer_of
+from fleetmpi.optimizer.clip import ClipGradByGlobalNorm
+from fleetmpi.optimizer.step import loss_seed
 from .base import Strategy
 from .pipeline_run import StageLayout, StageSchedule, elapsed, final_loss
 from .pipeline_schedule import check_schedule_mode

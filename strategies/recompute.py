@@ -30,11 +30,11 @@ checkpoint, the input of another checkpoint).
 """
 import numpy as np
 
-from .. import backend
-from ..autograd import Tensor
-from ..capture_checks import check_host_read
-from ..autograd.recompute import ActivationMeter, held_activation_bytes, run_recomputed
-from ..nn import Sequential
+from fleetmpi.core import backend
+from fleetmpi.autograd import Tensor
+from fleetmpi.core.capture_checks import check_host_read
+from fleetmpi.autograd.recompute import ActivationMeter, held_activation_bytes, run_recomputed
+from fleetmpi.nn import Sequential
 from .base import Strategy
 
 __all__ = ["ActivationMeter", "HostCheckpoints", "Recompute", "Segment", "checkpoint_forwards",

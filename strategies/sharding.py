@@ -38,8 +38,8 @@ name: ``sharding_degree``) consecutive ranks, ``world size / group size`` of the
 data-parallel replicas. Steps that do not update (gradient_merge between its updates, amp's
 overflow) broadcast nothing.
 """
-from .. import backend, timeline
-from ..comm import overlap_counts
+from fleetmpi.core import backend, timeline
+from fleetmpi.comm import overlap_counts
 from .base import Strategy
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 

@@ -45,8 +45,8 @@ import collections
 
 import numpy as np
 
-from .. import backend
-from ..comm import overlap_counts
+from fleetmpi.core import backend
+from fleetmpi.comm import overlap_counts
 from .gradient_allreduce import layer_of
 
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import fleetmpi.nn.functional as F
-from fleetmpi import Tensor, backend, kernels
+from fleetmpi import Tensor, kernels
+from fleetmpi.core import backend
 from fleetmpi.kernels import loader, reference
 
 from cuda_host import compile_for_device

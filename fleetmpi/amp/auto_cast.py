@@ -12,12 +12,12 @@ given.
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import autocast
 from ..nn import Layer
 from ..optimizer import Optimizer
 from ..parallel import DistributedOptimizer
-from ..strategies import amp as amp_strategy
+from fleetmpi.strategies import amp as amp_strategy
 
 LEVELS = ("O0", "O1", "O2")
 DTYPES = ("float16", "bfloat16")

@@ -25,16 +25,16 @@ the check runs inside its step, after the gradient reduction (``reduce_gradients
 ranks that share its steps (every rank of a hybrid layout), as the ``amp`` strategy's does;
 the non-finite check of its steps then leaves the overflow to the scaler.
 """
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor, autocast, cast
 from ..autograd.autocast import current_policy
-from ..log import logger
+from ..core.log import logger
 from ..optimizer import Optimizer, StepHook
 from ..parallel import DistributedOptimizer
-from ..proto import distributed_strategy_pb2 as schema
-from ..schema_view import coerce, default_of
-from ..strategies import amp_precision
-from ..strategies.loss_scaling import LossScaling, check_step
+from fleetmpi.proto import distributed_strategy_pb2 as schema
+from ..config.schema_view import coerce, default_of
+from fleetmpi.strategies import amp_precision
+from fleetmpi.strategies.loss_scaling import LossScaling, check_step
 
 _FIELDS = schema.AMPConfig.DESCRIPTOR.fields_by_name
 _KEYS = ("init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps",
@@ -330,7 +330,7 @@ def distributed_scaler(scaler):
     from .. import world
 
     if world.worker_num() > 1:
-        from ..comm import get_communicator
+        from fleetmpi.comm import get_communicator
 
         scaler._communicator = get_communicator()
     scaler.distributed = True

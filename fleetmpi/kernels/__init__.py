@@ -11,7 +11,7 @@ import numbers
 
 import numpy as np
 
-from .. import backend, capture_checks
+from ..core import backend, capture_checks
 from . import attention_reference, reference, transformer_reference
 from .loader import constant, instance_suffix, instances, launch
 

@@ -7,8 +7,8 @@
 with their reasons (``fleetmpi.strategies.applied.parameter_server_not_applied``) and warned
 once.
 """
-from ...schema_view import ConfigError
-from ..compose import ORDER
+from fleetmpi.config.schema_view import ConfigError
+from fleetmpi.strategies.compose import ORDER
 
 SYNC, ASYNC, GEO = "sync", "async", "geo"
 

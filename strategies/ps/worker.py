@@ -17,9 +17,9 @@ import time
 
 import numpy as np
 
-from ... import backend, failure
-from ...optimizer import Optimizer, StepContext, StepHook, run_step
-from ...optimizer.step import finish_step, minimize_loss
+from fleetmpi.core import backend, failure
+from fleetmpi.optimizer import Optimizer, StepContext, StepHook, run_step
+from fleetmpi.optimizer.step import finish_step, minimize_loss
 from . import wire
 from .blocks import plan_blocks, split_by_owner
 from .mode import GEO, SYNC, training_mode

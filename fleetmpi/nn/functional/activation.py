@@ -1,5 +1,5 @@
 """Activations and softmax."""
-from ... import backend
+from ...core import backend
 from ...autograd import Function
 from ...autograd.operations import Tanh
 from ...kernels import reference

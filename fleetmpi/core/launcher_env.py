@@ -1,7 +1,7 @@
 """The environment variables each launcher sets to describe a rank: the one table of their names.
 
 Three readers use it: ``launch/rank_main.py`` takes a rank's place from one launcher's rank, size
-and local rank together (before MPI starts), ``fleetmpi.backend`` counts the ranks on a node
+and local rank together (before MPI starts), ``fleetmpi.core.backend`` counts the ranks on a node
 before ``fleet.init`` (to share the node's cores between their BLAS threads) and takes the local
 rank there (to drive the rank's own GPU when the backend is chosen before ``fleet.init``), and
 ``fleetmpi.launcher_check`` checks every family against what MPI says.
