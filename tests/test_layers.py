@@ -229,3 +229,25 @@ def test_first_names_of_moved_modules_still_import():
             assert importlib.import_module(f"fleetmpi.{name}") is moved
             assert getattr(fleetmpi, name) is moved
             assert not os.path.exists(os.path.join(ROOT, "fleetmpi", name + ".py"))
+
+
+def test_root_folders_import_the_rest_of_fleetmpi_absolutely():
+    """In comm/, strategies/, proto/ and launch/, ``..`` reads as the repository root while it
+    means fleetmpi/: a relative import may stay within its own root folder only."""
+    wrong = []
+    for module, path in modules().items():
+        root = ".".join(module.split(".")[:2])
+        if root == module.split(".")[0] or root not in (
+                "fleetmpi.comm", "fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.launch"):
+            continue
+        is_package = path.endswith("__init__.py")
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = module.split(".")[:None if is_package else -1]
+                base = ".".join(base[:len(base) - node.level + 1])
+                if base != root and not base.startswith(root + "."):
+                    wrong.append(f"{path}:{node.lineno}: from {'.' * node.level}"
+                                 f"{node.module or ''} leaves {root}")
+    assert not wrong, "\n".join(wrong)
