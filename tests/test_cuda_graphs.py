@@ -624,3 +624,10 @@ def test_replays_of_a_graphed_step_run_no_python():
     for x, y in data:
         step(x, y)
     assert isinstance(step.graph, CUDAGraph) and len(python_calls) == 3
+
+
+def test_the_readers_skipped_when_naming_the_caller_exist():
+    """A moved module would otherwise be named as the place of a refused read."""
+    from fleetmpi.core import capture_checks
+    assert len(capture_checks._READERS) == 3
+    assert all(os.path.isfile(path) for path in capture_checks._READERS)
