@@ -166,14 +166,12 @@ def build_strategies(strategy, optimizer, communicator, agreement=None):
     # A strategy that lays the ranks out is built first: it narrows the optimizer to this
     # rank's part before the other strategies see it, and its replicas are the ranks that
     # average the gradients of that part.
-    built = {cls: cls(strategy, optimizer, communicator)
-             for cls in classes if cls.lays_out_ranks}
-    replicas = communicator
-    for hook in built.values():
-        replicas = hook.replica_communicator
+    layout_class = next((cls for cls in classes if cls.lays_out_ranks), None)
+    layout = None if layout_class is None else layout_class(strategy, optimizer, communicator)
+    replicas = communicator if layout is None else layout.replica_communicator
     scopes = {"world": communicator, "replicas": replicas,
               "agreement": agreement or communicator}
-    hooks = [built[cls] if cls in built
+    hooks = [layout if cls is layout_class
              else cls(strategy, optimizer, scopes[cls.communicator_scope])
              for cls in classes if not cls.is_gradient_reduction]
     if replicas is not None and replicas.size > 1 \
