@@ -178,6 +178,8 @@ class GradientAllreduce(Strategy):
 
     name = "gradient_allreduce"
     compression = None
+    communicator_scope = "replicas"
+    is_gradient_reduction = True
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)

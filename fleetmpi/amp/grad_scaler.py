@@ -155,7 +155,8 @@ class GradScaler:
             return
         precision = amp_precision.Precision(amp_precision.BFLOAT16,
                                             "O2" if policy.pure else "O1")
-        if not amp_precision.scales_loss(self._settings, precision):
+        if not amp_precision.scales_loss(self._settings["use_dynamic_loss_scaling"],
+                                         self._settings["init_loss_scaling"], precision):
             self._enable = False
             logger.warning("GradScaler: dynamic loss scaling is off under auto_cast in "
                            "bfloat16 (its exponent range is float32's), as in Paddle; "
