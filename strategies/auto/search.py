@@ -36,7 +36,7 @@ from fleetmpi.config.distributed_strategy import DistributedStrategy
 from fleetmpi.proto import distributed_strategy_pb2 as schema
 from fleetmpi.strategies.applied import changed
 from .measure import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
-                               time_allreduce)
+                      time_allreduce)
 from fleetmpi.strategies.compose import (build_strategies, check_combination, enabled_strategies,
                                          strategy_class)
 from fleetmpi.strategies.gradient_allreduce import layer_of, plan_gradient_buckets
