@@ -102,7 +102,8 @@ def _model(args, model):
 
 def _batch(args, model, rank):
     """``(inputs, loss function of the outputs)`` of this rank."""
-    from fleetmpi import backend, nn
+    from fleetmpi.core import backend
+    from fleetmpi import nn
 
     rng = np.random.default_rng(rank)
     if model == "gpt":
@@ -119,7 +120,8 @@ def _batch(args, model, rank):
 def _build(args, model, run):
     """``(model, distributed optimizer)`` of ``run`` from seed 0."""
     import fleetmpi as fleet
-    from fleetmpi import backend, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import optimizer
 
     stage, lazy, depth, unit_MB = RUNS[run]
     backend.manual_seed(0)
@@ -169,7 +171,7 @@ def time_worker(args):
     before each step, so that all ranks start it together). Prints, per run, the slowest
     rank's step times of each round."""
     import fleetmpi as fleet
-    from fleetmpi import backend
+    from fleetmpi.core import backend
     from mpi4py import MPI
 
     fleet.init(is_collective=True)

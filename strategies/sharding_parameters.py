@@ -49,8 +49,8 @@ import collections
 
 import numpy as np
 
-from .. import backend
-from ..comm import overlap_counts
+from fleetmpi.core import backend
+from fleetmpi.comm import overlap_counts
 from .gradient_allreduce import layer_of
 
 # unit_size_MB 0: units up to the largest layer's size and this fraction of it more.

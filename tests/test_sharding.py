@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, checkpoint, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import checkpoint
+from fleetmpi import nn, optimizer
 from fleetmpi.comm import dispatch
 from fleetmpi.launch.mpi_command import local_command
 from comm_support import close, equal, ok, raises

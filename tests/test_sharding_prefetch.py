@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 import fleetmpi.nn.functional as F
 from comm_support import equal, ok
 from strategy_support import global_batch, make_mlp, make_strategy, shard

@@ -12,7 +12,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import autograd, backend, nn, optimizer
+from fleetmpi import autograd, nn, optimizer
+from fleetmpi.core import backend
 from comm_support import close, equal, ok, raises
 from strategy_support import global_batch, make_mlp, make_strategy, shard, train, world_gather
 from test_user_model import UserNet, train_user_model
@@ -345,7 +346,7 @@ def test_at_stage_2_a_parameter_left_out_of_the_optimizer_keeps_its_own_gradient
 def test_a_checkpoint_inside_a_gradient_merge_window_keeps_the_merged_shard(stage, tmp_path):
     """From stage 2 the window's gradient lives in the shard: a checkpoint taken between two
     steps of a window carries it, and the resumed run ends as the uninterrupted one."""
-    from fleetmpi import checkpoint
+    from fleetmpi.training import checkpoint
     from strategy_support import momentum
 
     merge = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}

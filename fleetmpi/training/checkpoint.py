@@ -16,7 +16,7 @@ symbolic links pointing out of it), the world size and the digest, reads everyth
 then applies it; if applying fails midway (a shape the model or optimizer refuses, a bad random
 state), the model, the optimizer and the random state are put back as they were. In a job of
 several ranks the ranks then agree, so that all load or none does
-(``fleetmpi.checkpoint_agreement``).
+(``fleetmpi.training.checkpoint_agreement``).
 
 Re-sharding: the optimizer state of a ``sharding`` run is saved as each rank's shard with its
 range of the parameter space. Loading joins, for the range the loading optimizer updates, the
@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import backend, files
+from ..core import backend, files
 
 FORMAT = "fleetmpi-checkpoint"
 VERSION = 1
@@ -50,7 +50,7 @@ _RNG_DEVICE = "rng/device_state"
 
 
 def _world():
-    from . import job
+    from ..core import job
 
     if not job.joined():
         return None, 0, 1
@@ -83,7 +83,7 @@ def _exchange(comm, row):
     """Every rank's int64 ``row``, stacked in rank order, through the stall inspector: a rank
     that never reaches ``save`` is named after ``FLEETMPI_STALL_TIMEOUT`` instead of hanging
     the others."""
-    from .comm.stall import gather_rows
+    from fleetmpi.comm.stall import gather_rows
 
     return gather_rows(comm, np.asarray(row, dtype=np.int64), "checkpoint.save")
 
@@ -440,7 +440,8 @@ def load(directory, model, optimizer=None, replicated=False):
     The checkpoint must come from a job of the same size, unless its optimizer state is
     sharded, or ``replicated`` says that every rank holds the same model and optimizer state
     (plain data parallelism, as after an elastic restart with fewer ranks; see
-    ``fleetmpi.elastic``). A sharded optimizer's state for the range it updates is joined from
+    ``fleetmpi.training.elastic``). A sharded optimizer's state for the range it updates is joined
+    from
     the shards of every file that holds part of it. In a job of another size rank ``r`` takes
     the model, random state and extra of the saved rank ``r % saved size`` (data parallelism
     keeps the parameters equal on every rank), and with ``replicated`` its optimizer state
@@ -449,7 +450,7 @@ def load(directory, model, optimizer=None, replicated=False):
     In a job of several ranks, every rank loads or none does: when one rank refuses its part
     (a damaged or missing file, a state its model refuses), every rank puts back what it had
     and raises the same error, naming each refusing rank and why
-    (``fleetmpi.checkpoint_agreement``)."""
+    (``fleetmpi.training.checkpoint_agreement``)."""
     comm, rank, size = _world()
     if size > 1:
         return _load_agreed(comm, directory, model, optimizer, replicated)
