@@ -2,7 +2,8 @@
 parallel, and a model that data parallel cannot build under a per-rank memory cap, trained under
 stage 3.
 
-    python benchmarks/sharding.py [--ranks 1 2 4] [--models gpt mlp] [--steps 5] [--cap_MB MB]
+    python benchmarks/sharding.py [--ranks 1 2 4] [--models gpt mlp] [--steps 5] [--repeats 7]
+                                  [--parts memory time] [--cap_MB MB]
                                   [--layers 4] [--width 384] [--vocab 1024] [--seq 32]
                                   [--batch 2] [--mlp_layers 12] [--mlp_width 1024]
                                   [--mlp_batch 64]
@@ -24,19 +25,23 @@ after two training steps (the whole-process peak, construction included; also wh
 between steps: the model state). Each figure is the largest over the ranks; the ratios are to
 data parallel's at the same rank count.
 
-Time: one more job per rank count builds every run of every model from the same seed and trains
-them step by step in turn (a barrier before each step, so that all see the same load); the
-median step time of the slowest rank over ``--steps`` steps after one warm-up step is reported
-next to data parallel's, with the last loss (mean over the ranks) minus data parallel's.
+Time: one more job per rank count builds every run of every model from the same seed, trains
+each one warm-up step, then ``--repeats`` rounds: in each, every run trains ``--steps`` steps
+(a barrier before each), in an order rotated from round to round, so that a change in the load
+of shared cores falls on every run alike. A step's time is the slowest rank's. Reported: the
+median of all of a run's steps, and its ratio to data parallel's: the median over the rounds
+of the ratio of the two runs' medians in the round, with the least and greatest round's ratio
+as the spread; and the last loss (mean over the ranks) minus data parallel's. ``--parts``
+measures memory (and the cap) or time alone.
 
 The cap: at the largest rank count, two jobs of the GPT under a per-rank limit on the data
 segment (``RLIMIT_DATA``: heap and private mappings, where NumPy's arrays live) of what a rank
 holds after ``fleet.init()`` and a first matrix product large enough for OpenBLAS to map its work
-buffer (32 MiB, which a small product does not) plus ``--cap_MB``. The default cap is data parallel's construction peak as ``tracemalloc`` measured it:
-every traced allocation lies in the data segment, so data parallel cannot build the model under
-it, while stage 3 under the guard has to fit with what ``tracemalloc`` does not see (the heap's
-free space, MPI's buffers). An
-allocation beyond the cap raises ``MemoryError``, which each rank reports with the phase it
+buffer (32 MiB, which a small product does not) plus ``--cap_MB``. The default cap is data
+parallel's construction peak as ``tracemalloc`` measured it: every traced allocation lies in
+the data segment, so data parallel cannot build the model under it, while stage 3 under the
+guard has to fit with what ``tracemalloc`` does not see (the heap's free space, MPI's
+buffers). An allocation beyond the cap raises ``MemoryError``, which each rank reports with the phase it
 failed in; data parallel and stage 3 under the guard each try to build the model and train
 ``--steps`` steps. Every job runs under ``--timeout``, so the benchmark ends even when a rank
 that failed leaves the others waiting in a collective.
