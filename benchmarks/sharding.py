@@ -42,9 +42,9 @@ parallel's construction peak as ``tracemalloc`` measured it: every traced alloca
 the data segment, so data parallel cannot build the model under it, while stage 3 under the
 guard has to fit with what ``tracemalloc`` does not see (the heap's free space, MPI's
 buffers). An allocation beyond the cap raises ``MemoryError``, which each rank reports with
-the phase it failed in; data parallel and stage 3 under the guard each try to build the model and train
-``--steps`` steps. Every job runs under ``--timeout``, so the benchmark ends even when a rank
-that failed leaves the others waiting in a collective.
+the phase it failed in; data parallel and stage 3 under the guard each try to build the model
+and train ``--steps`` steps. Every job runs under ``--timeout``, so the benchmark ends even
+when a rank that failed leaves the others waiting in a collective.
 """
 import argparse
 import contextlib
