@@ -32,7 +32,8 @@ import tracemalloc
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.strategies.recompute import held_activation_bytes
 
 LAYERS = 16

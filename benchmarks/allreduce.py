@@ -43,7 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import backend, knobs
+from fleetmpi.core import backend, knobs
 from fleetmpi.comm import get_communicator
 
 

@@ -75,7 +75,8 @@ def block(opt, model, loss_fn, stream, steps):
 
 def run_model(name, args, digits):
     import fleetmpi as fleet
-    from fleetmpi import backend, nn, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import nn, optimizer
 
     widths, batch, batch_norm = MODELS[name]
     copies = {}
@@ -103,7 +104,7 @@ def run_model(name, args, digits):
 
 def worker(args):
     import fleetmpi as fleet
-    from fleetmpi import data
+    from fleetmpi.training import data
 
     fleet.init(is_collective=True)
     digits, _ = data.load_digits()

@@ -23,7 +23,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from fleetmpi import backend, kernels, nn, to_tensor  # noqa: E402
+from fleetmpi.core import backend  # noqa: E402
+from fleetmpi import kernels, nn, to_tensor  # noqa: E402
 from fleetmpi.kernels import reference  # noqa: E402
 
 

@@ -53,7 +53,8 @@ def parse_args(argv):
 
 def run_layout(name, layout, args):
     import fleetmpi as fleet
-    from fleetmpi import backend, nn, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import nn, optimizer
 
     strategy = fleet.DistributedStrategy()
     strategy.hybrid_configs = layout

@@ -48,7 +48,8 @@ def staged_model(width, layers):
 
 def worker(args):
     import fleetmpi as fleet
-    from fleetmpi import backend, nn, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import nn, optimizer
     from fleetmpi.comm import get_communicator
 
     fleet.init(is_collective=True)

@@ -20,7 +20,7 @@ stated assumptions, and rows at other speeds show how much the answer depends on
 import argparse
 import os
 
-from fleetmpi.distributed_strategy import DistributedStrategy
+from fleetmpi.config.distributed_strategy import DistributedStrategy
 from fleetmpi.plan import (Cluster, Workload, calibrate, gradient_buckets, model_from_spec,
                            predict, preset)
 from fleetmpi.plan.measure import measure_step

@@ -37,7 +37,9 @@ class SumIds(nn.Layer):
 
 def job(args):
     import fleetmpi as fleet
-    from fleetmpi import backend, data, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi.training import data
+    from fleetmpi import optimizer
 
     ps = args.mode != "collective"
     fleet.init(is_collective=not ps)

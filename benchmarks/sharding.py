@@ -2,7 +2,8 @@
 parallel, and a model that data parallel cannot build under a per-rank memory cap, trained under
 stage 3.
 
-    python benchmarks/sharding.py [--ranks 1 2 4] [--models gpt mlp] [--steps 5] [--cap_MB MB]
+    python benchmarks/sharding.py [--ranks 1 2 4] [--models gpt mlp] [--steps 5] [--repeats 7]
+                                  [--parts memory time] [--cap_MB MB]
                                   [--layers 4] [--width 384] [--vocab 1024] [--seq 32]
                                   [--batch 2] [--mlp_layers 12] [--mlp_width 1024]
                                   [--mlp_batch 64]
@@ -10,10 +11,12 @@ stage 3.
 Two models, float32, with Adam and the default strategy fields (``fuse_grad_size_in_MB`` 32):
 ``nn.GPT`` (``--layers`` blocks of width ``--width``, a tied embedding) and a user's
 ``nn.Layer`` of ``--mlp_layers`` Linear layers of ``--mlp_width`` with ReLU and a head of 10
-classes, large enough for two data-parallel buckets. Six runs of each: data parallel,
+classes, large enough for two data-parallel buckets. Seven runs of each: data parallel,
 ``sharding`` stages 1, 2 and 3 built as usual, and stage 3 built under ``fleet.LazyGuard``,
 without and with ``sharding_configs["prefetch_depth"]`` 1 (the next unit's all-gather runs
-ahead, on the communicator's background thread).
+ahead, on the communicator's background thread), the latter also with one layer a unit
+(``unit_size_MB`` below any layer's size; the default joins adjacent layers up to the largest
+layer's size).
 
 Memory: one ``mpiexec`` job per rank count, model and run. Each rank starts ``tracemalloc``
 (NumPy reports its allocations to it) right after ``fleet.init()`` and reads it after building
@@ -22,22 +25,26 @@ after two training steps (the whole-process peak, construction included; also wh
 between steps: the model state). Each figure is the largest over the ranks; the ratios are to
 data parallel's at the same rank count.
 
-Time: one more job per rank count builds every run of every model from the same seed and trains
-them step by step in turn (a barrier before each step, so that all see the same load); the
-median step time of the slowest rank over ``--steps`` steps after one warm-up step is reported
-next to data parallel's, with the last loss (mean over the ranks) minus data parallel's.
+Time: one more job per rank count builds every run of every model from the same seed, trains
+each one warm-up step, then ``--repeats`` rounds: in each, every run trains ``--steps`` steps
+(a barrier before each), in an order rotated from round to round, so that a change in the load
+of shared cores falls on every run alike. A step's time is the slowest rank's. Reported: the
+median of all of a run's steps, and its ratio to data parallel's: the median over the rounds
+of the ratio of the two runs' medians in the round, with the least and greatest round's ratio
+as the spread; and the last loss (mean over the ranks) minus data parallel's. ``--parts``
+measures memory (and the cap) or time alone.
 
 The cap: at the largest rank count, two jobs of the GPT under a per-rank limit on the data
 segment (``RLIMIT_DATA``: heap and private mappings, where NumPy's arrays live) of what a rank
 holds after ``fleet.init()`` and a first matrix product large enough for OpenBLAS to map its work
-buffer (32 MiB, which a small product does not) plus ``--cap_MB``. The default cap is data parallel's construction peak as ``tracemalloc`` measured it:
-every traced allocation lies in the data segment, so data parallel cannot build the model under
-it, while stage 3 under the guard has to fit with what ``tracemalloc`` does not see (the heap's
-free space, MPI's buffers). An
-allocation beyond the cap raises ``MemoryError``, which each rank reports with the phase it
-failed in; data parallel and stage 3 under the guard each try to build the model and train
-``--steps`` steps. Every job runs under ``--timeout``, so the benchmark ends even when a rank
-that failed leaves the others waiting in a collective.
+buffer (32 MiB, which a small product does not) plus ``--cap_MB``. The default cap is data
+parallel's construction peak as ``tracemalloc`` measured it: every traced allocation lies in
+the data segment, so data parallel cannot build the model under it, while stage 3 under the
+guard has to fit with what ``tracemalloc`` does not see (the heap's free space, MPI's
+buffers). An allocation beyond the cap raises ``MemoryError``, which each rank reports with
+the phase it failed in; data parallel and stage 3 under the guard each try to build the model
+and train ``--steps`` steps. Every job runs under ``--timeout``, so the benchmark ends even
+when a rank that failed leaves the others waiting in a collective.
 """
 import argparse
 import contextlib
@@ -52,10 +59,14 @@ import tracemalloc
 
 import numpy as np
 
-# name: (sharding stage, 0 for data parallel; built under LazyGuard; prefetch_depth)
-RUNS = {"dp": (0, False, 0), "stage 1": (1, False, 0), "stage 2": (2, False, 0),
-        "stage 3": (3, False, 0), "stage 3, LazyGuard": (3, True, 0),
-        "stage 3, LazyGuard, prefetch 1": (3, True, 1)}
+# A unit_size_MB below any layer's size: one layer a unit.
+LAYER_UNITS_MB = 1e-6
+# name: (sharding stage, 0 for data parallel; built under LazyGuard; prefetch_depth;
+# unit_size_MB)
+RUNS = {"dp": (0, False, 0, 0), "stage 1": (1, False, 0, 0), "stage 2": (2, False, 0, 0),
+        "stage 3": (3, False, 0, 0), "stage 3, LazyGuard": (3, True, 0, 0),
+        "stage 3, LazyGuard, prefetch 1": (3, True, 1, 0),
+        "stage 3, LazyGuard, prefetch 1, a unit per layer": (3, True, 1, LAYER_UNITS_MB)}
 MODELS = ("gpt", "mlp")
 # Whole-process peak per rank relative to data parallel at TARGET_RANKS (the issue's targets).
 TARGETS = {"stage 1": 0.75, "stage 2": 0.6, "stage 3, LazyGuard": 0.35,
@@ -66,7 +77,7 @@ MEMORY_STEPS = 2
 CAPPED = ("dp", "stage 3, LazyGuard")
 MIB = 2 ** 20
 OPTIONS = ("layers", "width", "vocab", "seq", "batch", "mlp_layers", "mlp_width", "mlp_batch",
-           "steps", "cap_MB")
+           "steps", "repeats", "cap_MB")
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -96,7 +107,8 @@ def _model(args, model):
 
 def _batch(args, model, rank):
     """``(inputs, loss function of the outputs)`` of this rank."""
-    from fleetmpi import backend, nn
+    from fleetmpi.core import backend
+    from fleetmpi import nn
 
     rng = np.random.default_rng(rank)
     if model == "gpt":
@@ -113,9 +125,10 @@ def _batch(args, model, rank):
 def _build(args, model, run):
     """``(model, distributed optimizer)`` of ``run`` from seed 0."""
     import fleetmpi as fleet
-    from fleetmpi import backend, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import optimizer
 
-    stage, lazy, depth = RUNS[run]
+    stage, lazy, depth, unit_MB = RUNS[run]
     backend.manual_seed(0)
     with fleet.LazyGuard() if lazy else contextlib.nullcontext():
         net = _model(args, model)
@@ -123,7 +136,8 @@ def _build(args, model, run):
     strategy = fleet.DistributedStrategy()
     if stage:
         strategy.sharding = True
-        strategy.sharding_configs = {"stage": stage, "prefetch_depth": depth}
+        strategy.sharding_configs = {"stage": stage, "prefetch_depth": depth,
+                                     "unit_size_MB": unit_MB}
     opt = optimizer.Adam(learning_rate=1e-4, parameters=net.parameters())
     return net, fleet.distributed_optimizer(opt, strategy)
 
@@ -157,9 +171,12 @@ def memory_worker(args):
 
 
 def time_worker(args):
-    """Every run of every model built at once and trained in turn, step by step."""
+    """Every run of every model built at once, then ``--repeats`` rounds: in each, every run
+    trains ``--steps`` steps in turn, in an order rotated from round to round (a barrier
+    before each step, so that all ranks start it together). Prints, per run, the slowest
+    rank's step times of each round."""
     import fleetmpi as fleet
-    from fleetmpi import backend
+    from fleetmpi.core import backend
     from mpi4py import MPI
 
     fleet.init(is_collective=True)
@@ -169,24 +186,38 @@ def time_worker(args):
         x, loss_of = _batch(args, model, world.Get_rank())
         for run in RUNS:
             built[model, run] = (*_build(args, model, run), x, loss_of)
-    times = {key: [] for key in built}
-    losses = {}
-    for _ in range(1 + args.steps):
-        for key, (net, opt, x, loss_of) in built.items():
-            world.Barrier()
-            start = time.perf_counter()
-            losses[key] = _step(net, opt, x, loss_of)
-            backend.synchronize()
-            times[key].append(time.perf_counter() - start)
+    keys = list(built)
+    times = {key: np.empty((args.repeats, args.steps)) for key in keys}
+    losses = {key: _step(*built[key]) for key in keys}   # the warm-up step of each run
+    for repeat in range(args.repeats):
+        shift = repeat * len(keys) // args.repeats
+        for key in keys[shift:] + keys[:shift]:
+            for step in range(args.steps):
+                world.Barrier()
+                start = time.perf_counter()
+                losses[key] = _step(*built[key])
+                backend.synchronize()
+                times[key][repeat, step] = time.perf_counter() - start
     rows = []
-    for key in built:
-        slowest = np.empty(len(times[key]))
-        world.Allreduce(np.array(times[key]), slowest, op=MPI.MAX)
-        rows.append({"model": key[0], "run": key[1],
-                     "step_ms": float(np.median(slowest[1:])) * 1e3,
+    for key in keys:
+        slowest = np.empty_like(times[key])
+        world.Allreduce(times[key], slowest, op=MPI.MAX)
+        rows.append({"model": key[0], "run": key[1], "step_s": slowest.tolist(),
+                     "parameters": sum(int(p.size) for p in built[key][0].parameters()),
                      "loss": world.allreduce(losses[key], op=MPI.SUM) / world.Get_size()})
     if world.Get_rank() == 0:
         print("TIME " + json.dumps(rows), flush=True)
+
+
+def step_summary(row, dp):
+    """``row``'s median step (ms) over every step, and its step time relative to ``dp``'s
+    (both rows of one time job, one model): the ratio of the medians of each round, whose
+    median is the figure and whose least and greatest show the spread."""
+    mine, base = np.array(row["step_s"]), np.array(dp["step_s"])
+    ratios = np.median(mine, axis=1) / np.median(base, axis=1)
+    return {"step_ms": float(np.median(mine)) * 1e3, "ratio": float(np.median(ratios)),
+            "low": float(ratios.min()), "high": float(ratios.max()),
+            "loss": row["loss"] - dp["loss"]}
 
 
 def _vm_data_bytes():
@@ -264,7 +295,9 @@ def measure_time(ranks, args):
     out, note = _job(ranks, args, "--worker", "time")
     for line in out.splitlines():
         if line.startswith("TIME "):
-            return {(r["model"], r["run"]): r for r in json.loads(line[len("TIME "):])}
+            rows = {(r["model"], r["run"]): r for r in json.loads(line[len("TIME "):])}
+            return {key: dict(step_summary(row, rows[key[0], "dp"]),
+                              parameters=row["parameters"]) for key, row in rows.items()}
     raise RuntimeError(f"{ranks} ranks (time job): {note}\n{out}")
 
 
@@ -289,19 +322,28 @@ def describe(args, model, parameters):
             f"{args.mlp_batch}")
 
 
-def table(rows, times):
+def memory_table(rows):
     by = {(r["ranks"], r["model"], r["run"]): r for r in rows}
     lines = ["| model | ranks | run | whole-process peak MiB | / DP | construction peak MiB | "
-             "model state MiB | step ms | / DP | loss - DP loss |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "model state MiB |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         dp = by[(r["ranks"], r["model"], "dp")]
-        t, dp_t = times[r["ranks"]][r["model"], r["run"]], times[r["ranks"]][r["model"], "dp"]
         lines.append(f"| {r['model']} | {r['ranks']} | {r['run']} | {mib(r['peak'])} | "
                      f"{r['peak'] / dp['peak']:.3f} | {mib(r['construction'])} | "
-                     f"{mib(r['state'])} | {t['step_ms']:.0f} | "
-                     f"{t['step_ms'] / dp_t['step_ms']:.2f} | "
-                     f"{t['loss'] - dp_t['loss']:+.1e} |")
+                     f"{mib(r['state'])} |")
+    return "\n".join(lines)
+
+
+def time_table(times):
+    lines = ["| model | ranks | run | step ms | / DP | / DP, least - greatest round | "
+             "loss - DP loss |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for ranks, measured in times.items():
+        for (model, run), t in measured.items():
+            lines.append(f"| {model} | {ranks} | {run} | {t['step_ms']:.0f} | "
+                         f"{t['ratio']:.2f} | {t['low']:.2f} - {t['high']:.2f} | "
+                         f"{t['loss']:+.1e} |")
     return "\n".join(lines)
 
 
@@ -309,21 +351,23 @@ def target_lines(rows, times, models):
     by = {(r["ranks"], r["model"], r["run"]): r for r in rows}
     lines = []
     for model in models:
-        if (TARGET_RANKS, model, "dp") not in by:
-            lines.append(f"targets of {model}: not measured (no {TARGET_RANKS}-rank run)")
-            continue
-        dp = by[(TARGET_RANKS, model, "dp")]
-        for run, target in TARGETS.items():
-            ratio = by[(TARGET_RANKS, model, run)]["peak"] / dp["peak"]
-            lines.append(f"target {model}, {run}: whole-process peak <= {target:.2f}x of data "
-                         f"parallel's at {TARGET_RANKS} ranks: {ratio:.3f}x, "
-                         f"{'met' if ratio <= target else 'MISSED'}")
-        step = times[TARGET_RANKS]
+        if rows and (TARGET_RANKS, model, "dp") in by:
+            dp = by[(TARGET_RANKS, model, "dp")]
+            for run, target in TARGETS.items():
+                ratio = by[(TARGET_RANKS, model, run)]["peak"] / dp["peak"]
+                lines.append(f"target {model}, {run}: whole-process peak <= {target:.2f}x of "
+                             f"data parallel's at {TARGET_RANKS} ranks: {ratio:.3f}x, "
+                             f"{'met' if ratio <= target else 'MISSED'}")
         for run, target in TIME_TARGETS.items():
-            ratio = step[model, run]["step_ms"] / step[model, "dp"]["step_ms"]
+            if TARGET_RANKS not in times:
+                continue
+            t = times[TARGET_RANKS][model, run]
             lines.append(f"target {model}, {run}: step time <= {target:.2f}x of data "
-                         f"parallel's at {TARGET_RANKS} ranks: {ratio:.2f}x, "
-                         f"{'met' if ratio <= target else 'MISSED'}")
+                         f"parallel's at {TARGET_RANKS} ranks: {t['ratio']:.2f}x (rounds "
+                         f"{t['low']:.2f} - {t['high']:.2f}), "
+                         f"{'met' if t['ratio'] <= target else 'MISSED'}")
+    if not lines:
+        lines.append(f"targets: not measured (no {TARGET_RANKS}-rank run)")
     return lines
 
 
@@ -380,7 +424,13 @@ def main():
     parser.add_argument("--mlp_width", type=int, default=1024)
     parser.add_argument("--mlp_batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5,
-                        help="timed steps, and the steps trained under the cap")
+                        help="timed steps of each run in each round, and the steps trained "
+                             "under the cap")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="rounds of the time job, each training every run in turn")
+    parser.add_argument("--parts", nargs="+", choices=["memory", "time"],
+                        default=["memory", "time"],
+                        help="what to measure (the cap run comes with memory)")
     parser.add_argument("--cap_MB", type=float, default=0.0,
                         help="per-rank cap above the data segment after fleet.init(); 0: "
                              "data parallel's construction peak")
@@ -394,17 +444,27 @@ def main():
                 "capped": capped_worker}[args.worker](args)
 
     rows = [measure_memory(ranks, model, run, args) for ranks in args.ranks
-            for model in args.models for run in RUNS]
-    times = {ranks: measure_time(ranks, args) for ranks in args.ranks}
+            for model in args.models for run in RUNS] if "memory" in args.parts else []
+    times = {ranks: measure_time(ranks, args) for ranks in args.ranks} \
+        if "time" in args.parts else {}
+    parameters = {r["model"]: r["parameters"] for r in rows}
+    parameters.update({model: t["parameters"] for measured in times.values()
+                       for (model, _), t in measured.items()})
     for model in args.models:
-        parameters = next(r["parameters"] for r in rows if r["model"] == model)
-        print(describe(args, model, parameters))
-    print(f"Adam, float32, default fusion; tracemalloc from after fleet.init(), largest over "
-          f"the ranks; step time: median of {args.steps} steps, slowest rank\n")
-    print(table(rows, times))
-    print()
+        print(describe(args, model, parameters[model]))
+    print("Adam, float32, default fusion")
+    if rows:
+        print("Memory: tracemalloc from after fleet.init(), largest over the ranks\n")
+        print(memory_table(rows))
+        print()
+    if times:
+        print(f"Time: slowest rank's step; {args.repeats} rounds of {args.steps} steps of "
+              f"every run in turn; step ms: median of all; / DP: median over the rounds of "
+              f"the ratio of the round's medians\n")
+        print(time_table(times))
+        print()
     print("\n".join(target_lines(rows, times, args.models)))
-    if "gpt" in args.models:
+    if rows and "gpt" in args.models:
         print()
         print("\n".join(cap_report(rows, args)))
 

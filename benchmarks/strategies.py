@@ -81,7 +81,7 @@ def build(settings, base_lr):
 
 
 def accuracy(model, dataset):
-    from fleetmpi import backend
+    from fleetmpi.core import backend
 
     model.eval()
     logits = model.forward(backend.asarray(dataset.features))
@@ -91,7 +91,9 @@ def accuracy(model, dataset):
 
 def worker(args):
     import fleetmpi as fleet
-    from fleetmpi import backend, data, nn
+    from fleetmpi.core import backend
+    from fleetmpi.training import data
+    from fleetmpi import nn
 
     fleet.init(is_collective=True)
     train, test = data.load_digits()

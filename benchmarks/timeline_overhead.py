@@ -1,5 +1,5 @@
 """What the timeline costs per training step: the digits MLP of examples/train_digits.py with
-``fleetmpi.timeline`` off and on.
+``fleetmpi.core.timeline`` off and on.
 
     mpiexec -n 2 python benchmarks/timeline_overhead.py [--steps 300] [--rounds 5]
 
@@ -22,7 +22,9 @@ import timeit
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import backend, data, nn, optimizer, timeline
+from fleetmpi.core import backend, timeline
+from fleetmpi.training import data
+from fleetmpi import nn, optimizer
 
 
 def parse_args():

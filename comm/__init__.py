@@ -32,7 +32,7 @@ def get_communicator():
     """
     global _world
     if _world is None:
-        from fleetmpi import job
+        from fleetmpi.core import job
         _world = Communicator(job.topology())
     return _world
 

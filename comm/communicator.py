@@ -10,7 +10,7 @@ comes from the table in ``algorithm_choice``; each algorithm, registered in ``re
 runs itself (``dispatch``). Behind this facade, the checks, the dispatch and the algorithms see
 the communicator only through its ``context`` (``AlgorithmContext``).
 
-Each collective is one event of the timeline (``fleetmpi.timeline``, lane ``comm``) with the
+Each collective is one event of the timeline (``fleetmpi.core.timeline``, lane ``comm``) with the
 algorithm it ran and its bytes (this rank's payload as it travels, as ``payload_bytes`` counts
 it; an array's bytes for ``send``/``recv``).
 
@@ -32,9 +32,10 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from .. import capture_checks, timeline
-from ..knobs import ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, CUDA_GRAPH, TRANSPORT, TRANSPORTS
-from ..log import logger
+from fleetmpi.core import capture_checks, timeline
+from fleetmpi.core.knobs import (ALWAYS, AUTO_TRANSPORT, CHECK_COLLECTIVES, CUDA_GRAPH, TRANSPORT,
+                                 TRANSPORTS)
+from fleetmpi.core.log import logger
 from . import dispatch
 from .agreement import HISTORY_MASK, HISTORY_PRIME, dtype_name
 from .algorithm_choice import choose

@@ -4,7 +4,7 @@
 """
 import numpy as np
 
-from fleetmpi.cuda_source import raw_kernel, source_path
+from fleetmpi.core.cuda_source import raw_kernel, source_path
 
 SOURCE = source_path(__file__, "pack.cu")
 BLOCK = 256

@@ -8,7 +8,7 @@ apart from ``write_report`` and ``end_job``.
 """
 import sys
 
-from ..knobs import STALL_TIMEOUT
+from fleetmpi.core.knobs import STALL_TIMEOUT
 
 # How long a rank that reports a stall waits before aborting, so that the other waiting ranks
 # get to write their reports before the launcher ends them.
@@ -150,6 +150,6 @@ def write_report(message):
 
 def end_job():
     """End the whole MPI job after a stall report, whichever launcher started it."""
-    from fleetmpi.failure import abort
+    from fleetmpi.core.failure import abort
 
     abort(None)

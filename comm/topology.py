@@ -8,7 +8,7 @@ The kind of a world, as the algorithm table (``algorithm_choice``) and the algor
 """
 import numpy as np
 
-from ..knobs import LOCAL_SIZE
+from fleetmpi.core.knobs import LOCAL_SIZE
 
 # The kinds of world, as ``topology_of`` names them.
 ONE_NODE, ONE_RANK, NODES = "one node", "one rank", "several nodes"

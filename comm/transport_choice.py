@@ -7,7 +7,7 @@ the choice (one ``allgather`` of each rank's device), so every rank chooses alik
 """
 import socket
 
-from .. import backend
+from fleetmpi.core import backend
 
 
 def device_identity():

@@ -32,7 +32,7 @@ import zlib
 
 import numpy as np
 
-from ..knobs import STALL_TIMEOUT
+from fleetmpi.core.knobs import STALL_TIMEOUT
 from .stall_report import (REPORT_LINGER_SECONDS, call_name, call_text, end_job, stall_message,
                            verdict, write_report)
 

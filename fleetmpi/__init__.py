@@ -45,17 +45,17 @@ from . import autograd, device, framework, io, metric, nn, optimizer, utils
 from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, gather,
                        is_grad_enabled, matmul, no_grad, reshape, split, stack, to_tensor,
                        transpose)
-from .backend import manual_seed as seed
-from .capture_checks import CaptureError
-from .log_writer import LogWriter
+from .core.backend import manual_seed as seed
+from .core.capture_checks import CaptureError
+from .training.log_writer import LogWriter
 from .nn.creation import create_parameter, rand, randn
 from .nn.lazy import LazyGuard
 from .nn.param_attr import ParamAttr
 from .nn.summary import summary
-from .schema_view import ConfigError
-from .serialization import load, save
+from .config.schema_view import ConfigError
+from .training.serialization import load, save
 from .device_guard import device_guard, split_stages
-from .distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
+from .config.distributed_strategy import BuildStrategy, DistributedStrategy, ExecutionStrategy
 from .fleet_util import UtilBase, util
 from .graphed import GraphedStep, graphed_step
 from .group_sharded import group_sharded_parallel, save_group_sharded_model
@@ -66,12 +66,37 @@ from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from . import amp, distributed
 from .amp import distributed_scaler
 from .distributed import DataParallel
-from .role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
+from .config.role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
 from .world import (barrier_worker, init, is_first_worker, local_rank, local_size, node_index,
                     node_num, server_endpoints, worker_endpoints, worker_index, worker_num)
 
+
+# The modules that lived directly in fleetmpi/ before the layer sub-packages (core/, config/,
+# training/) keep their first names: ``import fleetmpi.knobs`` and ``from fleetmpi import
+# checkpoint`` reach the same module objects. fleetmpi's own code uses the new names
+# (tests/test_layers.py: an old name would import this package back, a cycle).
+_FIRST_NAMES = {
+    "core": ("backend", "capture_checks", "cuda_source", "failure", "files", "host_memory", "job",
+             "knobs", "launcher_env", "log", "paddle_flags", "rng_tracker", "timeline"),
+    "config": ("distributed_strategy", "paddle_fields", "paddle_values", "prototxt",
+               "role_maker", "schema_view"),
+    "training": ("checkpoint", "checkpoint_agreement", "data", "elastic", "hybrid_checkpoint",
+                 "log_writer", "progress", "serialization"),
+}
+
+
+def _keep_first_names():
+    import importlib
+    for package, names in _FIRST_NAMES.items():
+        for name in names:
+            module = importlib.import_module(f"{__name__}.{package}.{name}")
+            _sys.modules[f"{__name__}.{name}"] = module
+            globals()[name] = module
+
+
+_keep_first_names()
 
 __version__ = "0.1.0"
 

@@ -10,16 +10,19 @@ Which rank's value of each entry is exported:
 
 * data parallel and sharding: every file holds the whole model (stage 3 gathers each
   parameter whole as it saves), equal on every rank; the first file's is taken;
-* tensor parallel, saved with ``fleetmpi.hybrid_checkpoint``: its files hold the serial model
+* tensor parallel, saved with ``fleetmpi.training.hybrid_checkpoint``: its files hold the serial
+model
   (the split parameters gathered whole), so the same;
 * pipeline: every rank holds the whole model but trains only its stage's parameters, and
-  ``fleetmpi.checkpoint.save`` records which (``trained`` in the file's metadata); each
+  ``fleetmpi.training.checkpoint.save`` records which (``trained`` in the file's metadata); each
   parameter comes from a rank that trains it, and a layer's buffers (batch-norm statistics)
   from the rank that trains the layer's parameters.
 
-A tensor-parallel model saved with ``fleetmpi.checkpoint`` holds a different part of a split
+A tensor-parallel model saved with ``fleetmpi.training.checkpoint`` holds a different part of a
+split
 parameter in each file (``parts`` in the metadata): such a checkpoint is refused, naming the
-entry (save with ``fleetmpi.hybrid_checkpoint``). The model-parallel degree that ``hybrid_checkpoint``
+entry (save with ``fleetmpi.training.hybrid_checkpoint``). The model-parallel degree that
+``hybrid_checkpoint``
 stores beside the weights is not exported.
 """
 import argparse
@@ -27,8 +30,8 @@ import sys
 
 import numpy as np
 
-from . import checkpoint, serialization
-from .hybrid_checkpoint import DEGREE_KEY
+from .training import checkpoint, serialization
+from .training.hybrid_checkpoint import DEGREE_KEY
 
 
 def _sources(metas, names):
@@ -56,7 +59,7 @@ def export_safetensors(directory, path):
             raise ValueError(
                 f"{path_of_rank} holds its rank's part of the split (tensor-parallel) "
                 f"parameter {meta['parts'][0]!r}, not the whole; save such a model with "
-                "fleetmpi.hybrid_checkpoint, whose files hold the whole model")
+                "fleetmpi.training.hybrid_checkpoint, whose files hold the whole model")
     with np.load(files[0], allow_pickle=False) as stored:
         names = [key[len(checkpoint.MODEL_PREFIX):] for key in stored.files
                  if key.startswith(checkpoint.MODEL_PREFIX)

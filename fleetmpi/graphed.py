@@ -23,7 +23,7 @@ once (on a GPU the capture only records, so the graph is replayed right after it
 later call replays the graph and returns the same static output, overwritten in place. The
 step's outputs may be tensors, arrays, tuples or lists of them, or None.
 
-What cannot be captured raises ``CaptureError`` naming it (``fleetmpi.capture_checks``): a
+What cannot be captured raises ``CaptureError`` naming it (``fleetmpi.core.capture_checks``): a
 read of a device value on the host inside the step (``.item()``, ``.numpy()``, ``float()``,
 a Python branch on a tensor), a collective over the MPI transport, strategies and learning
 rate schedules that decide on the host step by step. A replay runs the device work only: the
@@ -38,11 +38,11 @@ inputs, calls and checks; the step's Python is what it replays). ``FLEETMPI_CUDA
 """
 import numbers
 
-from . import backend
+from .core import backend
 from .autograd import Tensor
 from .device.cuda.graphs import CUDAGraph, is_cuda_graph_supported
 from .device.cuda.host_graph import HostGraph
-from .knobs import CUDA_GRAPH
+from .core.knobs import CUDA_GRAPH
 
 
 def _array_of(value, what):

@@ -32,11 +32,11 @@ import os
 import numpy as np
 
 from . import world
-from .distributed_strategy import DistributedStrategy
-from .log import logger
+from .config.distributed_strategy import DistributedStrategy
+from .core.log import logger
 from .optimizer import Optimizer
 from .parallel import DistributedOptimizer, distributed_model, distributed_optimizer
-from .serialization import save
+from .training.serialization import save
 
 LEVELS = {"os": 1, "os_g": 2, "p_g_os": 3}
 BUFFER_MAX_SIZE = 2 ** 23

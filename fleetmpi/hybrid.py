@@ -21,19 +21,22 @@ on by hand with the degree left at 1 is refused, since the degree says how many 
 take.
 """
 import copy
+import dataclasses
 
-from . import backend
+from .core import backend
 from .comm import hybrid_topology
-from .rng_tracker import MODEL_PARALLEL_RNG, get_rng_state_tracker
+from .core.rng_tracker import MODEL_PARALLEL_RNG, get_rng_state_tracker
 from .comm import get_communicator
 from .comm.hybrid_topology import DEGREE_NAMES, HybridCommunicateGroup, resolve_degrees
+from .strategies.configs import HybridConfig, TensorParallelConfig
 
 
 def hybrid_configs(strategy):
-    """``hybrid_configs`` with ``tensor_parallel_degree`` folded into ``mp_degree``."""
-    configs = dict(strategy.hybrid_configs)
+    """``hybrid_configs`` as a dict of its keys, with ``tensor_parallel_degree`` folded into
+    ``mp_degree``."""
+    configs = dataclasses.asdict(HybridConfig.of(strategy))
     if strategy.tensor_parallel:
-        degree = int(strategy.tensor_parallel_configs["tensor_parallel_degree"])
+        degree = TensorParallelConfig.of(strategy).tensor_parallel_degree
         if configs["mp_degree"] not in (1, degree):
             raise ValueError(f"tensor_parallel_configs['tensor_parallel_degree']={degree} "
                              f"and hybrid_configs['mp_degree']={configs['mp_degree']} both "
@@ -68,7 +71,7 @@ def model_parallel_random_seed(seed=None):
     a model-parallel group holds whole); then give the tracker's ``"model_parallel_rng"`` a
     seed of this model-parallel rank's own (Paddle's ``seed * 1024 + 100 * rank``, from the
     current seed when ``seed`` is None), for the dropout of this rank's part of a split
-    activation (``fleetmpi.rng_tracker``)."""
+    activation (``fleetmpi.core.rng_tracker``)."""
     if seed is not None:
         backend.manual_seed(seed)
     layout = hybrid_topology.current()
@@ -85,12 +88,12 @@ def build_layout(strategy, topology):
     ``"model_parallel_rng"`` (as Paddle's ``fleet.init``). A strategy that is not hybrid
     clears the layout."""
     if not is_hybrid(strategy):
-        if strategy.hybrid_configs["dp_degree"] != -1:
+        if HybridConfig.of(strategy).dp_degree != -1:
             resolve_degrees(hybrid_configs(strategy), topology.size)
         hybrid_topology.set_current(None)
         backend.set_model_parallel_degree(1)
         return None
-    seed = int(strategy.tensor_parallel_configs["tensor_init_seed"])
+    seed = TensorParallelConfig.of(strategy).tensor_init_seed
     degrees = resolve_degrees(hybrid_configs(strategy), topology.size)
     group = HybridCommunicateGroup(strategy_communicator(strategy), degrees)
     hybrid_topology.set_current(group)
@@ -153,7 +156,7 @@ def run_of(strategy, optimizer, world_communicator, local):
     the one ``fleet.init`` built, and a model whose pipeline stages are not ``pp_degree``."""
     world_size = 1 if local or world_communicator is None else world_communicator.size
     if not is_hybrid(strategy):
-        if not local and strategy.hybrid_configs["dp_degree"] != -1:
+        if not local and HybridConfig.of(strategy).dp_degree != -1:
             resolve_degrees(hybrid_configs(strategy), world_size)
         layout = hybrid_topology.current()
         if not local and layout is not None and layout.degrees["model"] > 1:

@@ -27,7 +27,7 @@ import json
 
 import numpy as np
 
-from . import backend
+from .core import backend
 from .parallel import DistributedOptimizer
 from .strategies.join import JoinExchange, check_joinable
 

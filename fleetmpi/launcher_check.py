@@ -5,7 +5,7 @@ Launchers also describe each process in environment variables, and scripts read 
 loader sharding by ``PADDLE_TRAINER_ID``); when the two disagree, something is wrong in the
 launch, most often an mpi4py built against another MPI than the launcher's, so that every
 process sees a world of one and trains alone. ``fleet.init`` therefore checks each family of
-variables of ``fleetmpi.launcher_env.FAMILIES`` (Open MPI, MPICH/Hydra, Slurm, Paddle: the
+variables of ``fleetmpi.core.launcher_env.FAMILIES`` (Open MPI, MPICH/Hydra, Slurm, Paddle: the
 size, rank, local rank, local size and number of nodes each sets; Slurm's node id, which must
 group the ranks into the same nodes as MPI does) and raises ``EnvironmentMismatchError``
 naming every variable that disagrees.
@@ -33,8 +33,8 @@ the whole check.
 import os
 from dataclasses import dataclass
 
-from .knobs import CHECK_ENVIRONMENT
-from .launcher_env import FAMILIES, PADDLE, SLURM
+from .core.knobs import CHECK_ENVIRONMENT
+from .core.launcher_env import FAMILIES, PADDLE, SLURM
 
 # Process names (as /proc/<pid>/comm shows them, at most 15 characters) of the programs that
 # start ranks: Slurm's step daemon, Open MPI's launcher and daemons, Hydra's launcher and proxy,

@@ -17,10 +17,11 @@ Two ways to train, with the same strategies:
 """
 import weakref
 
-from . import backend, hybrid, paddle_flags, world
+from .core import backend, paddle_flags
+from . import hybrid, world
 from .autograd import engine, is_grad_enabled
-from .distributed_strategy import DistributedStrategy
-from .log import logger
+from .config.distributed_strategy import DistributedStrategy
+from .core.log import logger
 from .nn import lazy
 from .nn.pipeline_layer import PipelineLayer
 from .nn.functional import cudnn
@@ -30,6 +31,7 @@ from .optimizer.step import (backward_pass, finish_step, minimize_loss, report_g
                              run_backward_stage, run_forward, run_reduce_stage, step_running)
 from .strategies import applied
 from .strategies.compose import build_strategies
+from .strategies.configs import ShardingConfig
 from .strategies.nonfinite import NonFiniteCheck
 
 _STRATEGY_STATE = "strategy."
@@ -445,7 +447,7 @@ def _materialize_unless_stage3(optimizer, strategy):
     """Give the parameters of a model built under ``LazyGuard`` their values whole, unless
     ``strategy`` is sharding stage 3, which produces only this rank's shard of them
     (``Optimizer.shard``); says so when it does."""
-    if strategy.sharding and int(strategy.sharding_configs["stage"]) == 3:
+    if strategy.sharding and ShardingConfig.of(strategy).stage == 3:
         return
     sizes = {id(p.buffer): p.buffer.size * p.buffer.dtype.itemsize
              for p in optimizer.parameters() if p.buffer is not None and p.buffer.deferred}

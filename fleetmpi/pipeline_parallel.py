@@ -31,9 +31,10 @@ around ``train_batch``, as PaddleNLP writes it: the forwards of the schedule com
 loss on the last stage.
 """
 from .autograd import Tensor, as_array
-from .distributed_strategy import DistributedStrategy
+from .config.distributed_strategy import DistributedStrategy
 from .nn.pipeline_layer import PipelineLayer
-from .strategies.pipeline import micro_batch_count, split_micro_batches
+from .strategies.configs import PipelineConfig
+from .strategies.pipeline import split_micro_batches
 from .strategies.pipeline_run import StageLayout, StageSchedule, final_loss
 
 
@@ -97,12 +98,12 @@ class PipelineParallel:
         if compute_loss and (layer.loss_fn is None or y is None):
             raise ValueError("eval_batch(compute_loss=True) needs the PipelineLayer's loss_fn "
                              "and the labels in [x, y]")
-        configs = self._strategy.pipeline_configs
-        count, size = micro_batch_count(configs), int(configs["micro_batch_size"])
+        config = PipelineConfig.of(self._strategy)
+        count, size = config.micro_batches, config.micro_batch_size
         xs = split_micro_batches(x, count, size, "input")
         ys = split_micro_batches(y, count, size, "labels")
         layout = StageLayout(layer.num_stages, layer.pipe_group)
-        schedule = StageSchedule(layout, layer.pipe_group, configs["schedule_mode"], count,
+        schedule = StageSchedule(layout, layer.pipe_group, config.schedule_mode, count,
                                  train=False)
         layer.eval()
         losses, outputs, _ = schedule.run([layer], xs, ys,

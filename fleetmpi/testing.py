@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from .knobs import STALL_TIMEOUT
+from .core.knobs import STALL_TIMEOUT
 
 PYTEST_STALL_SECONDS = 30
 # The longest failure text one rank sends the others (the head is kept).
@@ -141,7 +141,8 @@ def rank():
 @pytest.fixture(scope="session")
 def comm():
     """The world's ``fleetmpi.comm.Communicator``, after ``fleet.init()``."""
-    from . import job, world
+    from .core import job
+    from . import world
     from .comm import Communicator
 
     world.init(is_collective=True)

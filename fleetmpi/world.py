@@ -1,13 +1,13 @@
 """``fleet.init`` and the role queries of Fleet's API. What ``init`` learns is kept in
-``fleetmpi.job``, which every layer may read; the queries here are its, re-exported."""
+``fleetmpi.core.job``, which every layer may read; the queries here are its, re-exported."""
 import copy
 import os
 
 import numpy as np
 
-from . import failure, job, log
-from .job import (is_first_worker, local_rank, local_size, node_index, node_num,  # noqa: F401
-                  role_maker, roles, topology, worker_index, worker_num)
+from .core import failure, job, log
+from .core.job import (is_first_worker, local_rank, local_size, node_index, node_num,  # noqa: F401
+                       role_maker, roles, topology, worker_index, worker_num)
 
 _init_strategy = None
 
@@ -21,12 +21,12 @@ def init(role_maker=None, is_collective=True, strategy=None):
     The mode is the ``role_maker``'s, as in Paddle (``PaddleCloudRoleMaker(is_collective=True)``
     is collective, ``UserDefinedRoleMaker(...)`` and ``PaddleCloudRoleMaker()`` parameter-server
     mode); without one, ``is_collective`` chooses, with the roles from the launcher's variables
-    (``fleetmpi.role_maker``).
+    (``fleetmpi.config.role_maker``).
     In collective mode a ``strategy`` whose ``hybrid_configs`` set degrees lays the ranks out
     over them (``fleetmpi.hybrid``), on every call; ``distributed_optimizer`` given no strategy
     runs the latest one given here.
     """
-    from .role_maker import PaddleCloudRoleMaker, RoleMakerBase
+    from .config.role_maker import PaddleCloudRoleMaker, RoleMakerBase
 
     if role_maker is not None and not isinstance(role_maker, RoleMakerBase):
         raise TypeError(f"role_maker must be a fleetmpi.PaddleCloudRoleMaker or "
@@ -43,7 +43,7 @@ def init(role_maker=None, is_collective=True, strategy=None):
     from mpi4py import MPI
 
     from .comm.topology import Topology
-    from .knobs import LOCAL_SIZE
+    from .core.knobs import LOCAL_SIZE
     from .launcher_check import verify
 
     topology = Topology(MPI.COMM_WORLD)
@@ -114,7 +114,8 @@ def _joined(endpoints, to_string):
 
 def worker_endpoints(to_string=False):
     """The workers' endpoint labels, in worker order (a comma-separated string with
-    ``to_string=True``). They name MPI ranks; nothing listens on them (``fleetmpi.role_maker``)."""
+    ``to_string=True``). They name MPI ranks; nothing listens on them
+    (``fleetmpi.config.role_maker``)."""
     return _joined(role_maker().worker_endpoints, to_string)
 
 

@@ -32,8 +32,9 @@ import tempfile
 import threading
 import time
 
-from .. import elastic, knobs
-from ..role_maker import endpoint_labels
+from fleetmpi.training import elastic
+from fleetmpi.core import knobs
+from fleetmpi.config.role_maker import endpoint_labels
 from . import mpi_command, rank_main, restart, shm, slurm, watch
 
 
@@ -108,7 +109,7 @@ def parser():
                         "(-n from --np, else the allocation's tasks); --mpi_args go to srun")
     p.add_argument("--elastic", action="store_true",
                    help="restart the job after a failure, with the ranks still available; the "
-                        "script resumes with fleetmpi.elastic.State (see docs/launch.md)")
+                        "script resumes with fleetmpi.training.elastic.State (see docs/launch.md)")
     p.add_argument("--max_restarts", type=int,
                    help=f"--elastic: restart at most this many times (default "
                         f"{restart.DEFAULT_MAX_RESTARTS})")
@@ -229,7 +230,7 @@ def job_environment(args, np=None):
 def endpoint_environment(args, np):
     """``PADDLE_TRAINER_ENDPOINTS`` and, in parameter-server mode,
     ``PADDLE_PSERVERS_IP_PORT_LIST``, as Paddle's launcher exports them: the labels of the
-    ranks (``fleetmpi.role_maker.endpoint_labels``; nothing listens on them). Each rank's
+    ranks (``fleetmpi.config.role_maker.endpoint_labels``; nothing listens on them). Each rank's
     wrapper takes its own ``PADDLE_CURRENT_ENDPOINT``, ``POD_IP`` and ``PADDLE_PORT`` from
     them (``rank_main.role_variables``)."""
     workers = args.worker_num if args.server_num else np

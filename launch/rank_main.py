@@ -7,7 +7,7 @@
 is imported before the rank's variables are in place (the script's own ``import fleetmpi``
 then sees them) and a script that does not use fleetmpi starts without its import cost; it
 imports only the standard library, and loads the one module of fleetmpi it reads
-(``fleetmpi/launcher_env.py``, which imports nothing) by its file path. As with
+(``fleetmpi/core/launcher_env.py``, which imports nothing) by its file path. As with
 ``python script.py``, the script's folder is first on ``sys.path``.
 
 It learns its rank from the variables the MPI launcher sets (so MPI itself is initialized only
@@ -19,7 +19,7 @@ Roles in parameter-server mode: ranks ``0..W-1`` are the trainers (trainer ``i``
 ``i``), ranks ``W..W+S-1`` the servers (server ``j`` is rank ``W+j``).
 
 An exception the script does not catch goes to ``sys.excepthook`` as it would without the
-wrapper, so the hook ``fleet.init()`` installs (``fleetmpi.failure``) still ends the job. When
+wrapper, so the hook ``fleet.init()`` installs (``fleetmpi.core.failure``) still ends the job. When
 no such hook ended it and the script had started MPI, the wrapper aborts the MPI job itself:
 a rank that returns from an exception while the others wait in a collective would otherwise
 leave the job hanging.
@@ -52,11 +52,11 @@ LEAVING = {LEFT: ("left", 1, "left after an uncaught exception while the others 
 
 
 def _launcher_env():
-    """``fleetmpi.launcher_env``, the table of the launchers' variables, loaded by its file
+    """``fleetmpi.core.launcher_env``, the table of the launchers' variables, loaded by its file
     path: importing it by name would import fleetmpi first (see the module docstring)."""
     package = importlib.util.find_spec("fleetmpi").submodule_search_locations[0]
     spec = importlib.util.spec_from_file_location("fleetmpi_launcher_env",
-                                                  os.path.join(package, "launcher_env.py"))
+                                                  os.path.join(package, "core", "launcher_env.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -236,7 +236,7 @@ def redirect_output(log_path, echo):
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        # never through a symbolic link planted at the predictable name (fleetmpi.files)
+        # never through a symbolic link planted at the predictable name (fleetmpi.core.files)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
                          0o644)
     except OSError as error:
@@ -277,8 +277,8 @@ def _abort_started_mpi(rank, size):
 
 def _leaves_alone():
     """Whether the script asked that an uncaught exception end this rank alone
-    (``fleetmpi.failure.leave_instead``: an asynchronous parameter-server worker)."""
-    failure = sys.modules.get("fleetmpi.failure")
+    (``fleetmpi.core.failure.leave_instead``: an asynchronous parameter-server worker)."""
+    failure = sys.modules.get("fleetmpi.core.failure")
     return failure is not None and failure.leaves_alone()
 
 

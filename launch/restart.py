@@ -4,7 +4,7 @@
 
 When an attempt fails (a rank raised, was killed or left early), the job is started again, up
 to ``--max_restarts`` times, and the training script resumes from its latest complete
-checkpoint (``fleetmpi.elastic.State``). How many ranks a restart gets:
+checkpoint (``fleetmpi.training.elastic.State``). How many ranks a restart gets:
 
 * by default as many as the failed attempt had (on one host the same slots are still there);
 * with ``--np_file FILE``, the whole number in ``FILE``, read again before each restart (at
@@ -71,7 +71,7 @@ class Attempt:
 
     def describe(self):
         lost = self.steps_lost()
-        steps = ("steps lost unknown (no fleetmpi.elastic.State progress)" if lost is None
+        steps = ("steps lost unknown (no fleetmpi.training.elastic.State progress)" if lost is None
                  else f"{lost} step(s) lost (reached {self.progress[1]}, last commit "
                       f"{self.progress[0]})")
         return f"attempt {self.restart} with {self.np} rank(s) failed: {self.cause()}; {steps}"

@@ -51,10 +51,10 @@ lamb's) seeing ``apply_update`` as before.
 """
 import numpy as np
 
-from ..autograd import Function, autocast
-from ..log import RateLimited
-from . import amp_precision
+from fleetmpi.autograd import Function, autocast
+from fleetmpi.core.log import RateLimited
 from .base import Strategy
+from .configs import AMPConfig
 from .loss_scaling import LossScaling, check_step
 
 # Paddle's other names of the operators this trainer computes.
@@ -87,12 +87,12 @@ def _operators(key, names):
     return {ALIASES.get(name, name) for name in names}
 
 
-def op_lists(configs, where="amp_configs."):
+def op_lists(custom_white_list, custom_black_list, where="amp_configs."):
     """``(white, black)``: the operators amp runs in the low-precision dtype and in float32,
-    from ``configs``' ``custom_white_list`` and ``custom_black_list`` (named ``where`` +
+    from the names of ``custom_white_list`` and ``custom_black_list`` (named ``where`` + the
     key in errors)."""
-    white = _operators(f"{where}custom_white_list", configs["custom_white_list"])
-    black = _operators(f"{where}custom_black_list", configs["custom_black_list"])
+    white = _operators(f"{where}custom_white_list", custom_white_list)
+    black = _operators(f"{where}custom_black_list", custom_black_list)
     both = sorted(white & black)
     if both:
         raise ValueError(f"{where}custom_white_list and custom_black_list both name "
@@ -130,37 +130,41 @@ class AMP(Strategy):
     step's forward stage to the end of its backward stage."""
 
     name = "amp"
+    config_class = AMPConfig
+    communicator_scope = "agreement"
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        configs = self.configs
-        self.white_list, self.black_list = op_lists(configs)
-        self.precision = amp_precision.resolve(configs)
-        self.scales_loss = amp_precision.scales_loss(configs, self.precision)
-        self.use_dynamic_loss_scaling = (bool(configs["use_dynamic_loss_scaling"])
-                                         and self.scales_loss)
+        config = self.config
+        self.white_list, self.black_list = op_lists(config.custom_white_list,
+                                                    config.custom_black_list)
+        self.precision = config.precision
+        self.scales_loss = config.scales_loss
+        self.use_dynamic_loss_scaling = config.use_dynamic_loss_scaling and self.scales_loss
         self.policy = CastPolicy(self.white_list, self.black_list,
                                  self.precision.array_dtype(), self.precision.pure)
         self._autocast = None
         self._saved_buffers = None
         self.scaling = LossScaling(
-            configs["init_loss_scaling"] if self.scales_loss else 1, configs["incr_ratio"],
-            configs["decr_ratio"], configs["incr_every_n_steps"],
-            configs["decr_every_n_nan_or_inf"], self.use_dynamic_loss_scaling)
+            config.init_loss_scaling if self.scales_loss else 1, config.incr_ratio,
+            config.decr_ratio, config.incr_every_n_steps, config.decr_every_n_nan_or_inf,
+            self.use_dynamic_loss_scaling)
         self.rank = 0 if communicator is None else communicator.rank
         self._skip_log = RateLimited(SKIP_LOG_SECONDS)
 
     @classmethod
     def check(cls, strategy, optimizer):
         super().check(strategy, optimizer)
-        op_lists(strategy.amp_configs)
-        amp_precision.resolve(strategy.amp_configs).array_dtype()
+        config = AMPConfig.of(strategy)
+        op_lists(config.custom_white_list, config.custom_black_list)
+        config.precision.array_dtype()
         dtypes = sorted({p.dtype.name for p in optimizer.parameters()} - {FLOAT32.name})
         if dtypes:
             raise ValueError(f"amp keeps float32 master weights and needs float32 parameters, "
                              f"but the optimizer has {', '.join(dtypes)} parameters; build the "
                              "model with dtype='float32'")
 
+    checks_every_update = property(lambda self: self.scales_loss)
     loss_scaling = property(lambda self: self.scaling.loss_scaling)
     good_steps = property(lambda self: self.scaling.good_steps)
     bad_steps = property(lambda self: self.scaling.bad_steps)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import backend
+from fleetmpi.core import backend
 
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"
@@ -59,42 +59,44 @@ class Precision:
                              "level O2), which NumPy and CuPy have") from None
 
 
-def resolve(configs):
-    """The ``Precision`` that ``configs`` (amp_configs) select; a ValueError naming the keys
-    when they contradict each other."""
-    pure = [key for key in PURE_SWITCHES if configs[key]]
+def resolve(config):
+    """The ``Precision`` that ``config`` (an ``AMPConfig``, ``fleetmpi.strategies.configs``)
+    selects; a ValueError naming the keys when they contradict each other."""
+    pure = [key for key in PURE_SWITCHES if getattr(config, key)]
     if len(pure) == 2:
         raise ValueError("amp_configs.use_pure_fp16 and use_pure_bf16 are both set; each "
                          "selects pure (level O2) training in its own dtype: set one")
     if not pure:
-        return Precision(configs["dtype"], configs["level"])
+        return Precision(config.dtype, config.level)
     dtype = PURE_SWITCHES[pure[0]]
-    if configs["dtype"] not in (FLOAT16, dtype):
+    if config.dtype not in (FLOAT16, dtype):
         raise ValueError(f"amp_configs.{pure[0]} selects {dtype}, but amp_configs.dtype is "
-                         f"{configs['dtype']!r}; set one of them, or both to {dtype!r}")
+                         f"{config.dtype!r}; set one of them, or both to {dtype!r}")
     return Precision(dtype, "O2")
 
 
-def scales_loss(configs, precision):
+def scales_loss(use_dynamic_loss_scaling, init_loss_scaling, precision):
     """Whether amp scales the loss and checks the gradients for overflow (module docstring:
     always in float16; in bfloat16 only at a fixed scale other than 1)."""
     if precision.dtype == FLOAT16:
         return True
-    return not configs["use_dynamic_loss_scaling"] and configs["init_loss_scaling"] != 1
+    return not use_dynamic_loss_scaling and init_loss_scaling != 1
 
 
-def unused_keys(configs, defaults):
-    """``{"amp_configs.<key>": why}`` for the loss-scaling keys of ``configs`` that are set
-    away from ``defaults`` and change nothing: all of them under bfloat16's dynamic loss
-    scaling, which Paddle turns off, and the growth keys at a fixed scale."""
-    if resolve(configs).dtype == BFLOAT16 and configs["use_dynamic_loss_scaling"]:
+def unused_keys(config, defaults):
+    """``{"amp_configs.<key>": why}`` for the loss-scaling keys of ``config`` (an
+    ``AMPConfig``) that are set away from ``defaults``' and change nothing: all of them under
+    bfloat16's dynamic loss scaling, which Paddle turns off, and the growth keys at a fixed
+    scale."""
+    if config.precision.dtype == BFLOAT16 and config.use_dynamic_loss_scaling:
         keys = GROWTH_KEYS + ("init_loss_scaling",)
         why = ("bfloat16 keeps float32's exponent range, so, as in Paddle, dynamic loss "
                "scaling is off and the loss scale is 1 (use_dynamic_loss_scaling=False keeps "
                "a fixed init_loss_scaling)")
-    elif not configs["use_dynamic_loss_scaling"]:
+    elif not config.use_dynamic_loss_scaling:
         keys, why = GROWTH_KEYS, ("use_dynamic_loss_scaling is off: the loss scale stays at "
                                   "init_loss_scaling")
     else:
         return {}
-    return {f"amp_configs.{key}": why for key in keys if configs[key] != defaults[key]}
+    return {f"amp_configs.{key}": why for key in keys
+            if getattr(config, key) != getattr(defaults, key)}

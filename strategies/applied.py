@@ -10,15 +10,16 @@ the active strategies at INFO, every field that is not applied as a warning on t
 import os
 import types
 
-from .. import schema_view
-from .. import job, knobs, paddle_flags
-from ..distributed_strategy import DistributedStrategy
-from ..log import logger
-from ..nn import BatchNorm, Sequential
-from ..nn.functional import cudnn
-from ..paddle_fields import PADDLE_ONLY
+from fleetmpi.config import schema_view
+from fleetmpi.core import job, knobs, paddle_flags
+from fleetmpi.config.distributed_strategy import DistributedStrategy
+from fleetmpi.core.log import logger
+from fleetmpi.nn import BatchNorm, Sequential
+from fleetmpi.nn.functional import cudnn
+from fleetmpi.config.paddle_fields import PADDLE_ONLY
 from . import amp_precision
 from .compose import ORDER
+from .configs import AMPConfig, HybridConfig, RecomputeConfig, ShardingConfig, TensorParallelConfig
 from .field_effects import IN_PARAMETER_SERVER_MODE, NO_EFFECT, NO_EFFECT_KEYS
 from .inert_fields import inert_fields_set, report_once
 
@@ -149,29 +150,27 @@ def _sharding_reasons(strategy, default, sharding, reasons):
             if changed(strategy, default, name):
                 reasons[name] = ("sharding stage 1 reduce-scatters the whole gradient space at "
                                  "once; gradient buckets exist from stage 2 on")
-    configs = strategy.sharding_configs
-    if sharding.group is None and changed(strategy, default, "sharding_configs") \
-            and configs["fuse_broadcast_MB"] != default.sharding_configs["fuse_broadcast_MB"]:
+    config, defaults = sharding.config, ShardingConfig.of(default)
+    if sharding.group is None and config.fuse_broadcast_MB != defaults.fuse_broadcast_MB:
         reasons["sharding_configs.fuse_broadcast_MB"] = (
             "a sharding group of one rank broadcasts no shards")
     if sharding.stage < 3:
         for key in ("prefetch_depth", "unit_size_MB"):
-            if configs[key] != default.sharding_configs[key]:
+            if getattr(config, key) != getattr(defaults, key):
                 reasons[f"sharding_configs.{key}"] = (
                     f"stage {sharding.stage} keeps the parameters whole; units are gathered "
                     "from stage 3 on")
-    elif sharding.group is None and configs["prefetch_depth"] != \
-            default.sharding_configs["prefetch_depth"]:
+    elif sharding.group is None and config.prefetch_depth != defaults.prefetch_depth:
         reasons["sharding_configs.prefetch_depth"] = (
             "a sharding group of one rank copies its units instead of gathering them; there "
             "is nothing to run ahead")
-    if configs["hybrid_dp"] and sharding.replicas is None:
+    if config.hybrid_dp and sharding.replicas is None:
         reasons["sharding_configs.hybrid_dp"] = (
             f"the sharding group is the whole world of {sharding.world_size} rank(s), so there "
             "are no data-parallel replicas")
-    if not configs["hybrid_dp"]:
+    if not config.hybrid_dp:
         for key in ("sharding_group_size", "sharding_degree"):
-            if configs[key] != default.sharding_configs[key]:
+            if getattr(config, key) != getattr(defaults, key):
                 reasons[f"sharding_configs.{key}"] = (
                     "without hybrid_dp the sharding group is the whole world")
     if changed(strategy, default, "nccl_comm_num") and \
@@ -186,19 +185,20 @@ def _sharding_reasons(strategy, default, sharding, reasons):
 def _strategy_reasons(strategy, on_gpu):
     """Config keys that the enabled strategies leave unused in this configuration."""
     reasons = {}
-    recompute = strategy.recompute_configs
-    if strategy.recompute and recompute["enable_offload"] and not on_gpu:
+    recompute = RecomputeConfig.of(strategy)
+    if strategy.recompute and recompute.enable_offload and not on_gpu:
         reasons["recompute_configs.enable_offload"] = (
             "on CPU host and device memory are the same: checkpoints are copied to host "
             "buffers, but no device memory is freed")
-    if strategy.recompute and not recompute["enable_offload"] and recompute["checkpoint_shape"]:
+    if strategy.recompute and not recompute.enable_offload and recompute.checkpoint_shape:
         reasons["recompute_configs.checkpoint_shape"] = (
             "it sizes the host buffers of enable_offload, which is off")
     if strategy.amp:
-        reasons.update(amp_precision.unused_keys(strategy.amp_configs,
-                                                 DistributedStrategy().amp_configs))
-    if strategy.tensor_parallel and strategy.tensor_parallel_configs["tensor_parallel_degree"] == 1 \
-            and strategy.hybrid_configs["mp_degree"] == 1:
+        reasons.update(amp_precision.unused_keys(AMPConfig.of(strategy),
+                                                 AMPConfig.of(DistributedStrategy())))
+    if strategy.tensor_parallel \
+            and TensorParallelConfig.of(strategy).tensor_parallel_degree == 1 \
+            and HybridConfig.of(strategy).mp_degree == 1:
         reasons["tensor_parallel"] = ("tensor_parallel_degree is 1: no weight is split over "
                                       "ranks")
     if (strategy.lars or strategy.lamb) and strategy.build_strategy.fuse_all_optimizer_ops:

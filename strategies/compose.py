@@ -163,43 +163,46 @@ def build_strategies(strategy, optimizer, communicator, agreement=None):
     classes = [strategy_class(name) for name in names]
     for cls in classes:
         cls.check(strategy, optimizer)
-    # pipeline is built first: it narrows the optimizer to this rank's stage before the other
-    # strategies see it, and the gradients are averaged over the replicas of that stage only.
-    pipeline = strategy_class("pipeline")(strategy, optimizer, communicator) \
-        if "pipeline" in names else None
-    replicas = communicator if pipeline is None else pipeline.replica_communicator
-    # Under pipeline, sharding partitions a stage's optimizer over that stage's replicas.
-    over = {"sharding": replicas, "amp": agreement or communicator}
-    hooks = [pipeline if cls.name == "pipeline"
-             else cls(strategy, optimizer, over.get(cls.name, communicator))
-             for cls in classes if cls.name != "fp16_allreduce"]
-    if replicas is not None and replicas.size > 1 and not strategy.sharding:
-        reduction = strategy_class("fp16_allreduce") if strategy.fp16_allreduce \
-            else GradientAllreduce
-        hooks.append(reduction(strategy, optimizer, replicas))
-    return with_nonfinite_check(hooks, names, optimizer, agreement or communicator)
+    # A strategy that lays the ranks out is built first: it narrows the optimizer to this
+    # rank's part before the other strategies see it, and its replicas are the ranks that
+    # average the gradients of that part.
+    layout_class = next((cls for cls in classes if cls.lays_out_ranks), None)
+    layout = None if layout_class is None else layout_class(strategy, optimizer, communicator)
+    replicas = communicator if layout is None else layout.replica_communicator
+    scopes = {"world": communicator, "replicas": replicas,
+              "agreement": agreement or communicator}
+    hooks = [layout if cls is layout_class
+             else cls(strategy, optimizer, scopes[cls.communicator_scope])
+             for cls in classes if not cls.is_gradient_reduction]
+    if replicas is not None and replicas.size > 1 \
+            and not any(cls.reduces_gradients for cls in classes):
+        reduction = next((cls for cls in classes if cls.is_gradient_reduction),
+                         GradientAllreduce)
+        hooks.append(reduction(strategy, optimizer, scopes[reduction.communicator_scope]))
+    return with_nonfinite_check(hooks, optimizer, agreement or communicator)
 
 
-def with_nonfinite_check(hooks, names, optimizer, communicator):
+def with_nonfinite_check(hooks, optimizer, communicator):
     """``hooks`` with the non-finite check (``fleetmpi.strategies.nonfinite``) before the
     gradient reduction (the last hook, when it is one: the plain or fp16 allreduce, whose
     buckets it checks as they leave and which carries the verdicts where it runs over the
-    ranks that agree on them, or sharding's), unless ``FLEETMPI_NONFINITE=off`` or amp
-    checks every update itself (loss scaling)."""
+    ranks that agree on them, or a strategy that ``reduces_gradients`` itself, sharding),
+    unless ``FLEETMPI_NONFINITE=off`` or a hook ``checks_every_update`` itself (amp's loss
+    scaling)."""
     from .gradient_allreduce import GradientAllreduce
     from .nonfinite import NonFiniteCheck, nonfinite_mode
 
     mode = nonfinite_mode()
-    if mode == "off" or any(hook.name == "amp" and hook.scales_loss for hook in hooks):
+    if mode == "off" or any(hook.checks_every_update for hook in hooks):
         return hooks
     check = NonFiniteCheck(mode, optimizer, communicator,
-                           local_steps_alone=bool({"localsgd", "adaptive_localsgd"} & set(names)))
+                           local_steps_alone=any(hook.local_steps for hook in hooks))
     last = hooks[-1] if hooks else None
     if isinstance(last, GradientAllreduce):
         last.check_bucket = check.check_bucket
         check.buckets = last.buckets
         check.carries = last.communicator is communicator
         check.bucket_of = last.schedule.bucket_of
-    elif last is None or last.name != "sharding":
+    elif last is None or not last.reduces_gradients:
         return hooks + [check]
     return hooks[:-1] + [check, last]

@@ -44,10 +44,12 @@ import math
 
 import numpy as np
 
-from .. import backend, kernels
-from ..kernels import reference
-from ..optimizer import ClipGradByNorm, Momentum
+from fleetmpi.core import backend
+from fleetmpi import kernels
+from fleetmpi.kernels import reference
+from fleetmpi.optimizer import ClipGradByNorm, Momentum
 from .base import Strategy
+from .configs import DGCConfig
 
 INDEX_DTYPE = np.int32
 
@@ -79,6 +81,7 @@ class DGC(Strategy):
     ``dense_bytes``."""
 
     name = "dgc"
+    config_class = DGCConfig
     optimizers = (Momentum,)
     capture_refusal = ("its rampup (dense, then ever sparser exchanges) is decided on the host "
                        "from the update count, and a graph would replay the exchange it "
@@ -100,9 +103,9 @@ class DGC(Strategy):
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.rampup_begin_step = int(self.configs["rampup_begin_step"])
-        self.rampup_step = int(self.configs["rampup_step"])
-        self.sparsity = [float(s) for s in self.configs["sparsity"]]
+        self.rampup_begin_step = self.config.rampup_begin_step
+        self.rampup_step = self.config.rampup_step
+        self.sparsity = list(self.config.sparsity)
         xp = backend.array_module()
         self._runs = optimizer.runs
         self._u = [xp.zeros(run.stop - run.start, dtype=run.buffer.dtype) for run in self._runs]

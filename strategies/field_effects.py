@@ -15,7 +15,7 @@ training, ``inert_fields`` and ``applied.not_applied``), ``IN_PARAMETER_SERVER_M
 ``applied.parameter_server_not_applied``), and ``never_effective()`` (the fields that change
 nothing in any mode, which tests/test_never_silent.py expects reported wherever they are set).
 """
-from ..nn.functional import cudnn
+from fleetmpi.nn.functional import cudnn
 
 COLLECTIVE = "collective"
 PARAMETER_SERVER = "parameter-server"
@@ -49,8 +49,8 @@ FIELDS = {
     "hybrid_configs": (COLLECTIVE, "the hybrid layout: ranks over data x pipeline x sharding x "
                                    "model-parallel degrees (fleetmpi.hybrid)"),
     "elastic": (EVERY_MODE, "fleetmpirun --elastic restarts the job after a failure and "
-                            "fleetmpi.elastic.State resumes it; reported as not applied in a job "
-                            "that fleetmpirun --elastic did not start"),
+                            "fleetmpi.training.elastic.State resumes it; reported as not "
+                            "applied in a job that fleetmpirun --elastic did not start"),
     "a_sync": (PARAMETER_SERVER, f"selects synchronous or asynchronous training in "
                                  f"parameter-server mode {_PS_MODE}"),
     "a_sync_configs": (PARAMETER_SERVER, f"configures parameter-server mode {_PS_MODE}"),

@@ -13,7 +13,7 @@ overlaps), planned by the comm layer's ``plan_buckets``.
 
 The allreduce algorithm of each bucket is chosen once per bucket plan, at its first reduction
 (``Communicator.allreduce_algorithm``), and passed to every reduction of the bucket. Each
-bucket's reduction is an event of the timeline (``fleetmpi.timeline``, lane ``comm``, named
+bucket's reduction is an event of the timeline (``fleetmpi.core.timeline``, lane ``comm``, named
 ``bucket <index>``) with its index, that algorithm, bytes and number of parameters.
 
 ``check_bucket``, when set (``fleetmpi.strategies.nonfinite``), is called with each bucket
@@ -23,10 +23,10 @@ contributed a batch (``StepContext.contributors``).
 """
 import os
 
-from .. import backend, timeline
-from ..comm import Extent, megabytes, plan_buckets
-from ..knobs import OVERLAP_ALLREDUCE
-from ..log import logger
+from fleetmpi.core import backend, timeline
+from fleetmpi.comm import Extent, megabytes, plan_buckets
+from fleetmpi.core.knobs import OVERLAP_ALLREDUCE
+from fleetmpi.core.log import logger
 from .base import Strategy
 
 
@@ -178,6 +178,8 @@ class GradientAllreduce(Strategy):
 
     name = "gradient_allreduce"
     compression = None
+    communicator_scope = "replicas"
+    is_gradient_reduction = True
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)

@@ -12,21 +12,23 @@ gradients are reduce-scattered as usual, and the window is merged in the optimiz
 ``shard_gradient`` instead (``ctx.keep_gradients`` between updates; with ``avg`` divided by
 ``k_steps`` before the update), so a rank holds 1/N of the merged gradient.
 """
-from .. import backend
+from fleetmpi.core import backend
 from .base import Strategy
+from .configs import GradientMergeConfig, ShardingConfig
 
 
 class GradientMerge(Strategy):
     name = "gradient_merge"
+    config_class = GradientMergeConfig
     capture_refusal = ("whether a step of the k_steps window updates is decided on the host "
                        "step by step, and a graph would replay the one step it captured")
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.k_steps = int(self.configs["k_steps"])
-        self.avg = bool(self.configs["avg"])
+        self.k_steps = self.config.k_steps
+        self.avg = self.config.avg
         self.micro_step = 0
-        self.in_shard = bool(strategy.sharding) and strategy.sharding_configs["stage"] >= 2
+        self.in_shard = strategy.sharding and ShardingConfig.of(strategy).partitions_gradients
         xp = backend.array_module()
         self._accumulators = [] if self.in_shard else [
             xp.zeros(run.stop - run.start, dtype=run.buffer.dtype) for run in optimizer.runs]

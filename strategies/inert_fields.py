@@ -5,7 +5,7 @@ Which fields those are, and why, is ``field_effects.NO_EFFECT``. A field of it t
 away from its default is reported once per process, on the first worker, so it is never
 silently ignored.
 """
-from ..log import logger
+from fleetmpi.core.log import logger
 from .field_effects import NO_EFFECT
 
 _reported = set()
@@ -20,7 +20,7 @@ def _value(strategy, path):
 
 def inert_fields_set(strategy):
     """The ``NO_EFFECT`` fields ``strategy`` holds at something other than their default."""
-    from ..distributed_strategy import DistributedStrategy
+    from fleetmpi.config.distributed_strategy import DistributedStrategy
 
     default = DistributedStrategy()
     return [path for path in NO_EFFECT if _value(strategy, path) != _value(default, path)]

@@ -27,8 +27,8 @@ cannot answer with zeros, and why; ``Join`` refuses them before the first step.
 """
 import numpy as np
 
-from .. import backend
-from ..optimizer import StepHook
+from fleetmpi.core import backend
+from fleetmpi.optimizer import StepHook
 
 NOT_JOINABLE = {
     "sync_batch_norm": "it combines the batch statistics of every rank inside each batch-norm "

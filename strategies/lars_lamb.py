@@ -24,10 +24,11 @@ inside their update, where ``exclude_from_weight_decay`` and the norms see the d
 decay from the optimizer (L2 added to the gradient, or AdamW's decoupled shrink) would act
 outside the trust ratio and on the excluded parameters too, which is neither published rule.
 """
-from .. import backend
-from ..log import logger
-from ..optimizer import Adam, Momentum, graph_guard
+from fleetmpi.core import backend
+from fleetmpi.core.log import logger
+from fleetmpi.optimizer import Adam, Momentum, graph_guard
 from .base import Strategy
+from .configs import LambConfig, LarsConfig
 
 
 def _norm(xp, array):
@@ -43,8 +44,8 @@ class _LayerwiseUpdate(Strategy):
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.weight_decay = float(self.configs[self.decay_key])
-        self.exclude_from_weight_decay = tuple(self.configs["exclude_from_weight_decay"])
+        self.weight_decay = getattr(self.config, self.decay_key)
+        self.exclude_from_weight_decay = self.config.exclude_from_weight_decay
         names = [p.name or "" for p in optimizer.parameters()]
         self.excluded_parameters = [name for name in names if self._excluded(name)]
         for pattern in self.exclude_from_weight_decay:
@@ -116,11 +117,12 @@ class LARS(_LayerwiseUpdate):
     name = "lars"
     optimizers = (Momentum,)
     decay_key = "lars_weight_decay"
+    config_class = LarsConfig
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.lars_coeff = float(self.configs["lars_coeff"])
-        self.epsilon = float(self.configs["epsilon"])
+        self.lars_coeff = self.config.lars_coeff
+        self.epsilon = self.config.epsilon
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -165,6 +167,7 @@ class LAMB(_LayerwiseUpdate):
     capture_refusal = ("its bias correction takes step_count from the host, which a graph "
                        "would keep at its captured value")
     decay_key = "lamb_weight_decay"
+    config_class = LambConfig
 
     def _update_parameter(self, param, grad, state, lr, weight_decay, xp):
         optimizer = self.optimizer

@@ -25,8 +25,9 @@ import math
 
 import numpy as np
 
-from .. import backend
+from fleetmpi.core import backend
 from .base import Strategy
+from .configs import AdaptiveLocalSGDConfig, LocalSGDConfig
 
 MAX_K_STEPS = 16
 
@@ -35,19 +36,21 @@ class LocalSGD(Strategy):
     """Fixed period: ``k_steps`` local steps between parameter averagings."""
 
     name = "localsgd"
+    config_class = LocalSGDConfig
+    local_steps = True
     capture_refusal = ("when to average the parameters (every k_steps after begin_step) is "
                        "decided on the host step by step, and a graph would replay the one "
                        "step it captured")
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.begin_step = int(self.configs["begin_step"])
+        self.begin_step = self.config.begin_step
         self.k_steps = self._initial_k_steps()
         self.last_averaged_step = self.begin_step
         self.averagings = 0
 
     def _initial_k_steps(self):
-        return int(self.configs["k_steps"])
+        return self.config.k_steps
 
     def _local(self, ctx):
         return ctx.step + 1 > self.begin_step
@@ -88,16 +91,17 @@ class AdaptiveLocalSGD(LocalSGD):
     lists ``(step, averaged loss, learning rate, next k_steps)`` for every averaging."""
 
     name = "adaptive_localsgd"
+    config_class = AdaptiveLocalSGDConfig
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.init_k_steps = int(self.configs["init_k_steps"])
+        self.init_k_steps = self.config.init_k_steps
         self.loss_0 = None
         self.lr_0 = None
         self.history = []
 
     def _initial_k_steps(self):
-        return int(self.configs["init_k_steps"])
+        return self.config.init_k_steps
 
     def _average_loss(self, ctx):
         xp = backend.array_module()

@@ -15,7 +15,8 @@ graph.
 """
 import numpy as np
 
-from .. import backend, capture_checks, kernels
+from fleetmpi.core import backend, capture_checks
+from fleetmpi import kernels
 
 FLOAT32 = np.dtype("float32")
 STATE_KEYS = ("loss_scaling", "good_steps", "bad_steps", "skipped_steps")

@@ -39,11 +39,12 @@ the check is then the device flag alone.
 """
 import numpy as np
 
-from .. import backend, capture_checks, kernels
-from ..autograd import NonFiniteError, as_array
-from ..knobs import NONFINITE
-from ..log import logger
-from ..optimizer import StepHook
+from fleetmpi.core import backend, capture_checks
+from fleetmpi import kernels
+from fleetmpi.autograd import NonFiniteError, as_array
+from fleetmpi.core.knobs import NONFINITE
+from fleetmpi.core.log import logger
+from fleetmpi.optimizer import StepHook
 
 GRADIENT, LOSS = 1, 2
 

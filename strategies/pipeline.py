@@ -44,28 +44,17 @@ after the other: the single-process math the ranks must match.
 import contextlib
 import time
 
-from ..autograd import Tensor
-from ..nn import Sequential
-from ..nn.pipeline_layer import pipeline_layer_of
-from ..optimizer.clip import ClipGradByGlobalNorm
-from ..optimizer.step import loss_seed
+from fleetmpi.autograd import Tensor
+from fleetmpi.nn import Sequential
+from fleetmpi.nn.pipeline_layer import pipeline_layer_of
+from fleetmpi.optimizer.clip import ClipGradByGlobalNorm
+from fleetmpi.optimizer.step import loss_seed
 from .base import Strategy
+from .configs import PipelineConfig, RecomputeConfig
 from .pipeline_run import StageLayout, StageSchedule, elapsed, final_loss
 from .pipeline_schedule import check_schedule_mode
 from .pipeline_stages import check_chain, count_stages, stage_modules
 from .recompute import HostCheckpoints, checkpoint_forwards
-
-
-def micro_batch_count(configs):
-    """The number of micro-batches of a step: ``pipeline_configs``' ``micro_batch`` (the
-    seeds', Paddle 2.0's name) or ``accumulate_steps`` (Paddle 2.1 on); both set above 1 must
-    agree."""
-    count, steps = int(configs["micro_batch"]), int(configs["accumulate_steps"])
-    if count > 1 and steps > 1 and count != steps:
-        raise ValueError(f"pipeline_configs['micro_batch']={count} and "
-                         f"pipeline_configs['accumulate_steps']={steps} both set the number "
-                         "of micro-batches; set one, or both to one value")
-    return max(count, steps)
 
 
 def split_micro_batches(array, count, size, what):
@@ -102,14 +91,16 @@ class Pipeline(Strategy):
     after it), so ``1 - compute_seconds / schedule_seconds`` is the step's bubble."""
 
     name = "pipeline"
+    config_class = PipelineConfig
+    lays_out_ranks = True
     capture_refusal = ("its micro-batch schedule exchanges shapes between the stages on the "
                        "host, which a graph cannot replay")
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.micro_batch = micro_batch_count(self.configs)
-        self.micro_batch_size = int(self.configs["micro_batch_size"])
-        self.schedule_mode = check_schedule_mode(self.configs["schedule_mode"])
+        self.micro_batch = self.config.micro_batches
+        self.micro_batch_size = self.config.micro_batch_size
+        self.schedule_mode = check_schedule_mode(self.config.schedule_mode)
         build = strategy.build_strategy
         self._fusion = (bool(build.fuse_elewise_add_act_ops), bool(build.fuse_bn_act_ops))
         self.layer = pipeline_layer_of(optimizer.parameters())
@@ -134,10 +125,10 @@ class Pipeline(Strategy):
                 self.pipeline_communicator = self.layer.pipe_group
             self.replica_communicator = (communicator.split(layout.stage, layout.replica)
                                          if layout.replicas > 1 else None)
-        recompute = strategy.recompute_configs
-        self._checkpoints = list(recompute["checkpoints"]) if strategy.recompute else []
-        self._host = (HostCheckpoints(list(recompute["checkpoint_shape"]))
-                      if strategy.recompute and recompute["enable_offload"] else None)
+        recompute = RecomputeConfig.of(strategy) if strategy.recompute else None
+        self._checkpoints = [] if recompute is None else list(recompute.checkpoints)
+        self._host = (HostCheckpoints(list(recompute.checkpoint_shape))
+                      if recompute is not None and recompute.enable_offload else None)
         self._split = None
         self.compute_seconds = 0.0
         self.schedule_seconds = 0.0
@@ -145,8 +136,7 @@ class Pipeline(Strategy):
     @classmethod
     def check(cls, strategy, optimizer):
         super().check(strategy, optimizer)
-        check_schedule_mode(strategy.pipeline_configs["schedule_mode"])
-        micro_batch_count(strategy.pipeline_configs)
+        check_schedule_mode(PipelineConfig.of(strategy).schedule_mode)
 
     # -- step stages ----------------------------------------------------------------------
     def forward(self, ctx, proceed):

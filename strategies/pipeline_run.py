@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from .. import backend
-from ..autograd import Tensor, as_array, no_grad, run_backward
+from fleetmpi.core import backend
+from fleetmpi.autograd import Tensor, as_array, no_grad, run_backward
 from .pipeline_schedule import FORWARD, compute_order
 
 _HEADER = 34

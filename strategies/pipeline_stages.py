@@ -29,11 +29,11 @@ are fused as the Sequential fuses them; a fused pair never spans two stages (an 
 built inside the next stage's guard runs there, unfused). A user-defined Layer's stages call
 its sublayers as its ``forward`` does, without fusing them.
 """
-from .. import backend
-from ..autograd import as_array, no_grad
-from ..nn import Sequential
-from ..nn.pipeline_layer import pipeline_layer_of
-from ..rng_tracker import get_rng_state_tracker
+from fleetmpi.core import backend
+from fleetmpi.autograd import as_array, no_grad
+from fleetmpi.nn import Sequential
+from fleetmpi.nn.pipeline_layer import pipeline_layer_of
+from fleetmpi.core.rng_tracker import get_rng_state_tracker
 
 
 def count_stages(parameters):

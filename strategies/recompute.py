@@ -30,12 +30,13 @@ checkpoint, the input of another checkpoint).
 """
 import numpy as np
 
-from .. import backend
-from ..autograd import Tensor
-from ..capture_checks import check_host_read
-from ..autograd.recompute import ActivationMeter, held_activation_bytes, run_recomputed
-from ..nn import Sequential
+from fleetmpi.core import backend
+from fleetmpi.autograd import Tensor
+from fleetmpi.core.capture_checks import check_host_read
+from fleetmpi.autograd.recompute import ActivationMeter, held_activation_bytes, run_recomputed
+from fleetmpi.nn import Sequential
 from .base import Strategy
+from .configs import RecomputeConfig
 
 __all__ = ["ActivationMeter", "HostCheckpoints", "Recompute", "Segment", "checkpoint_forwards",
            "cut_into_segments", "held_activation_bytes"]
@@ -280,12 +281,13 @@ class Recompute(Strategy):
     holding offloaded inputs."""
 
     name = "recompute"
+    config_class = RecomputeConfig
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.checkpoints = list(self.configs["checkpoints"])
-        self.enable_offload = bool(self.configs["enable_offload"])
-        self.checkpoint_shape = list(self.configs["checkpoint_shape"])
+        self.checkpoints = list(self.config.checkpoints)
+        self.enable_offload = self.config.enable_offload
+        self.checkpoint_shape = list(self.config.checkpoint_shape)
         self._host = HostCheckpoints(self.checkpoint_shape) if self.enable_offload else None
         self.peak_activation_bytes = 0
         self.offloaded_bytes = 0
@@ -295,27 +297,21 @@ class Recompute(Strategy):
     @classmethod
     def check(cls, strategy, optimizer):
         super().check(strategy, optimizer)
-        configs = dict(strategy.recompute_configs)
-        checkpoints = configs.get("checkpoints")
-        if (not isinstance(checkpoints, (list, tuple)) or not checkpoints
-                or not all(isinstance(name, str) for name in checkpoints)):
+        config = RecomputeConfig.of(strategy)
+        checkpoints = list(config.checkpoints)
+        if not checkpoints:
             raise ValueError(f"recompute needs recompute_configs['checkpoints'], a non-empty list "
                              f"of sublayer names (dotted names from the model's "
                              f"named_sublayers()), got {checkpoints!r}")
         repeated = sorted({name for name in checkpoints if checkpoints.count(name) > 1})
         if repeated:
             raise ValueError(f"recompute checkpoints {repeated} are listed more than once")
-        offload = configs.get("enable_offload", False)
-        if not isinstance(offload, bool):
-            raise ValueError(f"recompute_configs['enable_offload'] must be True or False, "
-                             f"not {offload!r}")
-        shape = configs.get("checkpoint_shape", [])
-        if offload and (not shape or not all(isinstance(n, int) and not isinstance(n, bool)
-                                             and n >= 1 for n in shape)):
+        # The schema holds each size to [1, inf); an empty shape is the default.
+        if config.enable_offload and not config.checkpoint_shape:
             raise ValueError(f"recompute_configs['enable_offload'] needs "
                              f"recompute_configs['checkpoint_shape'], the fixed shape (batch "
                              f"dimension included, every size >= 1) shared by all checkpoints; "
-                             f"got {shape!r}")
+                             f"got {list(config.checkpoint_shape)!r}")
 
     def _observe(self, roots):
         self._peak = max(self._peak, self._meter.held(*roots))

@@ -38,34 +38,22 @@ name: ``sharding_degree``) consecutive ranks, ``world size / group size`` of the
 data-parallel replicas. Steps that do not update (gradient_merge between its updates, amp's
 overflow) broadcast nothing.
 """
-from .. import backend, timeline
-from ..comm import overlap_counts
+from fleetmpi.core import backend, timeline
+from fleetmpi.comm import overlap_counts
 from .base import Strategy
+from .configs import ShardingConfig
 from .gradient_allreduce import BucketSchedule, fusion_limits, plan_gradient_buckets
 
-DEFAULT_GROUP_SIZE = 8
 WITH_PIPELINE = ("stages 1 and 2 only, which partition each pipeline stage's optimizer state "
                  "(and gradients) over that stage's replicas; stage 3 frees the model's flat "
                  "values whole, while a pipeline stage's optimizer holds only its own part")
 
 
-def configured_group_size(configs):
-    """``sharding_group_size`` or Paddle's ``sharding_degree``, whichever is set (differs
-    from the default 8); both set to different values is an error."""
-    size, degree = int(configs["sharding_group_size"]), int(configs["sharding_degree"])
-    if size != degree and DEFAULT_GROUP_SIZE not in (size, degree):
-        raise ValueError(f"sharding_configs['sharding_group_size']={size} and "
-                         f"sharding_configs['sharding_degree']={degree} name the same group "
-                         f"size (sharding_degree is Paddle's later name for it); set one, or "
-                         f"both to one value")
-    return degree if size == DEFAULT_GROUP_SIZE else size
-
-
-def group_size(configs, world_size):
+def group_size(config, world_size):
     """The ranks per sharding group: the world, or with ``hybrid_dp`` the
     ``sharding_group_size`` (or ``sharding_degree``), which must divide the world size."""
-    size = configured_group_size(configs)
-    if not configs["hybrid_dp"]:
+    size = config.group_size
+    if not config.hybrid_dp:
         return world_size
     if world_size % size:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -99,12 +87,15 @@ class Sharding(Strategy):
     from stage 2 ``buckets`` and from stage 3 ``gatherer``."""
 
     name = "sharding"
+    config_class = ShardingConfig
+    communicator_scope = "replicas"
+    reduces_gradients = True
 
     def __init__(self, strategy, optimizer, communicator):
         super().__init__(strategy, optimizer, communicator)
-        self.stage = int(self.configs["stage"])
-        self.fuse_broadcast_MB = float(self.configs["fuse_broadcast_MB"])
-        self.group_size = group_size(self.configs, self.world_size)
+        self.stage = self.config.stage
+        self.fuse_broadcast_MB = self.config.fuse_broadcast_MB
+        self.group_size = group_size(self.config, self.world_size)
         self.replicas_num = self.world_size // self.group_size
         self.group, self.replicas = sharding_communicators(communicator, self.group_size,
                                                            self.fuse_broadcast_MB)
@@ -123,8 +114,8 @@ class Sharding(Strategy):
             from .sharding_parameters import ParameterGatherer
 
             self.gatherer = ParameterGatherer(
-                optimizer, self.group, self.offsets, int(self.configs["prefetch_depth"]),
-                int(float(self.configs["unit_size_MB"]) * 2 ** 20))
+                optimizer, self.group, self.offsets, self.config.prefetch_depth,
+                int(self.config.unit_size_MB * 2 ** 20))
 
     @classmethod
     def check(cls, strategy, optimizer):
@@ -134,8 +125,7 @@ class Sharding(Strategy):
             raise ValueError(f"strategy sharding cuts one parameter space of one dtype into "
                              f"shards, but the optimizer has parameters of "
                              f"{', '.join(dtypes)}; build the model in one dtype")
-        configured_group_size(strategy.sharding_configs)
-        stage = strategy.sharding_configs["stage"]
+        stage = ShardingConfig.of(strategy).stage
         if strategy.pipeline and stage == 3:
             raise ValueError(f"sharding stage {stage} cannot be combined with pipeline: "
                              f"{WITH_PIPELINE}")

@@ -22,9 +22,13 @@ Every rank of a group must therefore run the same operations on the same paramet
 same order, as with FSDP or ZeRO-3; a unit gathered on one rank only is a collective that the
 others do not enter, reported by the comm layer's checks.
 
-Units (``sharding_configs["unit_size_MB"]``): one layer's parameters by default (0); above 0,
-units adjacent in the parameter space join while the joined unit stays within that size, so a
-model of many small layers makes fewer, larger gathers. A layer larger than it stays one unit.
+Units (``sharding_configs["unit_size_MB"]``): layers adjacent in the parameter space join
+while the joined unit stays within that size, so a model of many small layers makes fewer,
+larger gathers; a layer larger than it stays one unit. The default, 0, takes the model's
+largest layer and an eighth of it as the size (``DEFAULT_UNIT_SLACK``): a whole unit then
+takes little more memory than that layer alone does, and a small layer (a norm, a bias) beside
+a large one costs no all-gather of its own, whose fixed cost (every rank of the group
+entering it, on each of its steps) does not shrink with its bytes.
 
 Prefetch (``sharding_configs["prefetch_depth"]``, the most units gathered ahead). The gatherer
 records the units it gathers in one step, in order: forward's, then backward's (about the
@@ -45,9 +49,12 @@ import collections
 
 import numpy as np
 
-from .. import backend
-from ..comm import overlap_counts
+from fleetmpi.core import backend
+from fleetmpi.comm import overlap_counts
 from .gradient_allreduce import layer_of
+
+# unit_size_MB 0: units up to the largest layer's size and this fraction of it more.
+DEFAULT_UNIT_SLACK = 1 / 8
 
 
 def _address(array):
@@ -120,17 +127,21 @@ def _put(node, attribute, position, value):
     setattr(node, attribute, type(held)(items))
 
 
+def _elements(members):
+    """How many elements of the parameter space ``members`` (``(start, parameter)`` pairs in
+    order) span."""
+    return members[-1][0] + members[-1][1].size - members[0][0]
+
+
 def _joined(layers, most):
     """``layers`` (each a list of ``(start, parameter)``, in parameter-space order) joined
-    where adjacent in the space while the joined elements stay within ``most`` (0: none
-    joined)."""
+    where adjacent in the space while the joined elements stay within ``most``."""
     joined = []
     for members in layers:
-        if joined and most:
+        if joined:
             last = joined[-1]
-            stop = last[-1][0] + last[-1][1].size
-            size = members[-1][0] + members[-1][1].size - last[0][0]
-            if members[0][0] == stop and size <= most:
+            adjacent = members[0][0] == last[0][0] + _elements(last)
+            if adjacent and _elements([last[0], members[-1]]) <= most:
                 last.extend(members)
                 continue
         joined.append(list(members))
@@ -143,7 +154,8 @@ class ParameterGatherer:
     ``prefetched`` were started ahead and ``dropped`` were not the unit asked for next;
     ``sequence``: the unit indices gathered so far in this step. ``prefetch_depth``: the most
     units gathered ahead (none in a group of one rank, where a gather is a copy);
-    ``unit_bytes``: the most bytes of joined layers (0: one layer a unit)."""
+    ``unit_bytes``: the most bytes of joined layers (0: the largest layer's and
+    ``DEFAULT_UNIT_SLACK`` of it more)."""
 
     def __init__(self, optimizer, group, offsets, prefetch_depth=0, unit_bytes=0):
         self.optimizer = optimizer
@@ -179,7 +191,10 @@ class ParameterGatherer:
             layers.append(run)
         layers.sort(key=lambda members: members[0][0])
         itemsize = optimizer.runs[0].buffer.dtype.itemsize if optimizer.runs else 1
-        for members in _joined(layers, int(unit_bytes) // itemsize):
+        largest = max(map(_elements, layers), default=0)
+        most = (int(unit_bytes) // itemsize if unit_bytes
+                else largest + int(largest * DEFAULT_UNIT_SLACK))
+        for members in _joined(layers, most):
             self._add_unit(members)
         forward = [unit.index for unit in self.units]
         self._expected = forward + forward[-2::-1]

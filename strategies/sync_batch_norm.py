@@ -15,9 +15,9 @@ when a model from ``distributed_model`` is called (``loss.backward(); opt.step()
 recorded batch-norm call keeps the communicator it ran with, so its backward communicates
 even though the layers get their own back in the after-step stage.
 """
-from .. import job
-from ..log import logger
-from ..nn.norm import BatchNorm
+from fleetmpi.core import job
+from fleetmpi.core.log import logger
+from fleetmpi.nn.norm import BatchNorm
 from .base import Strategy
 
 

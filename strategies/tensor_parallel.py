@@ -8,7 +8,7 @@ complete once backward has run, and the data-parallel averaging runs over the ra
 model-parallel coordinate. What it does is refuse what needs a whole tensor or every
 parameter's gradient on one rank.
 """
-from ..optimizer.clip import ClipGradByGlobalNorm
+from fleetmpi.optimizer.clip import ClipGradByGlobalNorm
 from .base import Strategy
 
 

@@ -4,7 +4,8 @@ import logging
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn
+from fleetmpi.core import backend
+from fleetmpi import nn
 from fleetmpi.autograd import engine
 from fleetmpi.comm import hybrid_topology, release_communicators
 

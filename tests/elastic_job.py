@@ -4,7 +4,7 @@
 
 Data parallelism with a fixed global batch of ``GLOBAL_BATCH`` samples, dealt by
 ``DistributedSampler`` (the same global batches at any number of ranks that divides it), and
-Momentum, whose state must survive a restart. ``fleetmpi.elastic.State`` commits every
+Momentum, whose state must survive a restart. ``fleetmpi.training.elastic.State`` commits every
 ``COMMIT_EVERY`` steps and restores at start. In the first ``DIE_ATTEMPTS`` attempts (1 by
 default), rank ``DIE_RANK`` prints ``FAULT <time> ...`` and kills itself with SIGKILL before
 step ``DIE_STEP``; after a restart rank 0 prints ``RESUMED <time> ...`` once restored
@@ -20,8 +20,9 @@ import time
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import elastic, nn
-from fleetmpi.data import ArrayDataset, DistributedSampler
+from fleetmpi.training import elastic
+from fleetmpi import nn
+from fleetmpi.training.data import ArrayDataset, DistributedSampler
 from fleetmpi.launch import shm
 from strategy_support import make_mlp, make_strategy, momentum
 

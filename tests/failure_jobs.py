@@ -34,7 +34,8 @@ import time
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import checkpoint, nn, optimizer
+from fleetmpi.training import checkpoint
+from fleetmpi import nn, optimizer
 from fleetmpi.comm import Communicator
 from fleetmpi.world import topology
 

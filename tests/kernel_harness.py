@@ -21,7 +21,8 @@ import re
 import numpy as np
 import pytest
 
-from fleetmpi import backend, kernels
+from fleetmpi.core import backend
+from fleetmpi import kernels
 from fleetmpi.kernels import loader
 
 from cuda_host import load_on_host

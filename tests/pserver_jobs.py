@@ -19,7 +19,9 @@ import numpy as np
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, data, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import data
+from fleetmpi import nn, optimizer
 
 FEATURES, CLASSES, HIDDEN = 64, 4, 160   # fc0 has 64 * 160 > 8192 elements: split in blocks
 ROWS, DIM = 1000, 8
@@ -291,7 +293,7 @@ def scenario_roles(args):
     <j>``."""
     from mpi4py import MPI
 
-    from fleetmpi.role_maker import endpoint_labels
+    from fleetmpi.config.role_maker import endpoint_labels
 
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     servers = args.servers

@@ -14,7 +14,9 @@ import sys
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import backend, checkpoint, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import checkpoint
+from fleetmpi import nn, optimizer
 from strategy_support import global_batch, make_mlp, make_strategy, shard, world_gather
 
 STEPS = 6

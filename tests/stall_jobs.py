@@ -27,7 +27,9 @@ import numpy as np
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, checkpoint, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import checkpoint
+from fleetmpi import nn, optimizer
 from fleetmpi.comm import Communicator, get_communicator
 from fleetmpi.world import topology
 

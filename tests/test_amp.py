@@ -8,7 +8,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import autograd, backend, kernels, nn, optimizer
+from fleetmpi import autograd, kernels, nn, optimizer
+from fleetmpi.core import backend
 from fleetmpi.autograd import Function, Tensor, autocast, no_grad
 from fleetmpi.autograd.autocast import current_policy
 from fleetmpi.optimizer import StepHook

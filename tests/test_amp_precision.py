@@ -10,7 +10,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import autograd, backend, kernels, nn, optimizer
+from fleetmpi import autograd, kernels, nn, optimizer
+from fleetmpi.core import backend
 from fleetmpi.autograd import Function
 
 from comm_support import close, ok

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import fleetmpi.nn.functional as F
-from fleetmpi import Tensor, backend, kernels
+from fleetmpi import Tensor, kernels
+from fleetmpi.core import backend
 from fleetmpi.kernels import attention_reference as reference
 from fleetmpi.kernels import loader
 from fleetmpi.nn.functional import cudnn

@@ -8,11 +8,12 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer, parallel
-from fleetmpi.log import logger
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer, parallel
+from fleetmpi.core.log import logger
 from fleetmpi.strategies import inert_fields
 from fleetmpi.strategies.auto import recompute_checkpoints
-from fleetmpi import knobs
+from fleetmpi.core import knobs
 from strategy_support import make_mlp, make_strategy, momentum, shard
 
 STEPS = 3

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, knobs, nn, optimizer
+from fleetmpi.core import backend, knobs
+from fleetmpi import nn, optimizer
 from fleetmpi.comm import Extent, plan_buckets
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 from test_data_parallel import GLOBAL_BATCH, STEPS, global_batch, make_model, world_gather

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, checkpoint, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import checkpoint
+from fleetmpi import nn, optimizer
 from fleetmpi.optimizer import lr
 
 STEPS = 6

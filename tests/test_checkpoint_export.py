@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import checkpoint, checkpoint_export, hybrid_checkpoint, nn
+from fleetmpi.training import checkpoint, hybrid_checkpoint
+from fleetmpi import checkpoint_export, nn
 from comm_support import equal, ok, raises
 from strategy_support import make_strategy
 from test_hybrid import feature_batch, staged_mlp, tiny_gpt, token_batch, train_hybrid
@@ -125,7 +126,7 @@ def test_tensor_parallel_saved_whole_exports_the_serial_model(tmp_path_factory):
 def test_tensor_parallel_saved_in_parts_is_refused_naming_the_entry(tmp_path_factory):
     _, directory = tensor_parallel_saved(tmp_path_factory, checkpoint.save)
     with raises(ValueError, match=r"part of the split \(tensor-parallel\) parameter '[\w.]+'.*"
-                                  r"fleetmpi.hybrid_checkpoint"):
+                                  r"fleetmpi.training.hybrid_checkpoint"):
         exported_by_rank_0(directory)
 
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
-from fleetmpi.log import logger
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
+from fleetmpi.core.log import logger
 from fleetmpi.strategies import compose, field_effects, inert_fields
 from fleetmpi.strategies.gradient_allreduce import plan_gradient_buckets
 from comm_support import equal, ok, raises

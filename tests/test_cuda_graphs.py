@@ -1,5 +1,5 @@
 """Whole training steps as CUDA graphs: ``fleetmpi.graphed_step``, ``CUDAGraph`` and the checks
-that refuse what a graph cannot capture (``fleetmpi.capture_checks``).
+that refuse what a graph cannot capture (``fleetmpi.core.capture_checks``).
 
 Where the arrays are NumPy's (CI), a graphed step runs on the host stand-in ``HostGraph``: its
 capture runs the step under the capture checks and its replays run the step's Python again and
@@ -27,14 +27,15 @@ from mpi4py import MPI
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, capture_checks, graphed, nn, optimizer
+from fleetmpi.core import backend, capture_checks
+from fleetmpi import graphed, nn, optimizer
 from fleetmpi.autograd import Tensor
-from fleetmpi.capture_checks import CaptureError
+from fleetmpi.core.capture_checks import CaptureError
 from fleetmpi.comm import Communicator, Topology
 from fleetmpi.device.cuda import graphs
 from fleetmpi.device.cuda.graphs import CUDAGraph
 from fleetmpi.device.cuda.host_graph import HostGraph
-from fleetmpi.knobs import CUDA_GRAPH, OVERLAP_ALLREDUCE
+from fleetmpi.core.knobs import CUDA_GRAPH, OVERLAP_ALLREDUCE
 
 from cuda_graph_stand_in import StandInCuPy
 from strategy_support import make_strategy
@@ -647,3 +648,10 @@ def test_replays_of_a_graphed_step_run_no_python():
     for x, y in data:
         step(x, y)
     assert isinstance(step.graph, CUDAGraph) and len(python_calls) == 3
+
+
+def test_the_readers_skipped_when_naming_the_caller_exist():
+    """A moved module would otherwise be named as the place of a refused read."""
+    from fleetmpi.core import capture_checks
+    assert len(capture_checks._READERS) == 3
+    assert all(os.path.isfile(path) for path in capture_checks._READERS)

@@ -23,9 +23,10 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, job, kernels, nn, optimizer
+from fleetmpi.core import backend, job
+from fleetmpi import kernels, nn, optimizer
 from fleetmpi.autograd.autocast import autocast
-from fleetmpi.log import logger
+from fleetmpi.core.log import logger
 from fleetmpi.nn.functional import cudnn
 from fleetmpi.strategies import applied
 from fleetmpi.strategies.amp import CastPolicy

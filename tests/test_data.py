@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fleetmpi import data
+from fleetmpi.training import data
 
 
 @pytest.mark.parametrize("num_samples, ranks, batch", [(10, 4, 2), (17, 3, 4), (8, 2, 8),

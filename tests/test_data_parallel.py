@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, knobs, nn, optimizer
+from fleetmpi.core import backend, knobs
+from fleetmpi import nn, optimizer
 from fleetmpi.launch.mpi_command import local_command
 from fleetmpi.strategies.gradient_allreduce import GradientAllreduce, plan_gradient_buckets
 

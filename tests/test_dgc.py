@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.optimizer import ClipGradByGlobalNorm, ClipGradByNorm, StepHook
 from fleetmpi.strategies.dgc import keep_count, sparsity_at
 from comm_support import close, equal, ok, raises

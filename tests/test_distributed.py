@@ -6,7 +6,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.distributed as dist
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.autograd import Tensor
 from fleetmpi.nn.initializer import Assign
 

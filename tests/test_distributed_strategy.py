@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import schema_view
+from fleetmpi.config import schema_view
 
 # The seeds' field tables and references (004, 000, 001), written out independently of the schema.
 TOP_LEVEL_DEFAULTS = {

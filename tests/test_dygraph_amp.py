@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import amp, backend, nn, optimizer
+from fleetmpi import amp, nn, optimizer
+from fleetmpi.core import backend
 from fleetmpi.autograd import Tensor
 from fleetmpi.autograd.autocast import current_policy
-from fleetmpi.schema_view import ConfigError
+from fleetmpi.config.schema_view import ConfigError
 
 from comm_support import ok
 from strategy_support import global_batch, make_mlp, make_strategy, shard, world_gather

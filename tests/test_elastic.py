@@ -1,4 +1,5 @@
-"""Elastic restart (``fleetmpirun --elastic``, ``fleetmpi.elastic.State``) and the removal of
+"""Elastic restart (``fleetmpirun --elastic``, ``fleetmpi.training.elastic.State``) and the removal
+of
 the shared-memory segments an aborted job leaves.
 
 The jobs run ``tests/elastic_job.py`` under ``fleetmpirun``; each is bounded by
@@ -13,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from fleetmpi import elastic, knobs, nn
+from fleetmpi.training import elastic
+from fleetmpi.core import knobs
+from fleetmpi import nn
 from fleetmpi.launch import fleetmpirun, restart, shm, slurm
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import knobs
+from fleetmpi.core import knobs
 from fleetmpi import launcher_check as env_check
 from fleetmpi.launcher_check import EnvironmentMismatchError, MPIPlace
 from fleetmpi.launch.mpi_command import local_command

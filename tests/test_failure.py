@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fleetmpi import failure, knobs
+from fleetmpi.core import failure, knobs
 from fleetmpi.launch.mpi_command import local_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import files, timeline
+from fleetmpi.core import files, timeline
 from fleetmpi.strategies.ps import shards
 
 VICTIM_TEXT = "precious\n"

@@ -6,7 +6,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.comm.compression import error_bound
 from comm_support import close, equal, ok
 from strategy_support import (global_batch, make_mlp, make_strategy, shard, train,

@@ -7,7 +7,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import autograd, backend, to_tensor
+from fleetmpi import autograd, to_tensor
+from fleetmpi.core import backend
 from fleetmpi.autograd import Function, autocast, enable_grad, no_grad, run_backward
 from fleetmpi.nn.gradcheck import check_gradients
 

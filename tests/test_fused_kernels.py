@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, kernels, nn, to_tensor
+from fleetmpi.core import backend
+from fleetmpi import kernels, nn, to_tensor
 from fleetmpi.autograd import autocast
 from fleetmpi.kernels import transformer_reference as reference
 from fleetmpi.nn.functional import cudnn

@@ -13,7 +13,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.nn.gradcheck import check_gradients
 from comm_support import close, equal
 from strategy_support import make_strategy, shard, train_step, world_gather

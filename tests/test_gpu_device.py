@@ -28,15 +28,16 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import backend, job, nn, optimizer
+from fleetmpi.core import backend, job
+from fleetmpi import nn, optimizer
 from fleetmpi.comm import (Communicator, NCCLUnavailableError, Topology, communicator,
                            transport_nccl)
 from fleetmpi.comm.compression import error_bound
 from fleetmpi.comm.ops import OPS
 from fleetmpi.comm.transport_choice import device_identity
 from fleetmpi.kernels import reference
-from fleetmpi.knobs import AUTO_TRANSPORT
-from fleetmpi.launcher_env import LOCAL_RANKS
+from fleetmpi.core.knobs import AUTO_TRANSPORT
+from fleetmpi.core.launcher_env import LOCAL_RANKS
 
 from comm_support import close, ok, rank_data, single_process, tolerance
 from strategy_support import STAGES, by_stage, global_batch, make_strategy, train

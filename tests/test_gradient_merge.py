@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from comm_support import close, equal, ok
 from strategy_support import global_batch, make_mlp, make_strategy, momentum, shard, train
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, optimizer
+from fleetmpi.core import backend
+from fleetmpi import optimizer
 from fleetmpi.distributed.sharding import group_sharded_parallel  # Paddle's path
 from comm_support import equal, ok
 from strategy_support import global_batch, make_mlp, shard, train_step

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fleetmpi import host_memory
+from fleetmpi.core import host_memory
 
 # Allocates, touches and frees 8 MiB arrays in turn, counting the minor page faults of the
 # last ten rounds after fleetmpi chose its backend (NumPy).

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.optimizer.clip import ClipGradByGlobalNorm
 from comm_support import close, ok, raises
 from strategy_support import make_strategy

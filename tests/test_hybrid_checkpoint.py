@@ -6,7 +6,9 @@ sharded optimizer at another degree is refused and everything put back."""
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, hybrid_checkpoint, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import hybrid_checkpoint
+from fleetmpi import nn, optimizer
 from comm_support import close, equal, raises
 from strategy_support import make_strategy
 from test_hybrid import expected_parts, tiny_gpt, token_batch, train_hybrid

@@ -6,7 +6,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from fleetmpi import backend, kernels, nn, to_tensor
+from fleetmpi.core import backend
+from fleetmpi import kernels, nn, to_tensor
 from fleetmpi.kernels import loader, reference
 from fleetmpi.nn.gradcheck import check_gradients
 

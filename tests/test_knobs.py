@@ -7,9 +7,9 @@ import re
 import pytest
 
 import fleetmpi
-from fleetmpi import knobs
+from fleetmpi.core import knobs
 from fleetmpi.docs import variables_table
-from fleetmpi.knobs import env_seconds
+from fleetmpi.core.knobs import env_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,7 +63,7 @@ def test_every_variable_the_package_names_is_a_knob():
                 if name.endswith(".py"):
                     with open(os.path.join(directory, name)) as f:
                         written |= set(re.findall(r"FLEETMPI_[A-Z_]*[A-Z]", f.read()))
-    assert written <= names, f"not in fleetmpi.knobs: {sorted(written - names)}"
+    assert written <= names, f"not in fleetmpi.core.knobs: {sorted(written - names)}"
     with open(knobs.__file__) as f:
         tree = ast.parse(f.read())
     imported = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.optimizer import StepContext, lr
 from comm_support import close, equal, ok
 from strategy_support import global_batch, make_mlp, make_strategy, train, world_gather

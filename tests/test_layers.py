@@ -1,21 +1,22 @@
 """The layers of ``docs/architecture.md``: every import, at module level or inside a function,
 points down (or within its layer), and no module imports itself back through others.
 
-Layers, bottom to top (a module belongs to the first group whose prefix it starts with):
+A module's layer is its folder's (``FOLDERS``): the sub-packages of ``fleetmpi/`` are named for
+their layer, and the root folders setup.cfg maps in are layers of their own. Bottom to top:
 
-1. backend: the array backend and the RNG state tracker, the knobs, logging, files, the
-   timeline, failure handling,
-   ``fleetmpi.job`` (this process's place, plain state), the CUDA graph capture checks and
-   ``fleetmpi.device`` (``CUDAGraph``);
-2. comm: ``fleetmpi.comm``;
-3. trainer: autograd, ``nn``, ``optimizer``, kernels, data, checkpoints, progress;
-4. strategies, with the strategy configuration they read (``DistributedStrategy``, the
-   schema, prototxt, Paddle's fields and role makers);
-5. the fleet API: ``fleetmpi`` itself and whatever else lives at its top;
-6. launch.
+1. backend: ``fleetmpi/core/`` (array backend, knobs, logging, files, timeline, failure path,
+   this process's place in the job) and ``fleetmpi/device/`` (``CUDAGraph``, Paddle's path);
+2. comm: ``comm/``;
+3. trainer: autograd, ``nn``, ``optimizer``, kernels, ``io``, and ``fleetmpi/training/`` (data,
+   checkpoints, progress, logged scalars);
+4. strategies: ``strategies/``, with ``fleetmpi/config/`` (``DistributedStrategy``, the schema,
+   prototxt, Paddle's fields and role makers) and ``proto/``;
+5. the fleet API: the modules directly in ``fleetmpi/`` and the sub-packages of Paddle's
+   public paths (``amp``, ``distributed``, ``metric``);
+6. launch: ``launch/``.
 
-``fleetmpi.plan`` (the scaling planner) and ``fleetmpi.docs`` (the generated files) stand on the
-side: they may import any layer, and no layer imports them.
+``fleetmpi/plan/`` (the scaling planner) and ``fleetmpi/docs/`` (the generated files) stand on
+the side: they may import any layer, and no layer imports them.
 """
 import ast
 import os
@@ -26,25 +27,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The repository folders setup.cfg maps into the fleetmpi namespace.
 PACKAGES = {"fleetmpi": "fleetmpi", "comm": "fleetmpi.comm", "strategies": "fleetmpi.strategies",
             "proto": "fleetmpi.proto", "launch": "fleetmpi.launch"}
-LAYERS = (
-    ("backend", ("fleetmpi.backend", "fleetmpi.knobs", "fleetmpi.log", "fleetmpi.files",
-                 "fleetmpi.cuda_source", "fleetmpi.host_memory", "fleetmpi.timeline",
-                 "fleetmpi.failure", "fleetmpi.job", "fleetmpi.paddle_flags",
-                 "fleetmpi.launcher_env", "fleetmpi.capture_checks", "fleetmpi.device",
-                 "fleetmpi.rng_tracker")),
-    ("comm", ("fleetmpi.comm",)),
-    ("trainer", ("fleetmpi.autograd", "fleetmpi.nn", "fleetmpi.optimizer", "fleetmpi.kernels",
-                 "fleetmpi.data", "fleetmpi.checkpoint", "fleetmpi.checkpoint_agreement",
-                 "fleetmpi.hybrid_checkpoint", "fleetmpi.progress", "fleetmpi.elastic",
-                 "fleetmpi.io", "fleetmpi.serialization", "fleetmpi.log_writer")),
-    ("strategies", ("fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.distributed_strategy",
-                    "fleetmpi.schema_view", "fleetmpi.prototxt", "fleetmpi.paddle_fields",
-                    "fleetmpi.paddle_values", "fleetmpi.role_maker")),
-    ("launch", ("fleetmpi.launch",)),
-    ("fleet API", ("fleetmpi",)),
-)
+# Every sub-package of the fleetmpi namespace and its layer; None: on the side.
+FOLDERS = {
+    "fleetmpi.core": "backend", "fleetmpi.device": "backend",
+    "fleetmpi.comm": "comm",
+    "fleetmpi.autograd": "trainer", "fleetmpi.nn": "trainer", "fleetmpi.optimizer": "trainer",
+    "fleetmpi.kernels": "trainer", "fleetmpi.io": "trainer", "fleetmpi.training": "trainer",
+    "fleetmpi.strategies": "strategies", "fleetmpi.config": "strategies",
+    "fleetmpi.proto": "strategies",
+    "fleetmpi.amp": "fleet API", "fleetmpi.distributed": "fleet API",
+    "fleetmpi.metric": "fleet API",
+    "fleetmpi.launch": "launch",
+    "fleetmpi.plan": None, "fleetmpi.docs": None,
+}
 ORDER = ("backend", "comm", "trainer", "strategies", "fleet API", "launch")
-SIDE = ("fleetmpi.plan", "fleetmpi.docs")
 
 
 def modules():
@@ -93,12 +89,14 @@ def imported(module, path, known):
 
 
 def layer_of(module):
-    if any(module == side or module.startswith(side + ".") for side in SIDE):
-        return None
-    for name, prefixes in LAYERS:
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return name
-    raise AssertionError(f"{module} is in no layer")
+    """The layer of ``module``: its sub-package's, or the fleet API's for ``fleetmpi`` itself and
+    a module directly in ``fleetmpi/``; None for a module on the side."""
+    folder = ".".join(module.split(".")[:2])
+    if folder in FOLDERS:
+        return FOLDERS[folder]
+    if module == "fleetmpi" or os.path.isfile(os.path.join(ROOT, *folder.split(".")) + ".py"):
+        return "fleet API"
+    raise AssertionError(f"{folder} is a folder of no layer: add it to FOLDERS")
 
 
 def import_graph():
@@ -176,18 +174,18 @@ def test_no_import_cycle():
 
 def test_the_checks_see_an_upward_import_and_a_cycle():
     """The two checks on a small graph with one of each fault."""
-    graph = {"fleetmpi.backend": [(3, "fleetmpi.comm")],
-             "fleetmpi.comm": [(5, "fleetmpi.backend")],
+    graph = {"fleetmpi.core.backend": [(3, "fleetmpi.comm")],
+             "fleetmpi.comm": [(5, "fleetmpi.core.backend")],
              "fleetmpi.nn": [(7, "fleetmpi.plan")], "fleetmpi.plan": [(1, "fleetmpi.nn")]}
     assert upward_imports(graph) == [
-        "fleetmpi.backend:3 imports fleetmpi.comm (backend -> comm)",
+        "fleetmpi.core.backend:3 imports fleetmpi.comm (backend -> comm)",
         "fleetmpi.nn:7 imports fleetmpi.plan, which stands on the side"]
-    assert cycles(graph) == [["fleetmpi.backend", "fleetmpi.comm"],
+    assert cycles(graph) == [["fleetmpi.comm", "fleetmpi.core.backend"],
                              ["fleetmpi.nn", "fleetmpi.plan"]]
 
 
 @pytest.mark.parametrize("source, expected", [
-    ("from . import job", ["fleetmpi.job"]),
+    ("from .core import job", ["fleetmpi.core.job"]),
     ("from ..comm.ring import RingAllreduce", ["fleetmpi.comm.ring"]),
     ("def f():\n    from .world import init", ["fleetmpi.world"]),
     ("import fleetmpi.nn.functional as F", ["fleetmpi.nn.functional"]),
@@ -198,3 +196,58 @@ def test_imports_are_resolved_inside_functions_and_relative(tmp_path, source, ex
     known = modules()
     module = "fleetmpi.strategies.example" if source.startswith("from ..") else "fleetmpi.example"
     assert [target for _, target in imported(module, str(path), known)] == expected
+
+
+def test_every_folder_has_its_layer_and_is_installed():
+    """Each sub-package on disk is in FOLDERS (so a new folder states its layer) and in
+    setup.cfg's packages (so a non-editable install has it); a module takes its folder's layer."""
+    import configparser
+    packages = {module for module, path in modules().items() if path.endswith("__init__.py")}
+    folders = {".".join(p.split(".")[:2]) for p in packages if p != "fleetmpi"}
+    assert folders == set(FOLDERS), f"folders without a layer: {sorted(folders - set(FOLDERS))}"
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    listed = set(config["options"]["packages"].split())
+    assert listed == packages, (f"not in setup.cfg: {sorted(packages - listed)}; "
+                                f"listed but absent: {sorted(listed - packages)}")
+    assert layer_of("fleetmpi.core.knobs") == "backend"
+    assert layer_of("fleetmpi.training.checkpoint") == "trainer"
+    assert layer_of("fleetmpi.world") == "fleet API"
+    with pytest.raises(AssertionError, match="fleetmpi.newfolder is a folder of no layer"):
+        layer_of("fleetmpi.newfolder.module")
+
+
+def test_first_names_of_moved_modules_still_import():
+    """``fleetmpi.knobs`` and the other modules that moved into core/, config/ and training/
+    are the same module objects under their first names."""
+    import importlib
+
+    import fleetmpi
+    for package, names in fleetmpi._FIRST_NAMES.items():
+        for name in names:
+            moved = importlib.import_module(f"fleetmpi.{package}.{name}")
+            assert importlib.import_module(f"fleetmpi.{name}") is moved
+            assert getattr(fleetmpi, name) is moved
+            assert not os.path.exists(os.path.join(ROOT, "fleetmpi", name + ".py"))
+
+
+def test_root_folders_import_the_rest_of_fleetmpi_absolutely():
+    """In comm/, strategies/, proto/ and launch/, ``..`` reads as the repository root while it
+    means fleetmpi/: a relative import may stay within its own root folder only."""
+    wrong = []
+    for module, path in modules().items():
+        root = ".".join(module.split(".")[:2])
+        if root == module.split(".")[0] or root not in (
+                "fleetmpi.comm", "fleetmpi.strategies", "fleetmpi.proto", "fleetmpi.launch"):
+            continue
+        is_package = path.endswith("__init__.py")
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = module.split(".")[:None if is_package else -1]
+                base = ".".join(base[:len(base) - node.level + 1])
+                if base != root and not base.startswith(root + "."):
+                    wrong.append(f"{path}:{node.lineno}: from {'.' * node.level}"
+                                 f"{node.module or ''} leaves {root}")
+    assert not wrong, "\n".join(wrong)

@@ -9,7 +9,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, to_tensor
+from fleetmpi.core import backend
+from fleetmpi import nn, to_tensor
 from fleetmpi.autograd.recompute import recompute
 from fleetmpi.meta_parallel import get_rng_state_tracker, model_parallel_random_seed
 from comm_support import equal, host, ok

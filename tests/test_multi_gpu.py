@@ -17,11 +17,11 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import backend
+from fleetmpi.core import backend
 from fleetmpi.comm import Communicator
 from fleetmpi.comm.ops import OPS
 from fleetmpi.comm.transport_choice import device_identity
-from fleetmpi.knobs import AUTO_TRANSPORT
+from fleetmpi.core.knobs import AUTO_TRANSPORT
 
 from comm_support import all_data, close, equal, ok, rank_data, single_process, tolerance
 from strategy_support import GLOBAL_BATCH, STAGES, by_stage, make_strategy, train, world_gather

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, kernels, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import kernels, nn, optimizer
 from fleetmpi.kernels import loader, reference
 
 from cuda_host import compile_for_device, load_on_host

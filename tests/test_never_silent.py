@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import schema_view
+from fleetmpi.config import schema_view
 from fleetmpi import nn, optimizer
-from fleetmpi.paddle_fields import PADDLE_ONLY
+from fleetmpi.config.paddle_fields import PADDLE_ONLY
 from fleetmpi.proto import distributed_strategy_pb2 as schema
 from fleetmpi.strategies import applied, field_effects
 from fleetmpi.strategies.compose import ORDER
@@ -287,7 +287,7 @@ def test_every_field_of_the_schema_has_one_row():
     in_both = {path for path in PADDLE_ONLY if path in FIELDS
                or path.split(".")[0] in schema.DistributedStrategy.DESCRIPTOR.fields_by_name
                and "." not in path}
-    assert not in_both, f"implemented now: remove {in_both} from fleetmpi.paddle_fields"
+    assert not in_both, f"implemented now: remove {in_both} from fleetmpi.config.paddle_fields"
 
 
 def test_the_fields_with_a_proof_are_those_the_table_says_act():

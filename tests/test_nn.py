@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from fleetmpi import backend, nn, to_tensor
+from fleetmpi.core import backend
+from fleetmpi import nn, to_tensor
 from fleetmpi.autograd import run_backward
 from fleetmpi.nn.gradcheck import check_gradients
 

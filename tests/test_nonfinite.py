@@ -16,9 +16,10 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.autograd import nan_inf
-from fleetmpi.log import RateLimited
+from fleetmpi.core.log import RateLimited
 from comm_support import ok
 from strategy_support import global_batch, make_mlp, make_strategy, momentum, shard, train_step
 

@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.optimizer import lr
 from comm_support import host
 

@@ -4,7 +4,8 @@ as not applied."""
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import nn, optimizer, paddle_flags
+from fleetmpi import nn, optimizer
+from fleetmpi.core import paddle_flags
 
 
 def _applied(strategy):

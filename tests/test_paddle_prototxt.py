@@ -9,7 +9,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, te
 
 import fleetmpi as fleet
 from fleetmpi import nn, optimizer
-from fleetmpi.paddle_fields import PADDLE_ONLY
+from fleetmpi.config.paddle_fields import PADDLE_ONLY
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PADDLE_PROTO = "paddle_distributed_strategy.proto"
@@ -66,7 +66,7 @@ def _paddle_fields_only_strategy():
 
 def test_a_file_fleetmpi_writes_loads_into_paddles_message(tmp_path, paddle_message):
     strategy = _paddle_fields_only_strategy()
-    path = tmp_path / "fleetmpi.prototxt"
+    path = tmp_path / "fleetmpi.config.prototxt"
     strategy.save_to_prototxt(str(path))
     paddle = paddle_message()
     text_format.Parse(path.read_text(), paddle)   # strict: any field Paddle lacks fails

@@ -41,7 +41,7 @@ import fleetmpi as paddle
 import fleetmpi as fleet
 import fleetmpi.nn as nn
 import fleetmpi.nn.functional as F
-from fleetmpi import backend
+from fleetmpi.core import backend
 from fleetmpi.comm import get_communicator
 from fleetmpi.distributed.collective import _c_identity
 from fleetmpi.meta_parallel import (ColumnParallelLinear, LayerDesc, ParallelCrossEntropy,

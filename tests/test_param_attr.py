@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import ParamAttr, backend, nn, optimizer, to_tensor
+from fleetmpi import ParamAttr, nn, optimizer, to_tensor
+from fleetmpi.core import backend
 from fleetmpi.nn import initializer
 from comm_support import equal, host
 

@@ -8,7 +8,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.optimizer.clip import ClipGradByGlobalNorm
 from fleetmpi.strategies.pipeline_schedule import (BACKWARD, FORWARD, SCHEDULE_MODES,
                                                    bubble_fraction, compute_order, in_flight)

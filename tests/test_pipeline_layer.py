@@ -16,7 +16,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.autograd import matmul
 from fleetmpi.comm.hybrid_topology import CommunicateTopology
 from fleetmpi.meta_parallel import (ColumnParallelLinear, LayerDesc, PipelineLayer,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import amp, backend, nn, optimizer
+from fleetmpi import amp, nn, optimizer
+from fleetmpi.core import backend
 from fleetmpi.autograd import Function, Tensor
 from fleetmpi.meta_parallel import ColumnParallelLinear, LayerDesc, PipelineLayer, \
     RowParallelLinear

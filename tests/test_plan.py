@@ -10,7 +10,7 @@ import pytest
 from fleetmpi import nn, optimizer
 from fleetmpi.comm.hierarchical import allreduce_hierarchical
 from fleetmpi.comm.ring import DEFAULT_CHUNK_BYTES, allreduce_ring
-from fleetmpi.distributed_strategy import DistributedStrategy
+from fleetmpi.config.distributed_strategy import DistributedStrategy
 from fleetmpi.plan import (GPU, Buckets, Cluster, Device, Link, Workload, gradient_buckets,
                            model_from_spec, predict, preset)
 from fleetmpi.plan import costs

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn
+from fleetmpi.core import backend
+from fleetmpi import nn
 
 from fleetmpi.plan import costs, hybrid
 from fleetmpi.plan.__main__ import main

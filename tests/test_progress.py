@@ -6,8 +6,8 @@ import logging
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import knobs, log
-from fleetmpi.progress import ProgressBar, format_duration
+from fleetmpi.core import knobs, log
+from fleetmpi.training.progress import ProgressBar, format_duration
 
 from comm_support import ok
 

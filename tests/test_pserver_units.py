@@ -7,7 +7,7 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi import nn, no_grad
-from fleetmpi.schema_view import ConfigError
+from fleetmpi.config.schema_view import ConfigError
 from fleetmpi.strategies import field_effects
 from fleetmpi.strategies.ps import blocks, mode, shards, wire
 

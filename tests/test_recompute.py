@@ -13,7 +13,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.autograd import recompute as autograd_recompute
 from fleetmpi.optimizer import StepHook
 from fleetmpi.strategies.recompute import (ActivationMeter, checkpoint_forwards,

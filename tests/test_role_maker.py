@@ -10,7 +10,7 @@ import pytest
 
 import fleetmpi as fleet
 from fleetmpi.launch import fleetmpirun, rank_main
-from fleetmpi.role_maker import PaddleCloudRoleMaker, endpoint_labels
+from fleetmpi.config.role_maker import PaddleCloudRoleMaker, endpoint_labels
 
 
 def test_user_defined_role_maker_as_paddle_writes_it():
@@ -183,7 +183,7 @@ def test_role_makers_answer_before_fleet_init():
     fleet.init; the base class needs no arguments (a collective worker placed by MPI)."""
     from mpi4py import MPI
 
-    from fleetmpi.role_maker import RoleMakerBase
+    from fleetmpi.config.role_maker import RoleMakerBase
 
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     for roles in (RoleMakerBase(), PaddleCloudRoleMaker(is_collective=True, environ={})):

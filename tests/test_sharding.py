@@ -6,12 +6,15 @@ load into jobs of other sizes."""
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, checkpoint, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi.training import checkpoint
+from fleetmpi import nn, optimizer
 from fleetmpi.comm import dispatch
 from fleetmpi.launch.mpi_command import local_command
 from comm_support import close, equal, ok, raises
@@ -428,6 +431,54 @@ def test_a_lazy_stage_3_checkpoint_of_2_ranks_loads_at_other_counts(tmp_path, ra
         for key, value in expected.state_dict().items():
             np.testing.assert_allclose(final[key], value, rtol=1e-10, atol=1e-13, err_msg=key)
         assert len(final["state_bytes"]) == ranks
+
+
+def lazy_stage_3(seed):
+    """16 Linear 256 x 256 layers (float64, 8.4 MB of parameters) built under LazyGuard,
+    trained with Adam under sharding stage 3."""
+    backend.manual_seed(seed)
+    with fleet.LazyGuard():
+        model = nn.Sequential(*[nn.Linear(256, 256, dtype="float64") for _ in range(16)])
+    model = fleet.distributed_model(model)
+    return model, fleet.distributed_optimizer(adam(model.parameters()), sharding(stage=3))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_loading_a_lazy_stage_3_checkpoint_holds_this_ranks_share_not_the_model(tmp_path_factory):
+    """While loading, a rank holds at most its own state twice over (the values read, and the
+    copy put back if loading fails) plus a parameter's worth of reading, so the peak falls as
+    1/N of the whole model; every rank ends with the saved values."""
+    from mpi4py import MPI
+
+    fleet.init(is_collective=True)
+    world = MPI.COMM_WORLD
+    directory = world.bcast(str(tmp_path_factory.mktemp("lazy")) if world.rank == 0 else None)
+    model, opt = lazy_stage_3(0)
+    x = np.random.default_rng(world.rank).standard_normal((4, 256))
+    for _ in range(2):
+        loss = (model(x) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    checkpoint.save(directory, model, opt, 2)
+    saved = model.state_dict()
+    resumed, again = lazy_stage_3(7)
+    parameters = list(resumed.parameters())
+    own = again.inner.shard_parameters.nbytes + again.inner.state_nbytes() + \
+        again.inner.shard_gradient.nbytes
+    largest = max(p.size for p in parameters) * 8
+    whole = sum(p.size for p in parameters) * 8
+    tracemalloc.start()
+    try:
+        checkpoint.load(directory, resumed, again)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    bound = 2 * own + 2 * largest + 2 ** 20
+    ok(peak <= bound, f"loading peaked at {peak} bytes, above twice this rank's state {own} "
+                      f"plus reading ({bound}); the whole model's parameters are {whole}")
+    for name, value in resumed.state_dict().items():
+        equal(value, saved[name], err_msg=name)
 
 
 def test_a_sharded_checkpoint_of_another_model_is_refused(tmp_path):

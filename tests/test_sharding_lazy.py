@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from fleetmpi.nn import initializer, lazy
 from comm_support import equal, ok
 from strategy_support import FEATURES, make_strategy

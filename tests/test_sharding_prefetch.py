@@ -2,14 +2,16 @@
 (``unit_size_MB``): prefetching changes no result bit for bit, in both idioms and with a tied
 weight, also when the guessed order is wrong; after the first step every gather but the step's
 first was started ahead; at most ``prefetch_depth`` units more than without prefetch are alive
-(tracemalloc); units join adjacent layers up to their size."""
+(tracemalloc); units join adjacent layers up to their size, by default a norm the layer beside
+it."""
 import tracemalloc
 
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 import fleetmpi.nn.functional as F
 from comm_support import equal, ok
 from strategy_support import global_batch, make_mlp, make_strategy, shard
@@ -175,8 +177,9 @@ def test_prefetch_keeps_at_most_depth_more_units_alive(depth):
 
 @pytest.mark.parametrize("unit_MB, layers_per_unit", [(0, 1), (0.2, 2), (100, 8)])
 def test_units_join_adjacent_layers_up_to_unit_size_mb(unit_MB, layers_per_unit):
-    """8 Linear layers of 96 x 96 float64 (about 0.07 MiB each with the bias): one a unit,
-    two within 0.2 MiB, all within 100 MiB; training is bit for bit the same."""
+    """8 Linear layers of 96 x 96 float64 (about 0.07 MiB each with the bias): one a unit
+    by default (each is the largest), two within 0.2 MiB, all within 100 MiB; training is
+    bit for bit the same."""
     def run(configs):
         fleet.init(is_collective=True)
         backend.manual_seed(0)
@@ -200,6 +203,48 @@ def test_units_join_adjacent_layers_up_to_unit_size_mb(unit_MB, layers_per_unit)
     expected = plain.state_dict()
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+class NormedNet(nn.Layer):
+    """4 Linear 64 x 64 layers, each followed by a LayerNorm (0.5% of its size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.LayerList([nn.Linear(64, 64, dtype="float64") for _ in range(4)])
+        self.norms = nn.LayerList([nn.LayerNorm(64, dtype="float64") for _ in range(4)])
+
+    def forward(self, x):
+        for block, norm in zip(self.blocks, self.norms):
+            x = norm(F.relu(block(x)))
+        return x
+
+
+@pytest.mark.mpi(min_size=2)
+def test_by_default_a_norm_joins_the_layer_beside_it():
+    """unit_size_MB 0: every LayerNorm joins a Linear, no unit is over the largest layer and
+    an eighth, and training is bit for bit that of one layer a unit."""
+    def run(configs):
+        fleet.init(is_collective=True)
+        rank, size = fleet.worker_index(), fleet.worker_num()
+        backend.manual_seed(0)
+        model = fleet.distributed_model(NormedNet())
+        opt = fleet.distributed_optimizer(adam(model.parameters()), sharding(**configs))
+        for step in range(2):
+            x = shard(np.random.default_rng(step).standard_normal((4 * size, 64)), rank, size)
+            (model(x) ** 2).mean().backward()
+            opt.step()
+            opt.clear_grad()
+        return model, opt.strategies["sharding"].gatherer
+    model, gatherer = run({})
+    layered, layer_gatherer = run({"unit_size_MB": 1e-6})
+    ok(len(layer_gatherer.units) == 8 and len(gatherer.units) == 4,
+       f"{len(gatherer.units)} units by default, {len(layer_gatherer.units)} one layer a unit")
+    largest = max(u.stop - u.start for u in layer_gatherer.units)
+    ok(all(u.stop - u.start <= largest * 9 / 8 for u in gatherer.units),
+       f"a unit over {largest * 9 / 8} elements")
+    expected = layered.state_dict()
+    for name, value in model.state_dict().items():
+        equal(value, expected[name], err_msg=name)
 
 
 @pytest.mark.parametrize("key, value, allowed", [("prefetch_depth", -1, r"\[0, inf\)"),

@@ -12,7 +12,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import autograd, backend, nn, optimizer
+from fleetmpi import autograd, nn, optimizer
+from fleetmpi.core import backend
 from comm_support import close, equal, ok, raises
 from strategy_support import global_batch, make_mlp, make_strategy, shard, train, world_gather
 from test_user_model import UserNet, train_user_model
@@ -26,6 +27,10 @@ OPTIMIZERS = {
 
 def sharding(stage, **configs):
     return make_strategy(sharding=True, sharding_configs=dict(configs, stage=stage))
+
+
+# unit_size_MB below any layer's size: one layer a unit, for the tests of when a unit is freed.
+LAYER_UNITS = {"unit_size_MB": 1e-6}
 
 
 def assert_models_close(model, reference, rtol=1e-10, atol=1e-12):
@@ -102,8 +107,8 @@ def test_stage_3_frees_what_operations_saved_of_a_layer_after_its_forward():
     sizes = (8, 32, 32, 32, 32, 4)
     backend.manual_seed(0)
     model = make_mlp(sizes=sizes)
-    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()), sharding(3),
-                                      local=True)
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()),
+                                      sharding(3, **LAYER_UNITS), local=True)
     gatherer = opt.strategies["sharding"].gatherer
     alive = []
     gathered = gatherer.gathered
@@ -135,13 +140,13 @@ def test_stage_3_frees_what_operations_saved_of_a_layer_after_its_forward():
 
 def test_stage_3_releases_a_unit_before_its_gradients_are_reduced():
     """In backward a layer's gathered values, and the views its operations saved, are freed
-    as soon as the last backward that needs them is over: none is alive when a gradient
-    becomes final, nor after backward."""
+    as soon as the last backward that needs them is over: with one layer a unit, none is
+    alive when a gradient becomes final, nor after backward."""
     fleet.init(is_collective=True)
     backend.manual_seed(0)
     model = fleet.distributed_model(make_mlp(sizes=(8, 32, 32, 32, 4)))
-    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()), sharding(3),
-                                      local=True)
+    opt = fleet.distributed_optimizer(OPTIMIZERS["momentum"](model.parameters()),
+                                      sharding(3, **LAYER_UNITS), local=True)
     gatherer, hook = opt.strategies["sharding"].gatherer, opt.strategies["sharding"]
     alive, at_gradients = [], []
     gathered, on_gradient = gatherer.gathered, hook.on_gradient
@@ -341,7 +346,7 @@ def test_at_stage_2_a_parameter_left_out_of_the_optimizer_keeps_its_own_gradient
 def test_a_checkpoint_inside_a_gradient_merge_window_keeps_the_merged_shard(stage, tmp_path):
     """From stage 2 the window's gradient lives in the shard: a checkpoint taken between two
     steps of a window carries it, and the resumed run ends as the uninterrupted one."""
-    from fleetmpi import checkpoint
+    from fleetmpi.training import checkpoint
     from strategy_support import momentum
 
     merge = {"gradient_merge": True, "gradient_merge_configs": {"k_steps": 2}}

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import pytest
 
-from fleetmpi import knobs
+from fleetmpi.core import knobs
 from fleetmpi.comm import stall, stall_report, watchdog
 from fleetmpi.launch.mpi_command import local_command
 

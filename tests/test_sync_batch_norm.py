@@ -8,7 +8,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer, to_tensor
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer, to_tensor
 from fleetmpi.comm import get_communicator
 from fleetmpi.nn.functional.norm import batch_statistics
 from strategy_support import CLASSES, FEATURES, GLOBAL_BATCH, global_batch, make_mlp, \

@@ -9,7 +9,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, to_tensor
+from fleetmpi.core import backend
+from fleetmpi import nn, to_tensor
 from fleetmpi.comm import get_communicator
 from comm_support import close, equal, host, raises
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import backend
+from fleetmpi.core import backend
 
 
 def test_cpu_gives_the_values_on_the_host_outside_the_graph():

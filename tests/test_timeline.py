@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi import knobs, timeline
+from fleetmpi.core import knobs, timeline
 from fleetmpi.launch.mpi_command import local_command
 
 from comm_support import ok
@@ -248,7 +248,7 @@ def test_merge_aligns_other_machines_by_wall_clock(tmp_path):
 
 
 def _merge_command(path):
-    return subprocess.run([sys.executable, "-m", "fleetmpi.timeline", "merge", str(path)],
+    return subprocess.run([sys.executable, "-m", "fleetmpi.core.timeline", "merge", str(path)],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -258,7 +258,7 @@ def test_merge_of_a_finished_or_damaged_timeline_says_why_in_one_line(tmp_path):
     done = _merge_command(finished)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        f"python -m fleetmpi.timeline merge: no part files {finished}.rank*.part to merge "
+        f"python -m fleetmpi.core.timeline merge: no part files {finished}.rank*.part to merge "
         "(the job finished: its timeline was written whole, with nothing left to merge)")
     damaged = tmp_path / "other.json.rank0.part"
     damaged.write_text("not a header\n")

@@ -273,7 +273,7 @@ def test_kernel_nodes_of_a_captured_graph_with_a_child_graph(part):
 
 def test_resident_peak_of_a_window():
     """In a fresh process: in this one, earlier tests leave freed memory in the heap
-    (fleetmpi.host_memory keeps it), from which the block could come without new pages."""
+    (fleetmpi.core.host_memory keeps it), from which the block could come without new pages."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("/proc/self/clear_refs cannot be written here")
     code = ("import numpy as np\n"

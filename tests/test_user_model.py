@@ -10,7 +10,8 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi.core import backend
+from fleetmpi import nn, optimizer
 from comm_support import close, equal, ok
 from strategy_support import (CLASSES, FEATURES, global_batch, make_strategy, shard, train_step,
                               world_gather)

@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import job, world
+from fleetmpi.core import job
+from fleetmpi import world
 from fleetmpi.comm.topology import Topology
 
 
@@ -54,7 +55,7 @@ def test_bad_local_size_override_is_named(monkeypatch, value):
 
 
 def test_log_lines_carry_rank_and_node():
-    code = ("import fleetmpi as f, fleetmpi.log as l; f.init(); "
+    code = ("import fleetmpi as f, fleetmpi.core.log as l; f.init(); "
             "l.logger.warning('hello from a rank')")
     env = dict(os.environ, FLEETMPI_LOG_LEVEL="INFO")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

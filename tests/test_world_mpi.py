@@ -8,7 +8,8 @@ import pytest
 from mpi4py import MPI
 
 import fleetmpi as fleet
-from fleetmpi import log, world
+from fleetmpi.core import log
+from fleetmpi import world
 from fleetmpi.comm.topology import Topology
 
 

@@ -103,7 +103,8 @@ def _gpu_name():
 
 def _train_ours(args, precision, deadline):
     import fleetmpi as fleet
-    from fleetmpi import backend, nn
+    from fleetmpi.core import backend
+    from fleetmpi import nn
 
     found = spec(args.model, args.device)
     baseline = memory.resident_bytes()
@@ -129,7 +130,7 @@ def _train_ours(args, precision, deadline):
 
 def run_ours(args):
     import fleetmpi as fleet
-    from fleetmpi import backend
+    from fleetmpi.core import backend
 
     fleet.init(is_collective=True)
 

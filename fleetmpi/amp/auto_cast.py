@@ -12,12 +12,12 @@ given.
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import autocast
 from ..nn import Layer
 from ..optimizer import Optimizer
 from ..parallel import DistributedOptimizer
-from ..strategies import amp as amp_strategy
+from fleetmpi.strategies import amp as amp_strategy
 
 LEVELS = ("O0", "O1", "O2")
 DTYPES = ("float16", "bfloat16")
@@ -58,9 +58,9 @@ def cast_policy(custom_white_list=None, custom_black_list=None, level="O1", dtyp
     O0)."""
     level = _level(level, "auto_cast")
     array_dtype = low_precision_dtype(dtype, "auto_cast")
-    lists = {"custom_white_list": _names(custom_white_list, "custom_white_list"),
-             "custom_black_list": _names(custom_black_list, "custom_black_list")}
-    white, black = amp_strategy.op_lists(lists, where="auto_cast ")
+    white, black = amp_strategy.op_lists(_names(custom_white_list, "custom_white_list"),
+                                         _names(custom_black_list, "custom_black_list"),
+                                         where="auto_cast ")
     if level == "O0":
         return None
     return amp_strategy.CastPolicy(white, black, array_dtype, pure=level == "O2")

@@ -25,16 +25,16 @@ the check runs inside its step, after the gradient reduction (``reduce_gradients
 ranks that share its steps (every rank of a hybrid layout), as the ``amp`` strategy's does;
 the non-finite check of its steps then leaves the overflow to the scaler.
 """
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor, autocast, cast
 from ..autograd.autocast import current_policy
-from ..log import logger
+from ..core.log import logger
 from ..optimizer import Optimizer, StepHook
 from ..parallel import DistributedOptimizer
-from ..proto import distributed_strategy_pb2 as schema
-from ..schema_view import coerce, default_of
-from ..strategies import amp_precision
-from ..strategies.loss_scaling import LossScaling, check_step
+from fleetmpi.proto import distributed_strategy_pb2 as schema
+from ..config.schema_view import coerce, default_of
+from fleetmpi.strategies import amp_precision
+from fleetmpi.strategies.loss_scaling import LossScaling, check_step
 
 _FIELDS = schema.AMPConfig.DESCRIPTOR.fields_by_name
 _KEYS = ("init_loss_scaling", "incr_ratio", "decr_ratio", "incr_every_n_steps",
@@ -155,7 +155,8 @@ class GradScaler:
             return
         precision = amp_precision.Precision(amp_precision.BFLOAT16,
                                             "O2" if policy.pure else "O1")
-        if not amp_precision.scales_loss(self._settings, precision):
+        if not amp_precision.scales_loss(self._settings["use_dynamic_loss_scaling"],
+                                         self._settings["init_loss_scaling"], precision):
             self._enable = False
             logger.warning("GradScaler: dynamic loss scaling is off under auto_cast in "
                            "bfloat16 (its exponent range is float32's), as in Paddle; "
@@ -330,7 +331,7 @@ def distributed_scaler(scaler):
     from .. import world
 
     if world.worker_num() > 1:
-        from ..comm import get_communicator
+        from fleetmpi.comm import get_communicator
 
         scaler._communicator = get_communicator()
     scaler.distributed = True

@@ -8,7 +8,7 @@ dtype the inputs came in (float32 master weights get float32 gradients).
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 _policy = None
 

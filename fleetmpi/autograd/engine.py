@@ -19,7 +19,7 @@ on a tensor goes through the step (its strategies' backward stages and gradient 
 """
 import heapq
 
-from .. import backend
+from ..core import backend
 from . import nan_inf
 
 _driver = None

@@ -24,7 +24,7 @@ import itertools
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from . import autocast as _autocast
 from . import grad_mode as _grad_mode
 from . import nan_inf as _nan_inf

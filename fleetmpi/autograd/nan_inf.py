@@ -14,7 +14,7 @@ device, and inside a CUDA graph capture the first check raises ``CaptureError``.
 """
 import numpy as np
 
-from .. import backend, capture_checks, paddle_flags
+from ..core import backend, capture_checks, paddle_flags
 
 enabled = paddle_flags.check_nan_inf()
 # The layers whose forward is running, outermost first, while ``enabled`` (``in_layer``).

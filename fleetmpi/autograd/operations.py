@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from .function import Cast, Function
 from .tensor import Tensor, as_array
 

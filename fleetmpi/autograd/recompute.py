@@ -13,7 +13,7 @@ where gradient reduction starts) only after the recomputation added to it, and i
 the recomputation finished them, which is the order of the run without recompute.
 
 The recomputation repeats the first run bit for bit: the same operations on the same inputs,
-the rank generator and the generators of the RNG state tracker (``fleetmpi.rng_tracker``)
+the rank generator and the generators of the RNG state tracker (``fleetmpi.core.rng_tracker``)
 replaying their draws (dropout masks), the autocast policy that was current
 at forward entered again (amp), and the layers' buffers (batch-norm running statistics) put
 back afterwards as the first run left them, so they move once per step. Gradients are those of
@@ -36,8 +36,8 @@ lowers.
 """
 import functools
 
-from .. import backend
-from ..rng_tracker import get_rng_state_tracker
+from ..core import backend
+from ..core.rng_tracker import get_rng_state_tracker
 from . import function as _function
 from . import grad_mode
 from .autocast import autocast, current_policy

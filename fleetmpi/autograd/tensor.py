@@ -14,8 +14,8 @@ values elsewhere (sharding stage 3) binds itself with ``Parameter.bind_keeper`` 
 """
 import numpy as np
 
-from .. import backend
-from ..capture_checks import check_host_read
+from ..core import backend
+from ..core.capture_checks import check_host_read
 from . import engine
 
 
@@ -80,7 +80,7 @@ class Tensor:
         return backend.to_numpy(self.data)
 
     # Each read of the values on the host is refused inside a CUDA graph capture
-    # (fleetmpi.capture_checks), a Python branch on a tensor (bool) among them.
+    # (fleetmpi.core.capture_checks), a Python branch on a tensor (bool) among them.
     def item(self):
         check_host_read("Tensor.item()")
         return self.data.item()

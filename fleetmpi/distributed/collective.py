@@ -7,7 +7,7 @@ the tensors of the list given; an empty list is filled with new tensors). A rank
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor
 from ..nn.functional import copy_to_model_parallel
 from .group import ReduceOp, reduce_op, resolve

@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import world
-from ..comm import Communicator, get_communicator
+from fleetmpi.comm import Communicator, get_communicator
 
 
 class ReduceOp:

@@ -2,8 +2,8 @@
 default and allowed values, rendered from the schema."""
 from google.protobuf.descriptor import FieldDescriptor
 
-from .. import schema_view
-from ..distributed_strategy import SHORTCUTS, DistributedStrategy
+from ..config import schema_view
+from ..config.distributed_strategy import SHORTCUTS, DistributedStrategy
 
 _TYPE_NAMES = {
     FieldDescriptor.TYPE_DOUBLE: "float", FieldDescriptor.TYPE_FLOAT: "float",

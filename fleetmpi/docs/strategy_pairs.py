@@ -2,7 +2,7 @@
 ``compose.CONFLICTS`` and ``compose.LIMITS``."""
 import itertools
 
-from ..strategies.compose import CONFLICTS, LIMITS, ORDER, SEARCHED
+from fleetmpi.strategies.compose import CONFLICTS, LIMITS, ORDER, SEARCHED
 
 
 def pair_table():

@@ -1,8 +1,8 @@
-"""The README's table of the ``FLEETMPI_*`` variables, rendered from ``fleetmpi.knobs.KNOBS``.
+"""The README's table of the ``FLEETMPI_*`` variables, rendered from ``fleetmpi.core.knobs.KNOBS``.
 
 The table sits between the two marker lines ``TABLE_START`` and ``TABLE_END``.
 """
-from ..knobs import AUTO_ALLOWABLE, KNOBS
+from ..core.knobs import AUTO_ALLOWABLE, KNOBS
 
 TABLE_START = "<!-- variables: python -m fleetmpi.docs regenerate -->"
 TABLE_END = "<!-- end of variables -->"

@@ -2,7 +2,7 @@
 backend's device, loaded in worker processes ahead of the loop when ``num_workers > 0``."""
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from .collate import default_collate_fn, to_tensors
 from .dataset import IterableDataset
 from .sampler import BatchSampler, fleet_world

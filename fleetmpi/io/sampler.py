@@ -90,7 +90,7 @@ class BatchSampler(Sampler):
 
 
 def fleet_world():
-    from .. import job
+    from ..core import job
 
     return (job.worker_num(), job.worker_index()) if job.joined() else (1, 0)
 

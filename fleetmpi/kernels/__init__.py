@@ -11,11 +11,11 @@ import numbers
 
 import numpy as np
 
-from .. import backend, capture_checks
+from ..core import backend, capture_checks
 from . import attention_reference, reference, transformer_reference
 from .loader import constant, instance_suffix, instances, launch
 
-ACT_CODES = {"relu": 0, "tanh": 1, "gelu": 2}
+ACT_CODES = {act: code for code, act in enumerate(reference.ACTIVATIONS)}
 # The optimizer updates' references are chains of elementwise passes over whole arrays. On the
 # host they run over blocks of this many elements instead, so each pass after the first finds
 # its block in cache: the same arithmetic, element by element, at a fraction of the memory
@@ -67,11 +67,11 @@ def bias_act_forward(z, bias, act):
         return reference.bias_act_forward(z, bias, act, xp)
     z = xp.ascontiguousarray(z)
     y = xp.empty_like(z)
-    pre = xp.empty_like(z) if act == "gelu" else y
+    pre = xp.empty_like(z) if act in reference.INPUT_ACTIVATIONS else y
     n, channels, inner = _layout(z)
     launch("bias_act.cu", "bias_act_forward", suffix, n,
            (z, bias, y, pre, n, channels, inner, np.int32(ACT_CODES[act])))
-    return y, (pre if act == "gelu" else None)
+    return y, (pre if act in reference.INPUT_ACTIVATIONS else None)
 
 
 def bias_act_backward(dy, y, pre, act):

@@ -1,5 +1,5 @@
 """Launch the kernels of the ``.cu`` files of this package (compiled once each by
-``fleetmpi.cuda_source``).
+``fleetmpi.core.cuda_source``).
 
 Every kernel is a grid-stride loop over ``n`` work items (elements, or rows). A file's
 ``DEFINE_*(types..., SUFFIX)`` lines instantiate its kernels once per combination of dtypes, as
@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 
-from ..cuda_source import raw_kernel
+from ..core.cuda_source import raw_kernel
 
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 4096

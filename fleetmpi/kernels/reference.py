@@ -10,7 +10,10 @@ import numbers
 
 import numpy as np
 
+# In the order of their codes in bias_act.cu and bn_act.cu.
 ACTIVATIONS = ("relu", "tanh", "gelu")
+# The activations whose backward needs their input (the others need only their output).
+INPUT_ACTIVATIONS = ("gelu",)
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_C = 0.044715
 
@@ -88,7 +91,7 @@ def bias_act_forward(z, bias, act, xp):
     ``(y, pre)``; ``pre`` is kept only for GELU, whose derivative needs it."""
     pre = z + per_channel(bias, z.ndim)
     y = activation_forward(pre, act, xp)
-    return y, (pre if act == "gelu" else None)
+    return y, (pre if act in INPUT_ACTIVATIONS else None)
 
 
 def bias_act_backward(dy, y, pre, act, xp):

@@ -7,7 +7,7 @@ from .flat import FlatBuffer, flatten
 from .gpt import gpt_pipeline
 from .layer import Layer, get_default_dtype, set_default_dtype
 from .basic_layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
-                     Softmax, Tanh)
+                           Softmax, Tanh)
 from .loss import CrossEntropyLoss, MSELoss
 from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
 from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm

@@ -1,7 +1,7 @@
 """Dense and elementwise layers: Linear, activations, Dropout, Flatten, Embedding."""
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor, as_array
 from . import functional as F
 from . import initializer

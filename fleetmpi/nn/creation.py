@@ -7,7 +7,7 @@ after ``paddle.seed``.
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor
 from .layer import Layer, _check_float_dtype, get_default_dtype
 from .param_attr import ParamAttr

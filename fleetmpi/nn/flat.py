@@ -8,7 +8,7 @@ the gradient buffer fill from its start while backward is still running.
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 
 class FlatBuffer:

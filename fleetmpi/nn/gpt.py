@@ -23,7 +23,7 @@ The logits are then this rank's part of the vocabulary (``parallel_output``, the
 loss is ``nn.ParallelCrossEntropy``) or gathered whole. Every part starts as the slice of the
 serial model's weight from the same seed. Dropout follows Paddle's rule: the attention
 probabilities (each rank's own heads) are dropped inside the RNG state tracker's
-``"model_parallel_rng"`` (``fleetmpi.rng_tracker``; ``fleet.init`` seeds it per model-parallel
+``"model_parallel_rng"`` (``fleetmpi.core.rng_tracker``; ``fleet.init`` seeds it per model-parallel
 rank), so each rank draws its own masks; the residual and embedding dropouts act on activations
 every rank of the group holds whole, and draw the same masks there from the rank generator,
 which the group shares.
@@ -32,9 +32,9 @@ import contextlib
 
 import math
 
-from .. import backend
+from ..core import backend
 from ..autograd import matmul
-from ..rng_tracker import get_rng_state_tracker
+from ..core.rng_tracker import get_rng_state_tracker
 from . import functional as F
 from . import initializer
 from .containers import LayerList, Sequential

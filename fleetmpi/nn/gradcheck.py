@@ -1,7 +1,7 @@
 """Finite-difference gradient checks of recorded operations (use float64)."""
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor, as_array, no_grad
 
 

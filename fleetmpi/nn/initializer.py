@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 # The most elements ``skip`` draws at once where it cannot jump (normal draws reject some
 # candidates, so their count is only known by drawing).

@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor, as_array, cast, nan_inf
 from . import initializer, lazy
 from .flat import flatten

@@ -24,7 +24,7 @@ import contextlib
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import as_array
 from .initializer import Initializer
 

@@ -16,7 +16,7 @@ The interface strategies use, besides a tensor's ``data``, ``grad``, ``name``, `
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor
 from .lazy import ABSENT, DeferredInit
 

@@ -41,11 +41,11 @@ holds parameters and its input needs a gradient.
 import functools
 import weakref
 
-from .. import backend, job
+from ..core import backend, job
 from ..autograd import Tensor
 from ..autograd.recompute import layer_parameters, layers_of, run_recomputed
-from ..comm import get_communicator, hybrid_topology
-from ..comm.hybrid_topology import HybridCommunicateGroup, rank_of
+from fleetmpi.comm import get_communicator, hybrid_topology
+from fleetmpi.comm.hybrid_topology import HybridCommunicateGroup, rank_of
 from .basic_layers import check_positive_int
 from .containers import LayerDict
 from .layer import Layer

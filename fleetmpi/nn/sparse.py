@@ -8,7 +8,7 @@ row each (Paddle's SelectedRows), which the worker pushes to the servers.
 """
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import Tensor
 
 

@@ -2,7 +2,7 @@
 shapes of their outputs and their parameter counts, from one forward pass."""
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import no_grad
 from ..autograd.tensor import Tensor
 from .containers import LayerDict, LayerList, Sequential

@@ -18,9 +18,9 @@ import dataclasses
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 from ..autograd import as_array
-from ..comm import hybrid_topology
+from fleetmpi.comm import hybrid_topology
 from . import functional as F
 from . import initializer
 from .functional.loss import _check_reduction

@@ -9,7 +9,7 @@ import numbers
 
 import numpy as np
 
-from .. import backend
+from ..core import backend
 
 
 def _squared_norm(grad):

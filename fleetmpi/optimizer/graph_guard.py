@@ -9,7 +9,7 @@ would go on with the old rate.
 """
 import weakref
 
-from .. import capture_checks
+from ..core import capture_checks
 from .lr import LRScheduler
 
 # optimizer -> (the graph that captured its update, the learning rate it captured)

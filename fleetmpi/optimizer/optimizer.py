@@ -38,7 +38,8 @@ import numbers
 
 import numpy as np
 
-from .. import backend, kernels
+from ..core import backend
+from .. import kernels
 from ..autograd import as_array
 from ..kernels import reference
 from . import graph_guard

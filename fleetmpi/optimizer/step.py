@@ -7,11 +7,11 @@ rest of the chain, and decides whether and how to call it. During backward every
 where a reducer can start on a bucket before backward has finished.
 
 Forward, backward and update (with every hook's part in them) are events of the timeline
-(``fleetmpi.timeline``, lane ``compute``), each with the step's index.
+(``fleetmpi.core.timeline``, lane ``compute``), each with the step's index.
 """
 import numpy as np
 
-from .. import backend, capture_checks, timeline
+from ..core import backend, capture_checks, timeline
 from ..autograd import as_array, run_backward
 
 
@@ -74,7 +74,7 @@ class StepHook:
 
     ``capture_refusal``: None, or why the hook's part of a step cannot be captured in a CUDA
     graph (it decides on the host from step to step); a step run inside a capture with such a
-    hook raises ``CaptureError`` with the reason (``fleetmpi.capture_checks``)."""
+    hook raises ``CaptureError`` with the reason (``fleetmpi.core.capture_checks``)."""
 
     capture_refusal = None
 

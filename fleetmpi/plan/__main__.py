@@ -23,7 +23,7 @@ and memory per rank of ``--layout``, and every layout of ``--ranks`` ranks ranke
 import argparse
 import sys
 
-from ..distributed_strategy import DistributedStrategy
+from ..config.distributed_strategy import DistributedStrategy
 from .buckets import gradient_buckets, model_from_spec
 from .links import LOCAL, PRESETS, Link, preset
 from .predict import ALGORITHMS, GPU, OVERLAPS, Cluster, Workload, powers_of_two, scaling

@@ -10,9 +10,9 @@ returns each bucket's bytes in buffer order, which is the order backward complet
 import dataclasses
 
 from .. import nn
-from ..distributed_strategy import DistributedStrategy
+from ..config.distributed_strategy import DistributedStrategy
 from ..optimizer import SGD
-from ..strategies.gradient_allreduce import fusion_limits, plan_gradient_buckets
+from fleetmpi.strategies.gradient_allreduce import fusion_limits, plan_gradient_buckets
 
 
 @dataclasses.dataclass(frozen=True)

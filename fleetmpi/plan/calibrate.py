@@ -127,8 +127,8 @@ def _arithmetic():
     float32, and per element of dgc's selection and scatter-add, on this rank. The casts are
     timed on values of gradient size (``GRADIENT_SCALE``): NumPy's float16 conversion is much
     slower for values that float16 holds only as subnormals (below 6.1e-5)."""
-    from ..comm.ring import DEFAULT_CHUNK_BYTES
-    from ..strategies.dgc import top_k
+    from fleetmpi.comm.ring import DEFAULT_CHUNK_BYTES
+    from fleetmpi.strategies.dgc import top_k
 
     n = DEFAULT_CHUNK_BYTES // 4
     rng = np.random.default_rng(0)
@@ -182,7 +182,7 @@ def main():
     import fleetmpi as fleet
     from mpi4py import MPI
 
-    from ..comm import get_communicator
+    from fleetmpi.comm import get_communicator
 
     fleet.init(is_collective=True)
     comm = get_communicator()

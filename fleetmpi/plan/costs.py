@@ -28,8 +28,8 @@ so each node boundary is crossed by one flow each way): its ``Link`` is the inte
 """
 import math
 
-from ..comm.ring import DEFAULT_CHUNK_BYTES
-from ..comm.shm import CHUNK_BYTES as SHM_CHUNK_BYTES
+from fleetmpi.comm.ring import DEFAULT_CHUNK_BYTES
+from fleetmpi.comm.shm import CHUNK_BYTES as SHM_CHUNK_BYTES
 
 FLOAT32_BYTES = 4
 FLOAT16_BYTES = 2

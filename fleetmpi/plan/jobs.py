@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
-from .. import knobs
-from ..launch.mpi_command import local_command
+from ..core import knobs
+from fleetmpi.launch.mpi_command import local_command
 
 RESULT = "PLAN-RESULT "
 

@@ -51,7 +51,8 @@ def main():
     args = parser.parse_args()
 
     import fleetmpi as fleet
-    from fleetmpi import backend, nn, optimizer
+    from fleetmpi.core import backend
+    from fleetmpi import nn, optimizer
     from mpi4py import MPI
 
     from .buckets import model_from_spec

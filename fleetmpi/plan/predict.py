@@ -31,9 +31,9 @@ import numbers
 
 import numpy as np
 
-from ..comm.algorithm_choice import TIMED, choose
-from ..comm.topology import topology_of
-from ..strategies.dgc import INDEX_DTYPE, keep_count
+from fleetmpi.comm.algorithm_choice import TIMED, choose
+from fleetmpi.comm.topology import topology_of
+from fleetmpi.strategies.dgc import INDEX_DTYPE, keep_count
 from . import costs
 from .buckets import Buckets
 from .links import Link

@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from ... import backend
-from ...autograd.recompute import held_activation_bytes
-from ...optimizer import StepContext, StepHook, run_step
+from fleetmpi.core import backend
+from fleetmpi.autograd.recompute import held_activation_bytes
+from fleetmpi.optimizer import StepContext, StepHook, run_step
 
 
 class TrainingState:

@@ -29,15 +29,17 @@ import math
 import os
 import statistics
 
-from ... import backend, nn
-from ...comm import megabytes
-from ...distributed_strategy import DistributedStrategy
-from ...proto import distributed_strategy_pb2 as schema
-from ..applied import changed
+from fleetmpi.core import backend
+from fleetmpi import nn
+from fleetmpi.comm import megabytes
+from fleetmpi.config.distributed_strategy import DistributedStrategy
+from fleetmpi.proto import distributed_strategy_pb2 as schema
+from fleetmpi.strategies.applied import changed
 from .measure import (Agreement, Clock, StepTimer, TrainingState, measure_forward,
-                               time_allreduce)
-from ..compose import build_strategies, check_combination, enabled_strategies, strategy_class
-from ..gradient_allreduce import layer_of, plan_gradient_buckets
+                      time_allreduce)
+from fleetmpi.strategies.compose import (build_strategies, check_combination, enabled_strategies,
+                                         strategy_class)
+from fleetmpi.strategies.gradient_allreduce import layer_of, plan_gradient_buckets
 
 MARGIN = 0.03
 MIN_SAMPLES = 2

@@ -16,10 +16,10 @@ environment variable (the argument wins):
   above it auto enables recompute. Default: the device's free memory on a GPU, and on CPU half
   the available host memory shared by the ranks of the node.
 
-The variables, their defaults and parsers are ``fleetmpi.knobs``' (``AUTO_SECONDS``,
+The variables, their defaults and parsers are ``fleetmpi.core.knobs``' (``AUTO_SECONDS``,
 ``AUTO_ALLOW``, ``AUTO_MEMORY_MB``); an argument is checked by the same parser.
 """
-from ... import knobs
+from fleetmpi.core import knobs
 
 
 class AutoKnobs:

@@ -7,8 +7,9 @@
 with their reasons (``fleetmpi.strategies.applied.parameter_server_not_applied``) and warned
 once.
 """
-from ...schema_view import ConfigError
-from ..compose import ORDER
+from fleetmpi.config.schema_view import ConfigError
+from fleetmpi.strategies.compose import ORDER
+from fleetmpi.strategies.configs import AsyncConfig
 
 SYNC, ASYNC, GEO = "sync", "async", "geo"
 
@@ -21,7 +22,7 @@ def training_mode(strategy):
     if on:
         raise ConfigError(f"parameter-server mode cannot run the collective strategies "
                           f"{on}; switch them off or use fleet.init(is_collective=True)")
-    k_steps = strategy.a_sync_configs["k_steps"]
+    k_steps = AsyncConfig.of(strategy).k_steps
     if not strategy.a_sync:
         if k_steps > 0:
             raise ConfigError(f"a_sync_configs k_steps={k_steps} selects GEO training, which "

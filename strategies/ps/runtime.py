@@ -9,9 +9,9 @@ message can match a collective's or the script's own), and the workers' communic
 calls ``fleet.distributed_model(model)`` and ``fleet.distributed_optimizer(...)``; servers call
 ``init_server()`` and ``run_server()``, workers ``init_worker()``, train, and ``stop_worker()``.
 """
-from ... import job
-from ...log import logger
-from ...role_maker import ModeError
+from fleetmpi.core import job
+from fleetmpi.core.log import logger
+from fleetmpi.config.role_maker import ModeError
 
 _comm = None
 _workers = None

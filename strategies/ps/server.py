@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from ...knobs import PS_TIMEOUT
-from ...log import logger
+from fleetmpi.core.knobs import PS_TIMEOUT
+from fleetmpi.core.log import logger
 from . import wire
 from .mode import SYNC
 

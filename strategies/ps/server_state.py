@@ -8,9 +8,9 @@ to those rows and to their slice of the optimizer state.
 """
 import numpy as np
 
-from ... import backend
-from ...nn import Parameter
-from ...nn.flat import flatten
+from fleetmpi.core import backend
+from fleetmpi.nn import Parameter
+from fleetmpi.nn.flat import flatten
 from .blocks import local_rows, plan_blocks, server_blocks, shard_rows
 
 SPARSE_INIT_STREAM = 7

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from ... import files
+from fleetmpi.core import files
 
 
 def shard_path(dirname, server, server_num):

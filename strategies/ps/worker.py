@@ -17,9 +17,10 @@ import time
 
 import numpy as np
 
-from ... import backend, failure
-from ...optimizer import Optimizer, StepContext, StepHook, run_step
-from ...optimizer.step import finish_step, minimize_loss
+from fleetmpi.core import backend, failure
+from fleetmpi.optimizer import Optimizer, StepContext, StepHook, run_step
+from fleetmpi.optimizer.step import finish_step, minimize_loss
+from fleetmpi.strategies.configs import AsyncConfig
 from . import wire
 from .blocks import plan_blocks, split_by_owner
 from .mode import GEO, SYNC, training_mode
@@ -295,7 +296,7 @@ class ParameterServerOptimizer:
         self.inner = optimizer
         self.strategy = strategy
         self.mode = training_mode(strategy)
-        self.k_steps = strategy.a_sync_configs["k_steps"]
+        self.k_steps = AsyncConfig.of(strategy).k_steps
         self._client_of = client_of
         self._tables_of = tables_of
         self.step_count = 0

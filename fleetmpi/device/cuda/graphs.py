@@ -18,7 +18,7 @@ capture is memory the graph's replays still use, and in CuPy's default pool eage
 be handed that memory and overwritten by the next replay. Graphs made with one ``pool_id``
 share one pool, as in Paddle, and must then be replayed in the order they were captured.
 
-Inside a capture, what a graph cannot hold is refused by ``fleetmpi.capture_checks`` with a
+Inside a capture, what a graph cannot hold is refused by ``fleetmpi.core.capture_checks`` with a
 ``CaptureError`` naming it; ``fleetmpi.graphed_step`` captures a whole training step.
 
 One difference from Paddle: ``mode`` (the CUDA stream capture mode) defaults to
@@ -31,7 +31,7 @@ import itertools
 import os
 import weakref
 
-from ... import backend, capture_checks
+from ...core import backend, capture_checks
 
 MODES = ("global", "thread_local", "relaxed")
 _CUPY_MODES = {"global": "streamCaptureModeGlobal", "thread_local": "streamCaptureModeThreadLocal",

@@ -1,7 +1,7 @@
 """``HostGraph``: what stands in for a CUDA graph of a step where the arrays are NumPy's.
 
 On the host nothing records kernel launches, so the stand-in records the step itself: capture
-runs it once under the capture checks (``fleetmpi.capture_checks``, as a CUDA graph's capture
+runs it once under the capture checks (``fleetmpi.core.capture_checks``, as a CUDA graph's capture
 does) and keeps it; replay runs it again under the same checks and writes the arrays it
 returns into those the capture returned, which stay the static outputs, as a graph's do.
 Whatever a GPU capture refuses is refused here too, at capture and at every replay; a replay
@@ -9,7 +9,7 @@ that returns other arrays than the capture did took another path through the ste
 which a CUDA graph would not have followed, and is refused. What only the device shows (the
 kernels replay bit for bit, the graph's pool keeps its memory) the GPU tests prove.
 """
-from ... import capture_checks
+from ...core import capture_checks
 
 
 def _layout(arrays):

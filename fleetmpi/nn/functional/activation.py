@@ -1,5 +1,5 @@
 """Activations and softmax."""
-from ... import backend
+from ...core import backend
 from ...autograd import Function
 from ...autograd.operations import Tanh
 from ...kernels import reference
@@ -12,7 +12,7 @@ class Activation(Function):
 
     def forward(self, x):
         xp = backend.array_module()
-        self.x = x if self.act == "gelu" else None
+        self.x = x if self.act in reference.INPUT_ACTIVATIONS else None
         self.y = reference.activation_forward(x, self.act, xp)
         return self.y
 

@@ -21,7 +21,8 @@ import math
 
 import numpy as np
 
-from ... import backend, kernels
+from ...core import backend
+from ... import kernels
 from ...autograd import Function, Tensor
 from ...autograd.autocast import input_dtype
 from . import cudnn, cudnn_attention, kernel_attention

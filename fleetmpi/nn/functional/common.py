@@ -1,6 +1,7 @@
 """Linear (plain and with a fused bias+activation), dropout (plain and fused with a residual
 add) and embedding."""
-from ... import backend, kernels
+from ...core import backend
+from ... import kernels
 from ...autograd import Function, Tensor
 from ...autograd.operations import matmul_arrays
 from ...kernels import transformer_reference

@@ -11,7 +11,8 @@ padding needs no columns: the input (strided, for stride 2) is its own column ma
 """
 import numpy as np
 
-from ... import backend, kernels
+from ...core import backend
+from ... import kernels
 from ...autograd import Function
 from ...autograd.operations import matmul_arrays
 from . import cudnn, cudnn_ops

@@ -36,9 +36,9 @@ from typing import Optional
 
 import numpy as np
 
-from ... import backend, job
+from ...core import backend, job
 from ...autograd.autocast import input_dtype
-from ...log import logger
+from ...core.log import logger
 
 FRONTEND_MODULE = "cudnn"
 FRONTEND_DISTRIBUTION = "nvidia-cudnn-frontend"

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ... import backend
+from ...core import backend
 from ...autograd import Function
 from . import cudnn
 from .cudnn import declare, mark_output as output

@@ -10,7 +10,8 @@ no pooling operation.
 """
 import numpy as np
 
-from ... import backend, kernels
+from ...core import backend
+from ... import kernels
 from ...autograd import Function
 from ...kernels import reference
 from . import cudnn

@@ -1,7 +1,8 @@
 """Losses: softmax cross entropy and mean squared error."""
 import numpy as np
 
-from ... import backend, kernels
+from ...core import backend
+from ... import kernels
 from ...autograd import Function, Tensor
 from ...autograd.autocast import autocast, input_dtype
 

@@ -3,7 +3,8 @@ communicator, over the global batch of all ranks: ``sync_batch_norm``) and layer
 normalization over the trailing axes."""
 import numpy as np
 
-from ... import backend, kernels
+from ...core import backend
+from ... import kernels
 from ...autograd import Function
 from ...kernels import reference
 from . import cudnn, cudnn_ops

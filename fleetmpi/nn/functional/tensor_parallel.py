@@ -16,7 +16,7 @@ operation                       forward                     backward
 ``group`` is the model-parallel ``Communicator``; None (a group of one rank) makes every
 operation the identity, so a tensor-parallel model of one rank is the serial model.
 """
-from ... import backend
+from ...core import backend
 from ...autograd import Function, Tensor
 from .loss import _check_not_empty, _check_reduction
 

@@ -19,10 +19,10 @@ import sys
 
 current = None
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The modules whose reads are routed here: the place worth naming is the code that called them.
-_READERS = frozenset(os.path.join(_HERE, *name) for name in (
-    ("capture_checks.py",), ("backend.py",), ("autograd", "tensor.py")))
+_READERS = frozenset(os.path.join(_PACKAGE, *name) for name in (
+    ("core", "capture_checks.py"), ("core", "backend.py"), ("autograd", "tensor.py")))
 
 
 class CaptureError(RuntimeError):

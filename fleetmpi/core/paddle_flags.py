@@ -8,7 +8,7 @@ variable on to the ranks, as Paddle's launcher does:
   field its value where the strategy does not set the field itself (a field the script set
   wins, as Paddle's strategy sets these flags);
 * ``FLAGS_fraction_of_gpu_memory_to_use`` limits CuPy's memory pool to that fraction of the
-  device's memory (``fleetmpi.backend``);
+  device's memory (``fleetmpi.core.backend``);
 * ``FLAGS_check_nan_inf`` (``1``) checks the outputs of every operation, forward and backward,
   and names the first operator and layer that gave an inf or NaN (``fleetmpi.autograd.nan_inf``);
 * ``FLAGS_selected_gpus`` is what ``fleetmpirun --gpus`` sets beside ``CUDA_VISIBLE_DEVICES``,

@@ -9,7 +9,7 @@ left alone), since oversubscribed BLAS threads make every rank many times slower
 Randomness comes in two kinds. Initial weights must be the same on every rank, so they are drawn
 on the host from ``shared_rng`` (seeded by the seed alone; the same on CPU and GPU). Dropout masks
 must differ between ranks, so they come from ``rank_rng`` (seeded by the seed and the rank's
-model-parallel group; ``fleetmpi.rng_tracker`` holds the generators of split activations). Data
+model-parallel group; ``fleetmpi.core.rng_tracker`` holds the generators of split activations). Data
 order is split between ranks by the sampler from one shared permutation per epoch.
 """
 import contextlib
@@ -187,7 +187,7 @@ def shared_rng_of(key):
 def set_model_parallel_degree(degree):
     """Make the ranks of each model-parallel group (``degree`` neighbouring ranks, the layout's
     innermost axis) share one rank generator, so that they drop an activation they all hold
-    alike; ``fleetmpi.rng_tracker`` gives them generators of their own for split activations.
+    alike; ``fleetmpi.core.rng_tracker`` gives them generators of their own for split activations.
     The hybrid layout sets it (1 without one)."""
     global _model_parallel_degree, _rank_rng
     if degree != _model_parallel_degree:

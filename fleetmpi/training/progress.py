@@ -28,7 +28,7 @@ import math
 import sys
 import time
 
-from .knobs import PROGRESS
+from ..core.knobs import PROGRESS
 
 
 def format_duration(seconds):
@@ -41,7 +41,7 @@ def format_duration(seconds):
 
 
 def _this_rank():
-    from . import job
+    from ..core import job
 
     return job.topology().rank if job.joined() else 0
 

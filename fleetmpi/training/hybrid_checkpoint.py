@@ -6,7 +6,7 @@ split_index`` says where each rank's part lies) into the whole tensor, so every 
 holds the same serial state under the serial model's names. ``load`` takes the part this
 rank's layout gives it from those whole tensors, so a checkpoint of mp_degree 2 loads into
 mp_degree 1, 4 or 2 alike, and into a serial model. The files, manifest, digests and atomic
-replacement are ``fleetmpi.checkpoint``'s.
+replacement are ``fleetmpi.training.checkpoint``'s.
 
 The optimizer's state moves the same way, parameter by parameter (each split parameter's
 state gathered whole, and cut to the loading layout's part), so training goes on at another
@@ -17,8 +17,9 @@ refused: load with ``optimizer=None`` to start the optimizer afresh). Strategies
 """
 import numpy as np
 
-from . import backend, checkpoint
-from .nn.tensor_parallel import TensorParallelLayer
+from ..core import backend
+from . import checkpoint
+from ..nn.tensor_parallel import TensorParallelLayer
 
 DEGREE_KEY = "tensor_parallel.mp_degree"
 
@@ -75,7 +76,7 @@ _PARAMETER_STATE = "parameter."
 
 
 class _SerialView:
-    """What ``fleetmpi.checkpoint`` sees of a tensor-parallel model: the serial state, with
+    """What ``fleetmpi.training.checkpoint`` sees of a tensor-parallel model: the serial state, with
     the model-parallel degree that wrote it; loading cuts it to this rank's parts."""
 
     saves_whole = True
@@ -118,7 +119,7 @@ def _sharded(optimizer):
 
 
 class _SerialOptimizer:
-    """What ``fleetmpi.checkpoint`` sees of an optimizer over a tensor-parallel model: its
+    """What ``fleetmpi.training.checkpoint`` sees of an optimizer over a tensor-parallel model: its
     state per parameter of the serial model (``parameter.<state>.<name>``, split parameters'
     gathered whole) besides its step counters and strategies' state."""
 
@@ -168,7 +169,8 @@ class _SerialOptimizer:
 
 
 def save(directory, model, optimizer, step, extra=None):
-    """``fleetmpi.checkpoint.save`` with the model's parameters, and an unsharded optimizer's
+    """``fleetmpi.training.checkpoint.save`` with the model's parameters, and an unsharded
+    optimizer's
     state, stored as the serial model's (module docstring); every rank must call it."""
     return checkpoint.save(directory, _SerialView(model, optimizer), _portable(optimizer, model),
                            step, extra)
@@ -179,7 +181,8 @@ def load(directory, model, optimizer=None):
     degree unless sharded) from a checkpoint ``save`` wrote. Every rank's file holds the
     whole model, and the whole state of every parameter its optimizer updates, so a job of
     another size loads it too (rank ``r`` reads file ``r % saved``) unless the optimizer is
-    sharded or holds one pipeline stage (``fleetmpi.checkpoint.load``'s rules then apply)."""
+    sharded or holds one pipeline stage (``fleetmpi.training.checkpoint.load``'s rules then
+    apply)."""
     if optimizer is not None and _sharded(optimizer):
         saved = checkpoint.saved_model_value(directory, DEGREE_KEY)
         _check_sharded_degree(1 if saved is None else int(saved), _degree(model))

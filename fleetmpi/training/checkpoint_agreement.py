@@ -37,7 +37,7 @@ def _reason(error, path):
 
 def _gather_texts(comm, kind, text):
     """``(kinds, texts)``: every rank's error kind (-1: none) and text, in rank order."""
-    from .comm.stall import gather_rows
+    from fleetmpi.comm.stall import gather_rows
 
     data = text.encode(errors="backslashreplace")  # a file name may hold undecodable bytes
     heads = gather_rows(comm, np.array([kind, len(data)], dtype=np.int64), COLLECTIVE)
@@ -52,7 +52,7 @@ def _gather_texts(comm, kind, text):
 
 
 def _message(directory, texts):
-    from .comm.stall_report import ranks_text
+    from fleetmpi.comm.stall_report import ranks_text
 
     by_reason = {}
     for rank, text in enumerate(texts):

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from . import backend
+from ..core import backend
 
 
 def _check_int(name, value, low):
@@ -20,7 +20,7 @@ def _check_int(name, value, low):
 
 
 def _world():
-    from . import job
+    from ..core import job
 
     return (job.worker_num(), job.worker_index()) if job.joined() else (1, 0)
 

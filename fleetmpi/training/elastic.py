@@ -1,18 +1,19 @@
 """Elastic training: resume after ``fleetmpirun --elastic`` restarted a failed job.
 
-    state = fleetmpi.elastic.State("ckpt", model, opt, commit_every=10)
+    state = fleetmpi.training.elastic.State("ckpt", model, opt, commit_every=10)
     for step in range(state.restore(), total_steps):
         train_one_step(step)
         state.commit(step + 1)
 
-``restore()`` loads the latest complete checkpoint in the folder (``fleetmpi.checkpoint``, so
+``restore()`` loads the latest complete checkpoint in the folder (``fleetmpi.training.checkpoint``,
+so
 a crash in the middle of a save leaves the previous one) and returns the number of steps it
 holds, 0 when there is none. ``commit(step)`` saves every ``commit_every`` steps; every rank
 calls both. A restart may run with fewer ranks than the checkpoint was written by: the model
 and optimizer state are the same on every rank of a data-parallel job, so rank ``r`` takes
 them from saved rank ``r % saved size`` (``checkpoint.load(..., replicated=True)``), and a
 sharded optimizer's state is re-sharded. With a fixed global batch and
-``fleetmpi.data.DistributedSampler`` (whose order does not depend on the number of ranks),
+``fleetmpi.training.data.DistributedSampler`` (whose order does not depend on the number of ranks),
 the resumed job trains on the same samples as an uninterrupted one.
 
 The launcher tells each rank two things through the variables below, both set only under
@@ -23,7 +24,7 @@ failure lost.
 import os
 
 from . import checkpoint
-from .knobs import ELASTIC_PROGRESS, RESTART_COUNT
+from ..core.knobs import ELASTIC_PROGRESS, RESTART_COUNT
 
 # Width of the record, rewritten in place at every commit (spaces pad a shorter one).
 _RECORD_BYTES = 48
@@ -36,7 +37,7 @@ def restart_count(environ=os.environ):
 
 
 def _rank():
-    from . import job
+    from ..core import job
 
     return job.worker_index() if job.joined() else 0
 

@@ -8,7 +8,7 @@ keys: a model's ``state_dict()`` keeps Paddle's names, ``Linear`` weights in Pad
 ``state_dict()``: its ``step_count`` and schedule); nested dicts of tensors are stored with
 their keys joined by ``/``. Everything that is not a tensor travels as JSON in the file's
 metadata, under ``fleetmpi.values``. The file is written beside its name and renamed into
-place (``fleetmpi.files``): never through a symbolic link, never half written.
+place (``fleetmpi.core.files``): never through a symbolic link, never half written.
 """
 import json
 import numbers
@@ -16,8 +16,8 @@ import os
 
 import numpy as np
 
-from . import files
-from .autograd.tensor import Tensor, to_tensor
+from ..core import files
+from ..autograd.tensor import Tensor, to_tensor
 
 SEPARATOR = "/"
 VALUES_KEY = "fleetmpi.values"

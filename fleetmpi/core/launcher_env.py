@@ -1,7 +1,7 @@
 """The environment variables each launcher sets to describe a rank: the one table of their names.
 
 Three readers use it: ``launch/rank_main.py`` takes a rank's place from one launcher's rank, size
-and local rank together (before MPI starts), ``fleetmpi.backend`` counts the ranks on a node
+and local rank together (before MPI starts), ``fleetmpi.core.backend`` counts the ranks on a node
 before ``fleet.init`` (to share the node's cores between their BLAS threads) and takes the local
 rank there (to drive the rank's own GPU when the backend is chosen before ``fleet.init``), and
 ``fleetmpi.launcher_check`` checks every family against what MPI says.
@@ -42,7 +42,9 @@ PADDLE = Family("Paddle", ("PADDLE_TRAINERS_NUM",), "PADDLE_TRAINER_ID")
 # The launchers that start MPI ranks, in the order a rank's place is looked for in them.
 MPI_LAUNCHERS = (HYDRA, OPEN_MPI, SLURM)
 FAMILIES = MPI_LAUNCHERS + (PADDLE,)
-# The number of ranks on this node, as each MPI launcher says it, in the order they are read.
-RANKS_ON_NODE = tuple(family.local_size or family.tasks_per_node for family in MPI_LAUNCHERS)
+# The number of ranks on this node, as each MPI launcher that says it does, in the order they
+# are read (a launcher may set neither a local size nor tasks per node).
+RANKS_ON_NODE = tuple(family.local_size or family.tasks_per_node for family in MPI_LAUNCHERS
+                      if family.local_size or family.tasks_per_node)
 # This rank's index on its node, as each MPI launcher says it, in the order they are read.
 LOCAL_RANKS = tuple(family.local_rank for family in MPI_LAUNCHERS)

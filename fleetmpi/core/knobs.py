@@ -237,7 +237,7 @@ TIMELINE = Knob(
     "sets it).")
 PROGRESS = Knob(
     "FLEETMPI_PROGRESS", "auto", names(*PROGRESS_MODES), "`auto`, `bar`, `lines`, `off`",
-    "Rank 0's training progress (`fleetmpi.progress.ProgressBar`, whose `mode` argument "
+    "Rank 0's training progress (`fleetmpi.training.progress.ProgressBar`, whose `mode` argument "
     "wins): `auto` draws a bar on a terminal and writes lines elsewhere.")
 PS_TIMEOUT = Knob(
     "FLEETMPI_PS_TIMEOUT", DEFAULT_PS_TIMEOUT, seconds(DEFAULT_PS_TIMEOUT), "seconds",

@@ -21,7 +21,8 @@ the part files to rank 0 in chunks of ``CHUNK_BYTES``. Memory stays bounded howe
 the disk holds the trace (about 120 bytes per event). ``flush()`` removes the part files.
 
 A job that dies keeps its part files: everything up to the last second before the failure.
-``python -m fleetmpi.timeline merge path.json`` merges the part files found beside ``path.json``
+``python -m fleetmpi.core.timeline merge path.json`` merges the part files found beside
+``path.json``
 into it (on several machines, copy the part files to one directory first). ``flush()`` itself
 never hangs: if not every rank reaches it within ``timeout`` seconds it keeps the part files and
 says so in the log.
@@ -429,7 +430,7 @@ def flush(timeout=FLUSH_TIMEOUT):
 
     if MPI.Is_finalized():
         logger.warning("timeline: MPI was finalized before the timeline was written; the part "
-                       "files %s stay for 'python -m fleetmpi.timeline merge'",
+                       "files %s stay for 'python -m fleetmpi.core.timeline merge'",
                        part_path(recorder.path, "*"))
         recorder.close()
         return None
@@ -437,7 +438,7 @@ def flush(timeout=FLUSH_TIMEOUT):
     arrived = MPI.COMM_WORLD.Ibarrier()
     if not _wait(arrived, timeout):
         logger.warning("timeline: not every rank called flush() within %.0f s; the part files "
-                       "%s stay for 'python -m fleetmpi.timeline merge %s'", timeout,
+                       "%s stay for 'python -m fleetmpi.core.timeline merge %s'", timeout,
                        part_path(recorder.path, "*"), recorder.path)
         return None
     comm = MPI.COMM_WORLD.Dup()
@@ -491,7 +492,7 @@ def merge(path):
 def main(argv=None):
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m fleetmpi.timeline",
+    parser = argparse.ArgumentParser(prog="python -m fleetmpi.core.timeline",
                                      description="Merge the per-rank part files of a timeline "
                                                  "whose job ended before writing it.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -503,9 +504,9 @@ def main(argv=None):
     except FileNotFoundError as error:
         finished = (" (the job finished: its timeline was written whole, with nothing left to "
                     "merge)" if os.path.isfile(args.path) else "")
-        parser.exit(1, f"python -m fleetmpi.timeline merge: {error}{finished}\n")
+        parser.exit(1, f"python -m fleetmpi.core.timeline merge: {error}{finished}\n")
     except ValueError as error:  # a part file that cannot be read
-        parser.exit(1, f"python -m fleetmpi.timeline merge: {error}\n")
+        parser.exit(1, f"python -m fleetmpi.core.timeline merge: {error}\n")
 
 
 atexit.register(_flush_at_exit)

@@ -11,7 +11,7 @@ from google.protobuf import text_format
 
 from . import paddle_values, prototxt, schema_view
 from .paddle_fields import PADDLE_ONLY
-from .proto import distributed_strategy_pb2 as schema
+from fleetmpi.proto import distributed_strategy_pb2 as schema
 
 
 class _MessageObject:
@@ -188,7 +188,7 @@ class DistributedStrategy(_MessageObject):
     ``strategy.build_strategy`` and ``strategy.execution_strategy`` are live objects, and
     can be assigned a ``BuildStrategy``/``ExecutionStrategy`` or a dict of their fields.
     Paddle 2.1-2.4's fields that fleetmpi lacks (``fuse_grad_size_in_num``,
-    ``pipeline_configs["p2p_cache_shape"]``, ...: ``fleetmpi.paddle_fields``) are kept as a
+    ``pipeline_configs["p2p_cache_shape"]``, ...: ``fleetmpi.config.paddle_fields``) are kept as a
     loaded file's are, and reported as not applied with the reason.
     """
 
@@ -232,18 +232,20 @@ class DistributedStrategy(_MessageObject):
             self.nccl_comm_num = value._nccl_comm_num
 
     def _keep(self, texts):
-        """Keep Paddle-only fields, ``{dotted path: [text]}`` (``fleetmpi.paddle_values``)."""
+        """Keep Paddle-only fields, ``{dotted path: [text]}``
+        (``fleetmpi.config.paddle_values``)."""
         object.__setattr__(self, "_paddle_only",
                            types.MappingProxyType(dict(self._paddle_only, **texts)))
 
     # Fields of Paddle's message that fleetmpi does not have, as a loaded file held them
-    # (``fleetmpi.prototxt``) or the script set them (``fleetmpi.paddle_values``); written back
+    # (``fleetmpi.config.prototxt``) or the script set them (``fleetmpi.config.paddle_values``);
+    # written back
     # by save_to_prototxt.
     _paddle_only = types.MappingProxyType({})
 
     def paddle_only_fields(self):
         """``{dotted path: [text]}`` of the fields of Paddle's message, absent from fleetmpi's,
-        that the loaded file set (``fleetmpi.paddle_fields``); they change nothing here."""
+        that the loaded file set (``fleetmpi.config.paddle_fields``); they change nothing here."""
         return {path: list(texts) for path, texts in self._paddle_only.items()}
 
     def __eq__(self, other):
@@ -269,7 +271,8 @@ class DistributedStrategy(_MessageObject):
         """Replace this strategy by the one in ``pb_file`` (fields it omits take their
         defaults) and return it. Files Paddle 2.0-2.2 wrote load too: their fields that
         fleetmpi does not have are kept and reported as not applied
-        (``fleetmpi.paddle_fields``). A malformed file changes nothing and raises a ConfigError
+        (``fleetmpi.config.paddle_fields``). A malformed file changes nothing and raises a
+        ConfigError
         naming the file and line."""
         with open(pb_file, encoding="utf-8") as f:
             text = f.read()

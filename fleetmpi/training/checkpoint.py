@@ -16,7 +16,7 @@ symbolic links pointing out of it), the world size and the digest, reads everyth
 then applies it; if applying fails midway (a shape the model or optimizer refuses, a bad random
 state), the model, the optimizer and the random state are put back as they were. In a job of
 several ranks the ranks then agree, so that all load or none does
-(``fleetmpi.checkpoint_agreement``).
+(``fleetmpi.training.checkpoint_agreement``).
 
 Re-sharding: the optimizer state of a ``sharding`` run is saved as each rank's shard with its
 range of the parameter space. Loading joins, for the range the loading optimizer updates, the
@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from . import backend, files
+from ..core import backend, files
 
 FORMAT = "fleetmpi-checkpoint"
 VERSION = 1
@@ -50,7 +50,7 @@ _RNG_DEVICE = "rng/device_state"
 
 
 def _world():
-    from . import job
+    from ..core import job
 
     if not job.joined():
         return None, 0, 1
@@ -70,10 +70,12 @@ def _temporary_prefix(owner):
 
 
 def _digest(path):
+    """The file's SHA-256, read through one reused buffer of 1 MiB."""
     h = hashlib.sha256()
+    block = memoryview(bytearray(1 << 20))
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+        while count := f.readinto(block):
+            h.update(block[:count])
     return h.digest()
 
 
@@ -81,7 +83,7 @@ def _exchange(comm, row):
     """Every rank's int64 ``row``, stacked in rank order, through the stall inspector: a rank
     that never reaches ``save`` is named after ``FLEETMPI_STALL_TIMEOUT`` instead of hanging
     the others."""
-    from .comm.stall import gather_rows
+    from fleetmpi.comm.stall import gather_rows
 
     return gather_rows(comm, np.asarray(row, dtype=np.int64), "checkpoint.save")
 
@@ -338,14 +340,20 @@ def read_meta(path):
         return _meta(stored)
 
 
-def _read(path, model=True):
+def _is_shard_state(key):
+    return key.startswith(_OPTIMIZER) and key.endswith(".shard")
+
+
+def _read(path, model=True, shards=True):
     """Every array of the checkpoint file ``path`` and its metadata, as ``(arrays, meta)``;
     a file that is not a readable checkpoint is a ValueError naming it. ``model``: False
     leaves the model's arrays out, "lazy" gives them as one ``_StoredModel`` under the key
-    ``MODEL_PREFIX``."""
+    ``MODEL_PREFIX``. ``shards``: False gives a sharded optimizer's ``"<state>.shard"``
+    arrays as None, for ``_join_shards`` to read the range it needs."""
     try:
         with np.load(path, allow_pickle=False) as stored:
-            arrays = {k: stored[k] for k in stored.files
+            arrays = {k: None if not shards and _is_shard_state(k) else stored[k]
+                      for k in stored.files
                       if k != _META and (model is True or not k.startswith(MODEL_PREFIX))}
             if model == "lazy":
                 arrays[MODEL_PREFIX] = _StoredModel(path, [
@@ -355,26 +363,57 @@ def _read(path, model=True):
         raise ValueError(f"{path} is not a readable checkpoint file ({error})") from None
 
 
+def _stored_range(path, key, lo, hi):
+    """Elements ``[lo, hi)`` of the 1-d array ``key`` of the checkpoint file ``path``, read
+    alone: the entries are stored uncompressed (``np.savez``, ``_write_entries``), so the
+    range lies at a known place in the file. A compressed entry is read whole and sliced."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(key + ".npy")
+        with archive.open(info) as entry:
+            version = np.lib.format.read_magic(entry)
+            shape, _, dtype = (np.lib.format.read_array_header_1_0(entry) if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0(entry))
+            if len(shape) != 1 or not 0 <= lo <= hi <= shape[0]:
+                raise ValueError(f"{path}: {key} has shape {shape}, not a shard holding "
+                                 f"elements [{lo}, {hi})")
+            if info.compress_type != zipfile.ZIP_STORED:
+                return np.lib.format.read_array(entry, allow_pickle=False)[lo:hi].copy()
+            header = entry.tell()
+    out = np.empty(hi - lo, dtype)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = np.frombuffer(f.read(4), "<u2")
+        f.seek(info.header_offset + 30 + int(name_length) + int(extra_length) + header
+               + lo * dtype.itemsize)
+        if f.readinto(memoryview(out).cast("B")) != out.nbytes:
+            raise ValueError(f"{path}: {key} ends before element {hi}")
+    return out
+
+
 def _join_shards(directory, manifest, state, own):
     """``state`` (one rank's optimizer state of a sharded run) with its ``<name>.shard``
-    arrays replaced by those of range ``own`` of the parameter space, joined from the files
-    whose shards overlap it."""
+    arrays (None: not read) replaced by those of range ``own`` of the parameter space, joined
+    from the files whose shards overlap it, each file's part read alone."""
     start, stop = own
     total = int(state["shard"][2])
     if stop > total:
         raise ValueError(f"the optimizer state in {directory!r} was saved for a parameter "
                          f"space of {total} elements; this optimizer updates [{start}, {stop})")
     keys = [k for k in state if k.endswith(".shard")]
-    joined = {k: np.empty(stop - start, dtype=state[k].dtype) for k in keys}
+    joined = {}
     covered = np.zeros(stop - start, dtype=bool)
     for entry in manifest["files"]:
-        stored, meta = _read(verified_file(directory, entry), model=False)
-        a, b, _ = meta["optimizer"]["shard"]
+        path = verified_file(directory, entry)
+        a, b, _ = read_meta(path)["optimizer"]["shard"]
         lo, hi = max(a, start), min(b, stop)
         if lo >= hi or covered[lo - start:hi - start].all():
             continue
         for k in keys:
-            joined[k][lo - start:hi - start] = stored[_OPTIMIZER + k][lo - a:hi - a]
+            part = _stored_range(path, _OPTIMIZER + k, lo - a, hi - a)
+            if k not in joined:
+                joined[k] = np.empty(stop - start, dtype=part.dtype)
+            joined[k][lo - start:hi - start] = part
+            del part
         covered[lo - start:hi - start] = True
     if not covered.all():
         missing = int(np.flatnonzero(~covered)[0]) + start
@@ -401,7 +440,8 @@ def load(directory, model, optimizer=None, replicated=False):
     The checkpoint must come from a job of the same size, unless its optimizer state is
     sharded, or ``replicated`` says that every rank holds the same model and optimizer state
     (plain data parallelism, as after an elastic restart with fewer ranks; see
-    ``fleetmpi.elastic``). A sharded optimizer's state for the range it updates is joined from
+    ``fleetmpi.training.elastic``). A sharded optimizer's state for the range it updates is joined
+    from
     the shards of every file that holds part of it. In a job of another size rank ``r`` takes
     the model, random state and extra of the saved rank ``r % saved size`` (data parallelism
     keeps the parameters equal on every rank), and with ``replicated`` its optimizer state
@@ -410,7 +450,7 @@ def load(directory, model, optimizer=None, replicated=False):
     In a job of several ranks, every rank loads or none does: when one rank refuses its part
     (a damaged or missing file, a state its model refuses), every rank puts back what it had
     and raises the same error, naming each refusing rank and why
-    (``fleetmpi.checkpoint_agreement``)."""
+    (``fleetmpi.training.checkpoint_agreement``)."""
     comm, rank, size = _world()
     if size > 1:
         return _load_agreed(comm, directory, model, optimizer, replicated)
@@ -451,7 +491,8 @@ def _read_part(directory, rank, size, optimizer, replicated):
     entry = manifest["files"][rank % saved]
     path = verified_file(directory, entry)
     lazy = _stage_3_shard(optimizer) is not None
-    stored, meta = _read(path, model="lazy" if lazy else True)
+    # A sharded state's arrays are read by _join_shards, only the range this rank updates.
+    stored, meta = _read(path, model="lazy" if lazy else True, shards=False)
     sharded = optimizer is not None and "shard" in meta["optimizer"]
     if saved != size and not sharded and not replicated:
         raise ValueError(f"checkpoint in {directory!r} was written by {saved} rank(s); "

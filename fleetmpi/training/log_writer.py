@@ -14,14 +14,14 @@ import csv
 import os
 import time
 
-from . import files
-from .autograd.tensor import Tensor
+from ..core import files
+from ..autograd.tensor import Tensor
 
 CSV_NAME = "scalars.csv"
 
 
 def _first_rank():
-    from . import job
+    from ..core import job
 
     return not job.joined() or job.topology().rank == 0
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, MutableMapping
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from .proto import distributed_strategy_pb2 as schema
+from fleetmpi.proto import distributed_strategy_pb2 as schema
 
 _INT_BOUNDS = {
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1, "int32"),
