@@ -236,7 +236,7 @@ def all_finite(grad):
     """Whether every element of the host array ``grad`` is finite. It is reduced to one
     number first (``_finite_probe``): an inf or NaN carries through it, so a finite one
     settles it, and the elementwise test runs only where it is not finite (an inf or NaN, or
-    finite values whose squares overflowed)."""
+    finite values whose squares or sum overflowed)."""
     return bool(np.isfinite(_finite_probe(grad))) or bool(np.isfinite(grad).all())
 
 
