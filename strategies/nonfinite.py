@@ -138,7 +138,7 @@ class NonFiniteCheck(StepHook):
             else:
                 found = last and bool(self.local[0])
             if found and self.carries:
-                grad[-1] = np.nan
+                grad[-1:] = np.nan
             return
         found = self._found
         found[...] = 0
@@ -193,7 +193,7 @@ class NonFiniteCheck(StepHook):
         """Whether a reduced bucket's last element is not finite (the same on every rank): a
         bool on the host (``_on_host``), else a one-element int32 flag on the device."""
         if self._on_host():
-            return not all(np.isfinite(bucket.grad[-1]) for bucket in self.buckets)
+            return not all(np.isfinite(bucket.grad[-1:]).all() for bucket in self.buckets)
         found = self._found
         found[...] = 0
         kernels.multi_tensor_check_finite([bucket.grad[-1:] for bucket in self.buckets], found)
