@@ -10,7 +10,7 @@ import numbers
 
 import numpy as np
 
-# In the order of their codes in bias_act.cu and bn_act.cu.
+# In the order of their codes in bias_act.cu (kernels.ACT_CODES).
 ACTIVATIONS = ("relu", "tanh", "gelu")
 # The activations whose backward needs their input (the others need only their output).
 INPUT_ACTIVATIONS = ("gelu",)
