@@ -132,7 +132,7 @@ class NonFiniteCheck(StepHook):
         grad = bucket.grad
         last = bucket.index == len(self.buckets) - 1
         if self._on_host():
-            if not kernels.host_finite(grad):
+            if not kernels.reference.all_finite(grad):
                 self.local[0] |= GRADIENT
                 found = True
             else:

@@ -246,16 +246,16 @@ def test_the_host_check_is_not_fooled_by_finite_values_whose_squares_or_sums_ove
         dtype, huge, shape):
     """The host probe (a dot product with itself, or a sum) overflows for these finite
     values; the elementwise test settles them, and still flags each inf and NaN, in the flag
-    and in the bool of ``kernels.host_finite`` alike."""
+    and in the bool of ``reference.all_finite`` alike."""
     grad = np.full(shape, huge, dtype=dtype)
     found = np.zeros(1, dtype=np.int32)
     reference.check_finite(grad, found)
-    assert found[0] == 0 and kernels.host_finite(grad) is True
+    assert found[0] == 0 and reference.all_finite(grad) is True
     for bad in (np.inf, -np.inf, np.nan):
         flat = grad.copy().reshape(-1)
         flat[len(flat) // 2] = bad
         reference.check_finite(flat.reshape(shape), found)
-        assert found[0] == 1 and kernels.host_finite(flat.reshape(shape)) is False, bad
+        assert found[0] == 1 and reference.all_finite(flat.reshape(shape)) is False, bad
         found[0] = 0
 
 

@@ -298,13 +298,6 @@ def multi_tensor_check_finite(grads, found):
                   found)
 
 
-def host_finite(grad):
-    """Whether every element of the host array ``grad`` is finite, as a bool: the test of
-    ``multi_tensor_check_finite`` for a caller that branches on the host anyway
-    (``reads_flag``), without a flag to write and read back."""
-    return reference.all_finite(grad)
-
-
 def layer_norm_forward(x, weight, bias, epsilon):
     """``(y, mean, rstd, xhat)``: the normalized input ``xhat`` where it was formed on the way
     (the reference), None from the device kernel, which never stores it."""
