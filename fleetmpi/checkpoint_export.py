@@ -11,19 +11,16 @@ Which rank's value of each entry is exported:
 * data parallel and sharding: every file holds the whole model (stage 3 gathers each
   parameter whole as it saves), equal on every rank; the first file's is taken;
 * tensor parallel, saved with ``fleetmpi.training.hybrid_checkpoint``: its files hold the serial
-model
-  (the split parameters gathered whole), so the same;
+model (the split parameters gathered whole), so the same;
 * pipeline: every rank holds the whole model but trains only its stage's parameters, and
   ``fleetmpi.training.checkpoint.save`` records which (``trained`` in the file's metadata); each
   parameter comes from a rank that trains it, and a layer's buffers (batch-norm statistics)
   from the rank that trains the layer's parameters.
 
 A tensor-parallel model saved with ``fleetmpi.training.checkpoint`` holds a different part of a
-split
-parameter in each file (``parts`` in the metadata): such a checkpoint is refused, naming the
+split parameter in each file (``parts`` in the metadata): such a checkpoint is refused, naming the
 entry (save with ``fleetmpi.training.hybrid_checkpoint``). The model-parallel degree that
-``hybrid_checkpoint``
-stores beside the weights is not exported.
+``hybrid_checkpoint`` stores beside the weights is not exported.
 """
 import argparse
 import sys

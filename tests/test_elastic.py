@@ -1,6 +1,5 @@
 """Elastic restart (``fleetmpirun --elastic``, ``fleetmpi.training.elastic.State``) and the removal
-of
-the shared-memory segments an aborted job leaves.
+of the shared-memory segments an aborted job leaves.
 
 The jobs run ``tests/elastic_job.py`` under ``fleetmpirun``; each is bounded by
 ``JOB_SECONDS``, so a regression fails instead of hanging.

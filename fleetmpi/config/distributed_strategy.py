@@ -272,8 +272,7 @@ class DistributedStrategy(_MessageObject):
         defaults) and return it. Files Paddle 2.0-2.2 wrote load too: their fields that
         fleetmpi does not have are kept and reported as not applied
         (``fleetmpi.config.paddle_fields``). A malformed file changes nothing and raises a
-        ConfigError
-        naming the file and line."""
+        ConfigError naming the file and line."""
         with open(pb_file, encoding="utf-8") as f:
             text = f.read()
         try:

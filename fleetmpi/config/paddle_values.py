@@ -2,8 +2,7 @@
 ``strategy.pipeline_configs["p2p_cache_shape"] = False``), kept as the text a strategy file holds.
 
 A strategy keeps the Paddle-only fields (``fleetmpi.config.paddle_fields.PADDLE_ONLY``) a loaded
-file
-held as ``{dotted path: [text of each occurrence]}``; a field set from Python joins them in the
+file held as ``{dotted path: [text of each occurrence]}``; a field set from Python joins them in the
 same form, so ``save_to_prototxt`` writes it, ``paddle_only_fields()`` and
 ``applied_strategy().not_applied`` report it with the reason it changes nothing, and reading
 it gives back the value set. Values are what Paddle's message holds there: numbers, booleans,

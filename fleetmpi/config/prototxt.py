@@ -3,8 +3,7 @@
 Writing: only the fields that hold a value (proto2 presence), so a file that uses Paddle's
 fields alone loads into Paddle's own message. Reading: a file Paddle 2.0-2.2 wrote, whose
 fields fleetmpi does not have (``fleetmpi.config.paddle_fields.PADDLE_ONLY``) are kept as written,
-as
-``{dotted path: [text of each occurrence]}``, and written back after the fields of the message.
+as ``{dotted path: [text of each occurrence]}``, and written back after the fields of the message.
 """
 import difflib
 

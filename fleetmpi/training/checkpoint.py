@@ -441,8 +441,7 @@ def load(directory, model, optimizer=None, replicated=False):
     sharded, or ``replicated`` says that every rank holds the same model and optimizer state
     (plain data parallelism, as after an elastic restart with fewer ranks; see
     ``fleetmpi.training.elastic``). A sharded optimizer's state for the range it updates is joined
-    from
-    the shards of every file that holds part of it. In a job of another size rank ``r`` takes
+    from the shards of every file that holds part of it. In a job of another size rank ``r`` takes
     the model, random state and extra of the saved rank ``r % saved size`` (data parallelism
     keeps the parameters equal on every rank), and with ``replicated`` its optimizer state
     too.

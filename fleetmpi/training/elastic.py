@@ -6,8 +6,7 @@
         state.commit(step + 1)
 
 ``restore()`` loads the latest complete checkpoint in the folder (``fleetmpi.training.checkpoint``,
-so
-a crash in the middle of a save leaves the previous one) and returns the number of steps it
+so a crash in the middle of a save leaves the previous one) and returns the number of steps it
 holds, 0 when there is none. ``commit(step)`` saves every ``commit_every`` steps; every rank
 calls both. A restart may run with fewer ranks than the checkpoint was written by: the model
 and optimizer state are the same on every rank of a data-parallel job, so rank ``r`` takes
