@@ -9,6 +9,7 @@ launcher replaced by the host run): how many launches a training step makes. In 
 the step is skipped exactly when a gradient is not finite, and otherwise gives what unscaling
 and then updating gives.
 """
+import itertools
 import re
 
 import numpy as np
@@ -241,12 +242,12 @@ def test_check_finite_flags_exactly_the_non_finite_and_writes_no_gradient(device
 
 @pytest.mark.parametrize("dtype, huge", [("float32", 1e20), ("float64", 1e200),
                                          ("float16", 6e4)])
-@pytest.mark.parametrize("shape", [(1000,), (40, 25)])
+@pytest.mark.parametrize("shape", [(1000,), (40, 25), (3 * reference._ROW + 7,)])
 def test_the_host_check_is_not_fooled_by_finite_values_whose_squares_or_sums_overflow(
         dtype, huge, shape):
-    """The host probe (a dot product with itself, or a sum) overflows for these finite
-    values; the elementwise test settles them, and still flags each inf and NaN, in the flag
-    and in the bool of ``reference.all_finite`` alike."""
+    """The host probe (sums of rows, or a sum) overflows for these finite values; the
+    elementwise test settles them, and still flags each inf and NaN, in the flag and in the
+    bool of ``reference.all_finite`` alike (the last shape has whole rows and a tail)."""
     grad = np.full(shape, huge, dtype=dtype)
     found = np.zeros(1, dtype=np.int32)
     reference.check_finite(grad, found)
@@ -257,6 +258,29 @@ def test_the_host_check_is_not_fooled_by_finite_values_whose_squares_or_sums_ove
         reference.check_finite(flat.reshape(shape), found)
         assert found[0] == 1 and reference.all_finite(flat.reshape(shape)) is False, bad
         found[0] = 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("size", [reference._ROW - 1, 2 * reference._ROW, 5 * reference._ROW + 3])
+def test_the_host_probe_flags_an_inf_or_nan_anywhere_in_its_rows_or_tail(dtype, size):
+    """Each inf and NaN, alone at the first element, at the last of a row, in the tail past the
+    whole rows and at the very last, is found by the probe itself (it is not finite), and the
+    opposite infinities in one row or in two rows are too; finite values give a finite
+    probe."""
+    rng = np.random.default_rng(size)
+    grad = rng.standard_normal(size).astype(dtype)
+    assert np.isfinite(reference._finite_probe(grad))
+    places = {0, reference._ROW - 1, size - size % reference._ROW, size - 1} - {size}
+    for place, bad in itertools.product(sorted(places), (np.inf, -np.inf, np.nan)):
+        flat = grad.copy()
+        flat[place] = bad
+        assert not np.isfinite(reference._finite_probe(flat)), (place, bad)
+        assert reference.all_finite(flat) is False
+    for other in (1, reference._ROW + 1):
+        if other < size:
+            flat = grad.copy()
+            flat[0], flat[other] = np.inf, -np.inf
+            assert not np.isfinite(reference._finite_probe(flat)), other
 
 
 def test_unscale_leaves_a_set_flag_set():

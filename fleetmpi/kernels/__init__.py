@@ -287,9 +287,9 @@ def multi_tensor_check_finite(grads, found):
     """``found[0]`` (an int32 backend array) set to 1 when any element of ``grads`` is inf or
     NaN, left as it was otherwise, in one launch per dtype on a GPU (amp's overflow check
     without the unscale); nothing is read on the host. On the CPU each array is checked whole:
-    its probe (``reference.check_finite``) makes no temporary, so cache-sized blocks
-    (``HOST_BLOCK``) would only add calls (the MLP's 1.86M gradients of
-    benchmarks/train_throughput.py: 0.3 ms whole, 0.7 in blocks)."""
+    its probe (``reference.check_finite``) makes no temporary of the array's size, so
+    cache-sized blocks (``HOST_BLOCK``) would only add calls (the MLP's 1.86M gradients of
+    benchmarks/train_throughput.py: 0.3 ms whole, 0.7 in blocks, on one thread)."""
     if not backend.on_gpu():
         for grad in grads:
             reference.check_finite(grad, found)
