@@ -12,12 +12,15 @@
 
 It builds one ``mpiexec`` command (see ``fleetmpi.launch.mpi_command``) whose ranks each run
 the wrapper ``fleetmpi/launch/rank_main.py``, which sets the rank's GPU, role and log file and
-then runs the script. Its exit code is the job's. See docs/launch.md.
+then runs the script. Its exit code is the job's. See docs/launch.md. Under ``--slurm`` the
+ranks are started by ``srun`` instead (``fleetmpi.launch.slurm``): each way of starting them is
+one ``RankStart`` class, which ``rank_start`` chooses from the options.
 
 A job of MPICH on this host only is started by ``mpiexec.gforker`` where it is installed, with
 the ranks' transport on shared memory, so that no process of the job listens on a socket
 (``process_manager``; docs/launch.md, "Network").
 """
+import abc
 import argparse
 import fcntl
 import os
@@ -172,10 +175,7 @@ def check_elastic_inputs(args):
     if args.np_file is not None and args.gpus:
         raise ValueError("--np_file cannot change the rank count of --gpus, which is one "
                          "rank per listed GPU; give --np_file with --np instead")
-    if args.slurm and not args.log_dir:
-        raise ValueError("--elastic under --slurm needs --log_dir (shared by the nodes): the "
-                         "ranks record there which node each ran on, so that the ranks of a "
-                         "failed node are left out of the restart")
+    rank_start(args).check_elastic_inputs()
 
 
 def rank_layout(args):
@@ -255,7 +255,7 @@ def is_this_host(name):
 def on_this_host_only(args):
     """Whether every rank of the job runs on this host: not ``--slurm``, and ``--ips`` or
     ``--hostfile``, where given, name one host, this one."""
-    if args.slurm:
+    if not rank_start(args).may_run_here():
         return False
     names = parse_list(args.ips) or (
         [host for host, _ in read_hostfile(args.hostfile)[0]] if args.hostfile else [])
@@ -321,15 +321,16 @@ def rank_program(args, single_host=False):
     return program + ["--", args.script] + list(args.script_args)
 
 
-def finished_records_dir(args, hosts):
+def finished_records_dir(args, local):
     """A new folder where each rank records that its script ran to its end (``rank_main``):
     inside ``--log_dir`` when there is one (shared by the hosts, as the logs are), else a
-    private temporary folder when every rank runs on this host; None for a job over several
-    hosts without ``--log_dir`` (then a rank leaving early with status 0 goes unnoticed)."""
+    private temporary folder when every rank runs on this host (``local``); None for a job
+    over several hosts without ``--log_dir`` (then a rank leaving early with status 0 goes
+    unnoticed)."""
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
         return tempfile.mkdtemp(prefix=".finished-", dir=os.path.abspath(args.log_dir))
-    if len(hosts) <= 1 and not args.slurm:
+    if local:
         return tempfile.mkdtemp(prefix="fleetmpirun-finished-")
     return None
 
@@ -605,13 +606,104 @@ def check_finished(directory, np, gforker=False):
     return 1
 
 
-def job_command(args, flavour, mpiexec, exclude=(), environ=None):
-    """The command that starts the job: ``mpiexec`` or, with ``--slurm``, ``srun`` (leaving
-    out the nodes ``exclude`` names); ``environ`` is the environment it runs in."""
-    if args.slurm:
-        return slurm.srun_launch_command(args, rank_program(args), flavour, environ=environ,
-                                    exclude=exclude)
-    return mpiexec_launch_command(args, flavour, mpiexec, environ=environ)
+class RankStart(abc.ABC):
+    """One way of starting the job's ranks: the answers ``fleetmpirun`` asks of it, each
+    with the answer of a launcher that needs nothing more. A subclass is one launcher
+    (``MpiexecStart``, ``SrunStart``); ``rank_start`` chooses it from the parsed options."""
+
+    def __init__(self, args):
+        self.args = args
+
+    def check_elastic_inputs(self):
+        """ValueError naming an option ``--elastic`` needs with this launcher."""
+
+    def check_before_start(self, environ):
+        """ValueError when ``environ`` is not one this launcher can start ranks in."""
+
+    def may_run_here(self):
+        """False when the launcher places the ranks on hosts of its own choosing, so that
+        no rank can be taken to run on this host."""
+        return True
+
+    def runs_here(self, hosts):
+        """Whether every rank runs on this host, where ``fleetmpirun`` watches them and
+        kills what is left; ``hosts`` is ``rank_layout``'s list."""
+        return self.may_run_here() and len(hosts) <= 1
+
+    @abc.abstractmethod
+    def command(self, flavour, mpiexec, exclude=(), environ=None):
+        """The command that starts the ranks of an MPI of ``flavour`` (``mpiexec`` is the
+        one found or given), leaving out the nodes ``exclude`` names; ``environ`` is the
+        environment it runs in."""
+
+    def rank_count(self, np, exclude=()):
+        """The job's rank count, given ``rank_layout``'s ``np`` and the nodes left out."""
+        return np
+
+    def ends_on_loss(self, flavour, mpiexec):
+        """Whether ``run_job`` ends the other ranks when one is gone (``mpiexec.gforker``,
+        which does not do it itself)."""
+        return False
+
+    def note(self, flavour, mpiexec):
+        """A line for the user about how the ranks are started, or None."""
+        return None
+
+    # ``restart.run``'s probe of the nodes to leave out of a restart (called with no
+    # arguments, returns node names); None where the launcher has no way to learn them.
+    failed_nodes = None
+
+
+class MpiexecStart(RankStart):
+    """The installed MPI's ``mpiexec`` (``mpiexec.gforker`` in its place for MPICH on this
+    host only, see ``process_manager``) on the hosts of ``--ips`` or ``--hostfile``."""
+
+    def command(self, flavour, mpiexec, exclude=(), environ=None):
+        return mpiexec_launch_command(self.args, flavour, mpiexec, environ=environ)
+
+    def ends_on_loss(self, flavour, mpiexec):
+        return process_manager(self.args, flavour, mpiexec)[1] == mpi_command.GFORKER
+
+    def note(self, flavour, mpiexec):
+        return process_manager(self.args, flavour, mpiexec)[2]
+
+
+class SrunStart(RankStart):
+    """``--slurm``: Slurm's ``srun`` inside an allocation (``launch/slurm.py``)."""
+
+    def check_elastic_inputs(self):
+        if not self.args.log_dir:
+            raise ValueError("--elastic under --slurm needs --log_dir (shared by the nodes): "
+                             "the ranks record there which node each ran on, so that the "
+                             "ranks of a failed node are left out of the restart")
+
+    def check_before_start(self, environ):
+        slurm.require_allocation(environ)
+
+    def may_run_here(self):
+        return False
+
+    def command(self, flavour, mpiexec, exclude=(), environ=None):
+        return slurm.srun_launch_command(self.args, rank_program(self.args), flavour,
+                                         environ=environ, exclude=exclude)
+
+    def rank_count(self, np, exclude=()):
+        return slurm.srun_layout(self.args, os.environ, exclude)[0] or np
+
+    def failed_nodes(self):
+        return slurm.unusable_nodes(os.environ)
+
+
+# The launchers an option chooses (the option's dest, the class), first match first;
+# mpiexec without any of them.
+STARTS_BY_OPTION = (("slurm", SrunStart),)
+
+
+def rank_start(args):
+    """The ``RankStart`` of the parsed options."""
+    chosen = next((start for dest, start in STARTS_BY_OPTION if getattr(args, dest)),
+                  MpiexecStart)
+    return chosen(args)
 
 
 def ranks_per_host(records):
@@ -624,22 +716,21 @@ def ranks_per_host(records):
     return counts
 
 
-def run_attempt(args, flavour, mpiexec, exclude=()):
-    """Run the job once and report a failure; a ``restart.Attempt`` with what came of it."""
+def run_attempt(args, start, flavour, mpiexec, exclude=()):
+    """Run the job once, its ranks started by ``start`` (a ``RankStart``), and report a
+    failure; a ``restart.Attempt`` with what came of it."""
     np, hosts, _ = rank_layout(args)
-    if args.slurm:
-        np = slurm.srun_layout(args, os.environ, exclude)[0] or np
+    np = start.rank_count(np, exclude)
     attempt = restart.Attempt(getattr(args, "restart_count", 0), np, excluded=tuple(exclude))
-    args.finished_dir = finished_records_dir(args, hosts)
-    local = len(hosts) <= 1 and not args.slurm
+    local = start.runs_here(hosts)
+    args.finished_dir = finished_records_dir(args, local)
     rank_watch = watch.RankWatch(args.finished_dir) if local else None
     shm_before = shm.existing() if local else set()
     started = time.time() - 1.0
-    gforker = not args.slurm and \
-        process_manager(args, flavour, mpiexec)[1] == mpi_command.GFORKER
+    gforker = start.ends_on_loss(flavour, mpiexec)
     try:
         environ = dict(os.environ, **job_environment(args, np))
-        code, interrupted = run_job(job_command(args, flavour, mpiexec, exclude, environ),
+        code, interrupted = run_job(start.command(flavour, mpiexec, exclude, environ),
                                     environ,
                                     args.finished_dir if local else None, rank_watch,
                                     end_on_loss=gforker)
@@ -675,10 +766,10 @@ def run_attempt(args, flavour, mpiexec, exclude=()):
     return attempt
 
 
-def run_elastic(args, flavour, mpiexec):
+def run_elastic(args, start, flavour, mpiexec):
     """``--elastic``: attempts until one succeeds or no restart is allowed (``restart.run``),
     then the summary; the last attempt's status."""
-    first_np, given_np = run_attempt_count(args), args.np
+    first_np, given_np = run_attempt_count(args, start), args.np
     max_restarts, min_np = elastic_limits(args)
     folder = os.path.abspath(args.log_dir) if args.log_dir else None
     private = tempfile.mkdtemp(prefix="fleetmpirun-elastic-") if folder is None else None
@@ -692,14 +783,13 @@ def run_elastic(args, flavour, mpiexec):
                                                   dir=folder or private)
         os.close(fd)
         try:
-            return run_attempt(args, flavour, mpiexec, exclude)
+            return run_attempt(args, start, flavour, mpiexec, exclude)
         finally:
             os.remove(args.progress_file)
 
-    failed_nodes = (lambda: slurm.unusable_nodes(os.environ)) if args.slurm else None
     try:
         attempts, reason = restart.run(first_np, attempt, max_restarts, min_np, args.np_file,
-                                       failed_nodes)
+                                       start.failed_nodes)
     finally:
         if private:
             shutil.rmtree(private, ignore_errors=True)
@@ -709,12 +799,9 @@ def run_elastic(args, flavour, mpiexec):
     return attempts[-1].code
 
 
-def run_attempt_count(args):
+def run_attempt_count(args, start):
     """The first attempt's rank count (``--slurm``: srun's, when fleetmpirun decides it)."""
-    np = rank_layout(args)[0]
-    if args.slurm:
-        np = slurm.srun_layout(args, os.environ)[0] or np
-    return np
+    return start.rank_count(rank_layout(args)[0])
 
 
 def main(argv=None):
@@ -722,15 +809,15 @@ def main(argv=None):
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_inputs(args)
-        if args.slurm:
-            slurm.require_allocation(os.environ)
+        start = rank_start(args)
+        start.check_before_start(os.environ)
         mpiexec = args.mpiexec or mpi_command.find_mpiexec()
         flavour = mpi_command.detect_flavour(mpiexec)
-        cmd = job_command(args, flavour, mpiexec)
-        note = None if args.slurm else process_manager(args, flavour, mpiexec)[2]
-        if args.elastic and elastic_limits(args)[1] > run_attempt_count(args):
+        cmd = start.command(flavour, mpiexec)
+        note = start.note(flavour, mpiexec)
+        if args.elastic and elastic_limits(args)[1] > run_attempt_count(args, start):
             raise ValueError(f"--min_np {args.min_np} is more than the "
-                             f"{run_attempt_count(args)} rank(s) the job starts with")
+                             f"{run_attempt_count(args, start)} rank(s) the job starts with")
     except (ValueError, FileNotFoundError, RuntimeError) as error:
         p.error(str(error))
     if note:
@@ -739,8 +826,8 @@ def main(argv=None):
         print(shlex.join(cmd))
         return 0
     if args.elastic:
-        return run_elastic(args, flavour, mpiexec)
-    return run_attempt(args, flavour, mpiexec).code
+        return run_elastic(args, start, flavour, mpiexec)
+    return run_attempt(args, start, flavour, mpiexec).code
 
 
 if __name__ == "__main__":
