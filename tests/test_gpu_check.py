@@ -4,6 +4,7 @@ with its first lines."""
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import zipfile
@@ -145,18 +146,33 @@ def test_a_test_failed_on_one_rank_counts_once_as_failed(tmp_path):
 
 
 def test_a_stage_out_of_time_keeps_what_ran_and_the_next_stage_runs(tmp_path):
-    """A budget of 45 s gives the tests' stage about 27 s, interrupted 10 s before its end:
-    room for pytest to start and run the quick test on a busy machine (with 30 s it had 9 s,
-    and one run of the suite interrupted it before the quick test had run)."""
     tests = tmp_path / "test_slow.py"
     tests.write_text("import time\n\n"
                      "def test_quick():\n    assert True\n\n"
                      "def test_slow():\n    time.sleep(600)\n")
     done, result, summary = gpu_check(tmp_path / "out", "--stages", "gpu_tests", "throughput",
-                                      "--tests", str(tests), "--budget-s", "45")
+                                      "--tests", str(tests), "--budget-s", "30")
     assert done.returncode == 1
     gpu_tests, throughput = result["stages"]
     assert gpu_tests["status"] == "timed out"
     assert (gpu_tests["passed"], gpu_tests["failed"]) == (1, 0)  # pytest's XML survived
     assert throughput["name"] == "throughput" and throughput["seconds"] > 0
     assert "| gpu_tests | timed out |" in summary
+
+
+def test_a_command_past_its_time_gets_sigint_even_where_the_run_ignores_it(tmp_path):
+    """A run started in the background of a script inherits SIGINT ignored; the command it
+    starts still gets SIGINT at its default, so that pytest can write its XML before the kill
+    (without that, the out-of-time stage above lost its XML in such a run)."""
+    process = load_part("process")
+    program = ("import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
+               "    print('interrupted', flush=True)\n")
+    log = str(tmp_path / "command.log")
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        done = process.run_bounded([sys.executable, "-c", program], dict(os.environ),
+                                   str(tmp_path), 4, log)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert done.timed_out and done.returncode == 0
+    assert "interrupted" in done.tail()

@@ -3,6 +3,9 @@
 A command runs in its own session, its output in a log file. ``GRACE_S`` seconds before its
 deadline the whole session gets SIGINT, so that pytest still writes its JUnit XML for the
 tests that ran, and at the deadline SIGKILL; so no command outlasts its share of the budget.
+The command starts with SIGINT at its default even where this process ignores it (a run
+started in the background of a script, or under ``nohup``, inherits it ignored, and so would
+every command it starts: pytest would then be killed without writing its XML).
 """
 import json
 import os
@@ -43,6 +46,12 @@ def _signal_session(process, signum):
         pass
 
 
+def _default_sigint():
+    """In the child, before the command starts (``Popen``'s ``preexec_fn``; this process runs
+    no other thread): SIGINT back to its default, which Python turns into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_bounded(cmd, env, cwd, timeout_s, log):
     """Run ``cmd`` for at most ``timeout_s`` seconds (at least 1), its output written to the
     file ``log``."""
@@ -53,7 +62,7 @@ def run_bounded(cmd, env, cwd, timeout_s, log):
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
         process = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_default_sigint)
         timed_out = False
         try:
             returncode = process.wait(timeout_s - grace_s)
