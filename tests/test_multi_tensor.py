@@ -9,6 +9,7 @@ launcher replaced by the host run): how many launches a training step makes. In 
 the step is skipped exactly when a gradient is not finite, and otherwise gives what unscaling
 and then updating gives.
 """
+import concurrent.futures
 import itertools
 import re
 
@@ -262,11 +263,20 @@ def test_the_host_check_is_not_fooled_by_finite_values_whose_squares_or_sums_ove
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("size", [reference._ROW - 1, 2 * reference._ROW, 5 * reference._ROW + 3])
-def test_the_host_probe_flags_an_inf_or_nan_anywhere_in_its_rows_or_tail(dtype, size):
+@pytest.mark.parametrize("thread", ["main", "other"])
+def test_the_host_probe_flags_an_inf_or_nan_anywhere_in_its_rows_or_tail(dtype, size, thread):
     """Each inf and NaN, alone at the first element, at the last of a row, in the tail past the
     whole rows and at the very last, is found by the probe itself (it is not finite), and the
     opposite infinities in one row or in two rows are too; finite values give a finite
-    probe."""
+    probe. On the main thread the probe sums rows, on another it takes a dot product: both
+    are checked."""
+    if thread == "other":
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(_probe_flags_every_place, dtype, size).result()
+    _probe_flags_every_place(dtype, size)
+
+
+def _probe_flags_every_place(dtype, size):
     rng = np.random.default_rng(size)
     grad = rng.standard_normal(size).astype(dtype)
     assert np.isfinite(reference._finite_probe(grad))

@@ -7,6 +7,7 @@ is its features), and per-channel vectors broadcast over the other axes.
 """
 import math
 import numbers
+import threading
 
 import numpy as np
 
@@ -246,16 +247,21 @@ _ONES = {np.dtype(t): np.ones(_ROW, t) for t in (np.float32, np.float64)}
 
 def _finite_probe(grad):
     """A number that is finite when every element of the host array ``grad`` is (it may be
-    inf for finite values too large, which the elementwise test then settles): where BLAS
-    computes it (float32, float64), the sum of the sums of rows of ``_ROW`` elements, which
-    the BLAS takes as a matrix-vector product over its threads; else the sum. Over the 1.86M
-    float32 gradients of benchmarks/train_throughput.py's MLP: the row sums 0.14 ms on two
-    threads, 0.28 on one; a dot product with itself 0.29 on either (a BLAS level-1 call runs
-    on one thread); the sum 0.37; the elementwise test 0.44 (medians of 200). Its overflow is
-    expected, so NumPy's warning about it is not given."""
+    inf for finite values too large, which the elementwise test then settles). Where BLAS
+    computes it (float32, float64): on the main thread, the sum of the sums of rows of
+    ``_ROW`` elements, which the BLAS takes as a matrix-vector product over its threads; on
+    another thread (the communicator's, beside backward), a dot product with itself, which
+    does not take the BLAS's thread pool that the main thread's matrix products hold (two
+    threads calling a threaded OpenBLAS at once stalled the probe for 30-470 ms at its worst).
+    Else the sum. Over the 1.86M float32 gradients of benchmarks/train_throughput.py's MLP:
+    the row sums 0.14 ms on two threads, 0.28 on one; the dot product 0.29 on either (a BLAS
+    level-1 call runs on one thread); the sum 0.37; the elementwise test 0.44 (medians of
+    200). Its overflow is expected, so NumPy's warning about it is not given."""
     with np.errstate(over="ignore", invalid="ignore"):
         ones = _ONES.get(grad.dtype)
         if ones is None or grad.ndim != 1 or not grad.flags.c_contiguous:
             return grad.sum()
+        if threading.current_thread() is not threading.main_thread():
+            return np.dot(grad, grad)
         whole = grad.size - grad.size % _ROW
         return (grad[:whole].reshape(-1, _ROW) @ ones).sum() + grad[whole:].sum()
