@@ -14,7 +14,9 @@ that fails or runs out of time is recorded, and the next one runs):
    process, through ``tests/mpi_pytest.py``, with the MPI launcher that works here
    (``gpu_run/mpi_launch.py``);
 4. throughput: ``benchmarks/train_throughput.py --device gpu --ranks 1``, fleetmpi next to
-   PyTorch on the same GPU.
+   PyTorch on the same GPU;
+5. nonfinite_cost: ``benchmarks/nonfinite_cost.py`` at one rank, the step with the default
+   non-finite check against the step without it.
 
 Writes ``gpu_check.json``, ``summary.md``, the JUnit XML files and every command's log into
 ``--out``, prints the summary, and exits 1 when a stage did not pass. ``--dry-run`` runs the

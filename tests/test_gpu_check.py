@@ -109,6 +109,13 @@ def test_dry_run_runs_every_stage_and_records_it(tmp_path):
     for path in missing:
         assert path in summary
     assert "| mlp | 128 | fp32 | no |" in summary
+    costs = stages["nonfinite_cost"]["costs"]
+    assert [(c["model"], c["steps"]) for c in costs] == list(plan.NONFINITE_COST["cpu"])
+    for cost in costs:
+        assert cost["device"] == "cpu" and cost["ranks"] == 1
+        assert cost["median_step_s_without"] > 0 and cost["median_step_s_with"] > 0
+        assert cost["median_read_s"] > 0
+        assert f"| {cost['model']} | {cost['steps']} | " in summary
     assert summary in done.stdout
 
 

@@ -11,11 +11,11 @@ out only make sense on the CPU: ``test_comm_async``, ``test_transport_choice`` a
 ``test_comm_safety`` check names, refusals and imports, not device arithmetic.
 """
 
-STAGES = ("install", "gpu_tests", "multi_rank", "throughput")
+STAGES = ("install", "gpu_tests", "multi_rank", "throughput", "nonfinite_cost")
 # Shares of the time budget; a stage that ends early leaves its time to the ones after it.
 # "setup" is the MPI launcher's choice and the version probe, between install and the tests.
 BUDGET_WEIGHTS = {"install": 1.0, "setup": 1.0, "gpu_tests": 4.5, "multi_rank": 1.5,
-                  "throughput": 2.5}
+                  "throughput": 2.5, "nonfinite_cost": 0.7}
 
 GPU_TEST_FILES = (
     ("tests/test_gpu_device.py", "NCCL at world size 1, every collective, async handles, "
@@ -70,6 +70,14 @@ THROUGHPUT = {
         ("gpt", ("fp32",), 1.0),
         ("gpt2", ("amp-bf16",), 1.0),
     )},
+}
+
+
+# benchmarks/nonfinite_cost.py at one rank, one run per model: (model, steps timed with the
+# default non-finite check and without it, each), in order, the stage's time shared equally.
+NONFINITE_COST = {
+    "gpu": (("mlp", 200), ("gpt", 40)),
+    "cpu": (("mlp", 10), ("gpt", 2)),
 }
 
 

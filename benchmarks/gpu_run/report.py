@@ -151,6 +151,18 @@ def _throughput_lines(rows, versions):
     return lines
 
 
+def _nonfinite_cost_lines(stages):
+    """The default non-finite check's cost per model (``nonfinite_cost.py``)."""
+    costs = [cost for s in stages if s["name"] == "nonfinite_cost" for cost in s["costs"]]
+    lines = ["", "## The non-finite check's cost (benchmarks/nonfinite_cost.py, 1 rank)", "",
+             "| model | steps | median step without | with | cost | the check alone |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {c['model']} | {c['steps']} | {c['median_step_s_without'] * 1e3:.3f} ms | "
+              f"{c['median_step_s_with'] * 1e3:.3f} ms | {c['cost_percent']:+.2f}% | "
+              f"{c['median_read_s'] * 1e3:.3f} ms |" for c in costs]
+    return lines
+
+
 def summary_markdown(result):
     """``summary.md`` of a ``check_record``."""
     mode = ("dry run on the CPU (FLEETMPI_DEVICE=cpu)" if result["dry_run"]
@@ -170,6 +182,8 @@ def summary_markdown(result):
     lines += _problem_lines(result["stages"])
     if any(s["name"] == "throughput" for s in result["stages"]):
         lines += _throughput_lines(result["throughput"], versions)
+    if any(s["name"] == "nonfinite_cost" for s in result["stages"]):
+        lines += _nonfinite_cost_lines(result["stages"])
     if not result["dry_run"]:
         lines += ["", f"Commit gpu_check.json as benchmarks/results/gpu/"
                       f"{result['results_name']}"]

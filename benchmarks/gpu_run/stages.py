@@ -30,7 +30,7 @@ class Context:
         self.repo, self.out, self.scratch, self.dry_run = repo, out, scratch, dry_run
         self.logs = os.path.join(out, "logs")
         # no earlier run's file is read as this one's
-        for folder in ("junit", "throughput"):
+        for folder in ("junit", "throughput", "nonfinite_cost"):
             shutil.rmtree(os.path.join(out, folder), ignore_errors=True)
             os.makedirs(os.path.join(out, folder))
         os.makedirs(self.logs, exist_ok=True)
@@ -185,6 +185,31 @@ def run_throughput(ctx, timeout_s, args):
             "rows": rows, "failures": failures}
 
 
+def run_nonfinite_cost(ctx, timeout_s, args):
+    """``benchmarks/nonfinite_cost.py`` at one rank, one run per model of the plan, each with
+    an equal share of what is left: its step with the default non-finite check against its
+    step without, and the check's own time (issue 34's bound: at most 2%)."""
+    start = time.perf_counter()
+    runs = plan.NONFINITE_COST[plan.fleetmpi_device(ctx.dry_run)]
+    costs, failures = [], []
+    for index, (model, steps) in enumerate(runs):
+        share = (timeout_s - _since(start)) / (len(runs) - index)
+        path = os.path.join(ctx.out, "nonfinite_cost", f"{model}.json")
+        cmd = [sys.executable, os.path.join(ctx.repo, "benchmarks", "nonfinite_cost.py"),
+               model, str(steps), "--json", path]
+        done = ctx.run(f"nonfinite_cost-{model}", cmd, ctx.env(), share)
+        if done.returncode == 0 and not done.timed_out and os.path.exists(path):
+            with open(path) as f:
+                costs.append(json.load(f))
+            continue
+        ended = "timed out" if done.timed_out else f"exited {done.returncode}"
+        failures.append({"test": f"nonfinite_cost.py {model} ({ended})",
+                         "lines": done.tail(6)})
+    return {"name": "nonfinite_cost", "status": "failed" if failures else "passed",
+            "seconds": round(_since(start), 1), "timeout_s": round(timeout_s),
+            "costs": costs, "failures": failures}
+
+
 # Each stage of ``plan.STAGES``: ``run(context, timeout_s, command-line arguments)``.
 RUNNERS = {"install": run_install, "gpu_tests": run_gpu_tests, "multi_rank": run_multi_rank,
-           "throughput": run_throughput}
+           "throughput": run_throughput, "nonfinite_cost": run_nonfinite_cost}
