@@ -1,4 +1,6 @@
 """Layers: finite-difference gradient checks in float64, flat buffers, names, state, errors."""
+import importlib
+
 import numpy as np
 import pytest
 
@@ -220,3 +222,28 @@ def test_loss_rejects_bad_labels():
         nn.CrossEntropyLoss()(rand(2, 3), np.array([0, 3]))
     with pytest.raises(ValueError, match="integer class labels"):
         nn.CrossEntropyLoss()(rand(2, 3), np.array([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("act", ["relu", "tanh", "gelu"])
+def test_every_activation_name_means_one_function_in_each_table(act):
+    """The activation names are written in four places: the kernels' reference
+    (``reference.ACTIVATIONS``), ``F.activation``'s Functions, the MLP's layers and the fused
+    bias+activation kernel's codes. Each name is in all of them, each table holds no other,
+    and the MLP's layer, ``F.activation`` and the kernels' reference compute the same values
+    for it."""
+    from fleetmpi import kernels
+    from fleetmpi.kernels import reference
+    from fleetmpi.nn import models
+    activation = importlib.import_module("fleetmpi.nn.functional.activation")
+
+    names = set(reference.ACTIVATIONS)
+    assert act in names
+    assert set(activation.ACTIVATION_FUNCTIONS) == names == set(models._ACTIVATIONS)
+    assert set(kernels.ACT_CODES) == names
+    x = np.linspace(-3.0, 3.0, 13).reshape(1, 13)
+    mlp = nn.MLP([13, 13, 13], activation=act)
+    [layer] = [sub for name, sub in mlp.named_children() if name == "act0"]
+    want = reference.bias_act_forward(x, np.zeros(13), act, np)[0]
+    np.testing.assert_allclose(layer(to_tensor(x)).numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(activation.activation(to_tensor(x), act).numpy(), want,
+                               rtol=1e-12)
