@@ -163,9 +163,21 @@ def _throughput_run(ctx, model, precisions, steps, timeout_s):
             rows = json.load(f)
     if done.returncode == 0 and not done.timed_out and rows:
         return rows, None
+    return rows, _command_failure(f"train_throughput.py --models {model}", done)
+
+
+def _command_failure(what, done):
+    """The failure record of the benchmark command ``what`` that timed out or exited non-zero
+    (``done``), with the last lines of its log."""
     ended = "timed out" if done.timed_out else f"exited {done.returncode}"
-    return rows, {"test": f"train_throughput.py --models {model} ({ended})",
-                  "lines": done.tail(6)}
+    return {"test": f"{what} ({ended})", "lines": done.tail(6)}
+
+
+def _benchmark_record(name, start, timeout_s, failures, **found):
+    """The record of the benchmark stage ``name`` begun at ``start``, with what it ``found``."""
+    return dict({"name": name, "status": "failed" if failures else "passed",
+                 "seconds": round(_since(start), 1), "timeout_s": round(timeout_s)},
+                **found, failures=failures)
 
 
 def run_throughput(ctx, timeout_s, args):
@@ -180,9 +192,7 @@ def run_throughput(ctx, timeout_s, args):
         found, failure = _throughput_run(ctx, model, precisions, config["steps"], share)
         rows += found
         failures += [failure] if failure else []
-    return {"name": "throughput", "status": "failed" if failures else "passed",
-            "seconds": round(_since(start), 1), "timeout_s": round(timeout_s),
-            "rows": rows, "failures": failures}
+    return _benchmark_record("throughput", start, timeout_s, failures, rows=rows)
 
 
 def run_nonfinite_cost(ctx, timeout_s, args):
@@ -202,12 +212,8 @@ def run_nonfinite_cost(ctx, timeout_s, args):
             with open(path) as f:
                 costs.append(json.load(f))
             continue
-        ended = "timed out" if done.timed_out else f"exited {done.returncode}"
-        failures.append({"test": f"nonfinite_cost.py {model} ({ended})",
-                         "lines": done.tail(6)})
-    return {"name": "nonfinite_cost", "status": "failed" if failures else "passed",
-            "seconds": round(_since(start), 1), "timeout_s": round(timeout_s),
-            "costs": costs, "failures": failures}
+        failures.append(_command_failure(f"nonfinite_cost.py {model}", done))
+    return _benchmark_record("nonfinite_cost", start, timeout_s, failures, costs=costs)
 
 
 # Each stage of ``plan.STAGES``: ``run(context, timeout_s, command-line arguments)``.
