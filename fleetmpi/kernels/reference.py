@@ -252,11 +252,12 @@ def _finite_probe(grad):
     ``_ROW`` elements, which the BLAS takes as a matrix-vector product over its threads; on
     another thread (the communicator's, beside backward), a dot product with itself, which
     does not take the BLAS's thread pool that the main thread's matrix products hold (two
-    threads calling a threaded OpenBLAS at once stalled the probe for 30-470 ms at its worst).
-    Else the sum. Over the 1.86M float32 gradients of benchmarks/train_throughput.py's MLP:
-    the row sums 0.14 ms on two threads, 0.28 on one; the dot product 0.29 on either (a BLAS
-    level-1 call runs on one thread); the sum 0.37; the elementwise test 0.44 (medians of
-    200). Its overflow is expected, so NumPy's warning about it is not given."""
+    threads calling a threaded OpenBLAS at once stalled the probe for up to 500 ms). Else the
+    sum. Over the 1.86M float32 gradients of benchmarks/train_throughput.py's MLP
+    (benchmarks/finite_probe.py, medians): the row sums 0.14-0.18 ms on two threads, 0.28-0.31
+    on one; the dot product 0.29 on either (a BLAS level-1 call runs on one thread); the sum
+    0.34-0.37; the elementwise test 0.41-0.44. Its overflow is expected, so NumPy's warning
+    about it is not given."""
     with np.errstate(over="ignore", invalid="ignore"):
         ones = _ONES.get(grad.dtype)
         if ones is None or grad.ndim != 1 or not grad.flags.c_contiguous:
