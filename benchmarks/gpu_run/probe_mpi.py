@@ -1,10 +1,12 @@
 """Print whether fleetmpi's launcher starts 2 ranks that see each other in this environment,
 as one JSON object on a line that starts with ``RESULT``: the MPI library mpi4py loads, the
 ``mpiexec`` command ``fleetmpi.launch.mpi_command.local_command`` builds (the one
-``tests/mpi_pytest.py`` and ``benchmarks/train_throughput.py`` use) and what
-``python -m mpi4py.bench helloworld`` said under it. Two ranks that each see a world of one
-mean that mpi4py's MPI is not the launcher's. Where the ranks fail as the environment is, they
-are started again with MPI's transports kept to shared memory
+``tests/mpi_pytest.py`` and ``benchmarks/train_throughput.py`` use) and what two fleetmpi ranks
+said under it: each joins the job with ``fleet.init`` and allreduces its rank over the MPI
+transport, as the multi-rank stage's ranks do first (mpi4py's own hello world passed on an
+H200's Open MPI 4.1 where the stage's ranks then exited at once, saying nothing). Two ranks
+that each see a world of one mean that mpi4py's MPI is not the launcher's. Where the ranks
+fail as the environment is, they are started again with MPI's transports kept to shared memory
 (``fleetmpi.launch.mpi_command.LOCAL_TRANSPORT_ENV``, what ``fleetmpirun`` sets on one host),
 and the variables that made them start are reported.
 
@@ -20,6 +22,13 @@ import subprocess
 import sys
 
 RANKS = 2
+# One rank of the probe: what the multi-rank stage's ranks do before their tests.
+RANK_PROGRAM = (
+    "import os; os.environ['FLEETMPI_TRANSPORT'] = 'mpi'; import fleetmpi as fleet; "
+    "from fleetmpi.comm import get_communicator; from fleetmpi.core import backend; "
+    "fleet.init(is_collective=True); rank, size = fleet.worker_index(), fleet.worker_num(); "
+    "total = backend.to_numpy(get_communicator().allreduce(backend.asarray([rank], 'float32')));"
+    " print(f'I am process {rank} of {size}: sum {total[0]:g}', flush=True)")
 
 
 def library():
@@ -35,7 +44,7 @@ def hello(seconds):
     """``{"command", "ok", "variables"}`` (or ``"output"`` where no try started the ranks)."""
     from fleetmpi.launch.mpi_command import LOCAL_TRANSPORT_ENV, local_command
 
-    cmd = local_command(RANKS, [sys.executable, "-m", "mpi4py.bench", "helloworld"])
+    cmd = local_command(RANKS, [sys.executable, "-c", RANK_PROGRAM])
     local = {name: value for name, value in LOCAL_TRANSPORT_ENV.items() if name not in os.environ}
     found = {"command": cmd, "ok": False, "output": ""}
     for variables in [{}, local] if local else [{}]:
@@ -45,8 +54,8 @@ def hello(seconds):
         except subprocess.TimeoutExpired:
             found["output"] += f"[{variables or 'as is'}: no answer in {seconds / 2:.0f} s] "
             continue
-        sizes = [int(n) for n in re.findall(r"I am process \d+ of (\d+)", done.stdout)]
-        if done.returncode == 0 and sizes == [RANKS] * RANKS:
+        said = re.findall(r"I am process \d+ of (\d+): sum (\S+)", done.stdout)
+        if done.returncode == 0 and said == [(str(RANKS), f"{sum(range(RANKS)):g}")] * RANKS:
             return {"command": cmd, "ok": True, "variables": variables}
         found["output"] += f"[{variables or 'as is'}: {(done.stdout + done.stderr)[-400:]}] "
     return found
