@@ -40,7 +40,8 @@ def test_file_holds_the_fields_that_were_set_only(tmp_path):
     one never set is not."""
     path = tmp_path / "s.prototxt"
     fleet.DistributedStrategy().save_to_prototxt(str(path))
-    assert path.read_text() == "# fleetmpi DistributedStrategy\n"
+    assert path.read_text() == ("# fleetmpi DistributedStrategy\n"
+                                "# end of fleetmpi DistributedStrategy\n")
     strategy = fleet.DistributedStrategy()
     strategy.fuse_grad_size_in_MB = 32
     strategy.amp_configs = {"decr_ratio": 0.25}
@@ -107,3 +108,58 @@ def test_values_outside_the_allowed_range_in_a_file_are_refused(tmp_path, text, 
 def test_missing_file_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         fleet.DistributedStrategy().load_from_prototxt(str(tmp_path / "none.prototxt"))
+
+
+def test_every_cut_of_a_saved_file_is_refused_and_loads_nothing(tmp_path):
+    """Text format has no end marker: cut at a line or inside a number, a file still parses,
+    as another strategy. Every proper prefix of a saved file is refused by name instead."""
+    path = tmp_path / "s.prototxt"
+    _configured().save_to_prototxt(str(path))
+    whole = path.read_bytes()
+    cut = tmp_path / "cut.prototxt"
+    for end in range(len("# fleetmpi DistributedStrategy\n"), len(whole)):
+        cut.write_bytes(whole[:end])
+        strategy = fleet.DistributedStrategy()
+        with pytest.raises(fleet.ConfigError) as info:
+            strategy.load_from_prototxt(str(cut))
+        assert str(info.value).startswith(f"{cut}:"), (end, str(info.value))
+        assert strategy == fleet.DistributedStrategy(), end
+    assert fleet.DistributedStrategy().load_from_prototxt(str(path)) == _configured()
+
+
+def test_a_file_without_fleetmpis_first_line_loads_as_written(tmp_path):
+    """Paddle's files and hand-written ones have neither the first nor the last line."""
+    path = tmp_path / "s.prototxt"
+    _configured().save_to_prototxt(str(path))
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[1:-1]))
+    assert fleet.DistributedStrategy().load_from_prototxt(str(path)) == _configured()
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_file_and_byte(tmp_path):
+    path = tmp_path / "latin1.prototxt"
+    path.write_bytes(b"amp: true\n# caf\xe9\n")
+    with pytest.raises(fleet.ConfigError, match=r"latin1.prototxt: byte 0xe9 at offset 15 is "
+                                                r"not UTF-8"):
+        fleet.DistributedStrategy().load_from_prototxt(str(path))
+
+
+def test_a_save_that_fails_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """The file is written beside its name and renamed over it: a save cut short (here the
+    rename fails, as on a full disk) leaves the previous strategy, and no temporary."""
+    import os
+
+    path = tmp_path / "s.prototxt"
+    _configured().save_to_prototxt(str(path))
+    before = path.read_bytes()
+
+    def fail(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    changed = _configured()
+    changed.amp = False
+    with pytest.raises(OSError, match="No space left"):
+        changed.save_to_prototxt(str(path))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.prototxt"]

@@ -11,7 +11,21 @@ from google.protobuf import text_format
 
 from . import paddle_values, prototxt, schema_view
 from .paddle_fields import PADDLE_ONLY
+from fleetmpi.core.files import write_atomically
 from fleetmpi.proto import distributed_strategy_pb2 as schema
+
+
+def _read_text(pb_file):
+    """The text of the strategy file ``pb_file``; a ConfigError naming it and the first byte
+    that is not UTF-8, where one is not."""
+    with open(pb_file, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise schema_view.ConfigError(
+            f"{os.fspath(pb_file)}: byte {data[exc.start]:#04x} at offset {exc.start} is not "
+            "UTF-8 text; a strategy file is protobuf text format in UTF-8") from None
 
 
 class _MessageObject:
@@ -262,19 +276,17 @@ class DistributedStrategy(_MessageObject):
     def save_to_prototxt(self, output):
         """Write the fields that were set (proto2 presence, as Paddle writes them), and the
         Paddle-only fields a loaded file held, to ``output`` in protobuf text format."""
-        text = prototxt.render(self._message, self._paddle_only)
-        with open(output, "w", encoding="utf-8") as f:
-            f.write("# fleetmpi DistributedStrategy\n")
-            f.write(text)
+        text = prototxt.render(self._message, self._paddle_only).encode("utf-8")
+        write_atomically(output, lambda f: f.write(text))
 
     def load_from_prototxt(self, pb_file):
         """Replace this strategy by the one in ``pb_file`` (fields it omits take their
         defaults) and return it. Files Paddle 2.0-2.2 wrote load too: their fields that
         fleetmpi does not have are kept and reported as not applied
         (``fleetmpi.config.paddle_fields``). A malformed file changes nothing and raises a
-        ConfigError naming the file and line."""
-        with open(pb_file, encoding="utf-8") as f:
-            text = f.read()
+        ConfigError naming the file and line; so does one of fleetmpi's cut short, which a
+        save never leaves (it writes a temporary and renames it)."""
+        text = _read_text(pb_file)
         try:
             message, paddle_only = prototxt.parse(text, self._message_class)
         except text_format.ParseError as exc:
@@ -284,6 +296,8 @@ class DistributedStrategy(_MessageObject):
             raise schema_view.ConfigError(f"{where}: {reason}") from None
         except prototxt.UnknownFieldInFile as exc:
             raise schema_view.ConfigError(f"{pb_file}:{exc.line}:{exc.column}: {exc}") from None
+        except prototxt.IncompleteFile as exc:
+            raise schema_view.ConfigError(f"{os.fspath(pb_file)}: {exc}") from None
         try:
             schema_view.validate(message)
         except (schema_view.ConfigError, TypeError) as exc:

@@ -4,6 +4,12 @@ Writing: only the fields that hold a value (proto2 presence), so a file that use
 fields alone loads into Paddle's own message. Reading: a file Paddle 2.0-2.2 wrote, whose
 fields fleetmpi does not have (``fleetmpi.config.paddle_fields.PADDLE_ONLY``) are kept as written,
 as ``{dotted path: [text of each occurrence]}``, and written back after the fields of the message.
+
+A file fleetmpi writes opens with ``HEADER`` and closes with ``TRAILER`` (comments to protobuf
+and to Paddle): text format has no end marker of its own, so a file cut short at a line or
+inside a number would otherwise parse as another strategy (amp lost, a ratio changed). A file
+that opens with the header must close with the trailer; Paddle's files and hand-written ones,
+which have neither, load as they are.
 """
 import difflib
 
@@ -12,6 +18,12 @@ from google.protobuf import text_format
 from .paddle_fields import PADDLE_ONLY
 
 _CLOSE = {"{": "}", "<": ">"}
+HEADER = "# fleetmpi DistributedStrategy\n"
+TRAILER = "# end of fleetmpi DistributedStrategy\n"
+
+
+class IncompleteFile(ValueError):
+    """A file that opens as fleetmpi writes one but does not close with ``TRAILER``."""
 
 
 class UnknownFieldInFile(ValueError):
@@ -103,7 +115,14 @@ def paddle_only_fields(text, message_class):
 
 def parse(text, message_class):
     """``(message, paddle_only)`` from the text of a file; ``text_format.ParseError`` or
-    ``UnknownFieldInFile`` naming the line of a problem."""
+    ``UnknownFieldInFile`` naming the line of a problem, ``IncompleteFile`` for a file of
+    fleetmpi's cut short."""
+    if text.startswith(HEADER) and not text.endswith(TRAILER):
+        raise IncompleteFile(
+            f"it opens as fleetmpi writes a strategy ({HEADER.strip()!r}) but does not close "
+            f"with {TRAILER.strip()!r}, so it was cut short (a save that did not finish, or a "
+            "truncated copy) and nothing was loaded; save the strategy again, or delete the "
+            "first line to load what the file holds as it is")
     kept = paddle_only_fields(text, message_class)
     message = message_class()
     text_format.Parse(text, message, allow_unknown_field=True)
@@ -111,7 +130,8 @@ def parse(text, message_class):
 
 
 def render(message, paddle_only):
-    """The text of ``message`` (fields that hold a value) and the Paddle-only fields."""
+    """The text of a file of ``message`` (fields that hold a value) and the Paddle-only
+    fields, between ``HEADER`` and ``TRAILER``."""
     lines = text_format.MessageToString(message).splitlines()
     for path, texts in paddle_only.items():
         parent, _, _ = path.rpartition(".")
@@ -123,4 +143,4 @@ def render(message, paddle_only):
             lines += [opening, "}"]
         end = lines.index("}", lines.index(opening))
         lines[end:end] = [f"  {text}" for text in texts]
-    return "".join(line + "\n" for line in lines)
+    return HEADER + "".join(line + "\n" for line in lines) + TRAILER
