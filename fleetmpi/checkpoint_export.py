@@ -27,6 +27,7 @@ import sys
 
 import numpy as np
 
+from .core import archives
 from .training import checkpoint, serialization
 from .training.hybrid_checkpoint import DEGREE_KEY
 
@@ -57,7 +58,7 @@ def export_safetensors(directory, path):
                 f"{path_of_rank} holds its rank's part of the split (tensor-parallel) "
                 f"parameter {meta['parts'][0]!r}, not the whole; save such a model with "
                 "fleetmpi.training.hybrid_checkpoint, whose files hold the whole model")
-    with np.load(files[0], allow_pickle=False) as stored:
+    with archives.load_npz(files[0]) as stored:
         names = [key[len(checkpoint.MODEL_PREFIX):] for key in stored.files
                  if key.startswith(checkpoint.MODEL_PREFIX)
                  and key != checkpoint.MODEL_PREFIX + DEGREE_KEY]
@@ -66,7 +67,7 @@ def export_safetensors(directory, path):
     for index, path_of_rank in enumerate(files):
         wanted = [name for name in names if sources[name] == index]
         if wanted:
-            with np.load(path_of_rank, allow_pickle=False) as stored:
+            with archives.load_npz(path_of_rank) as stored:
                 for name in wanted:
                     state[name] = stored[checkpoint.MODEL_PREFIX + name]
     serialization.save({name: state[name] for name in names}, path)

@@ -153,15 +153,16 @@ def rank_file(directory, rank=0):
     return os.path.join(directory, checkpoint.read_manifest(directory)["files"][rank]["file"])
 
 
-def rewrite(directory, change, rank=0):
-    """Rewrite rank ``rank``'s file with ``change(arrays)`` applied and give the manifest its
-    new digest, as a checkpoint that passes the digest check but holds bad contents."""
+def rewrite(directory, change, rank=0, savez=np.savez):
+    """Rewrite rank ``rank``'s file with ``change(arrays)`` applied (through ``savez``) and give
+    the manifest its new digest, as a checkpoint that passes the digest check but holds bad
+    contents."""
     path = rank_file(directory, rank)
     with np.load(path, allow_pickle=False) as stored:
         arrays = {k: stored[k] for k in stored.files}
     change(arrays)
     with open(path, "wb") as f:
-        np.savez(f, **arrays)
+        savez(f, **arrays)
     manifest = checkpoint.read_manifest(directory)
     manifest["files"][rank]["sha256"] = hashlib.sha256(open(path, "rb").read()).hexdigest()
     with open(os.path.join(directory, "manifest.json"), "w") as f:
@@ -215,6 +216,44 @@ def test_a_refused_load_changes_nothing(tmp_path, damage, message):
         checkpoint.load(str(tmp_path), model, opt)
     assert_same(everything(model, opt), before)
     assert opt.step_count == 1
+
+
+def test_a_crafted_file_that_would_inflate_is_refused_before_it_is_read(tmp_path):
+    """A compressed member of 64 MiB of zeros is a few dozen KiB on disk: the load refuses it,
+    naming the file and the member, without taking the memory it declares."""
+    import tracemalloc
+
+    model, opt = build(0, False)
+    checkpoint.save(str(tmp_path), model, opt, 1)
+    rewrite(str(tmp_path), replace("model/fc1.bias", np.zeros(8 << 20)),
+            savez=np.savez_compressed)
+    assert os.path.getsize(rank_file(str(tmp_path))) < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"its member model/\S+\.npy is compressed"):
+            checkpoint.load(str(tmp_path), model, opt)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+
+
+def test_a_member_whose_header_declares_more_than_it_holds_is_refused(tmp_path):
+    from fleetmpi.core import archives
+
+    import io
+    import zipfile
+
+    member = io.BytesIO()
+    np.lib.format.write_array_header_1_0(member, {"descr": "<f8", "fortran_order": False,
+                                                  "shape": (9,)})
+    member.write(np.zeros(4).tobytes())
+    path = str(tmp_path / "a.npz")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("small.npy", member.getvalue())
+    with pytest.raises(ValueError, match=r"small.npy declares an array of shape \(9,\) and "
+                                         r"dtype float64 \(72 bytes\), but holds 32 bytes"):
+        archives.check_npz(path)
 
 
 def test_damaged_manifest_and_files_are_named(tmp_path):

@@ -113,3 +113,35 @@ def test_bad_files_are_named(tmp_path):
     damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(ValueError, match="damaged.safetensors is not a readable safetensors"):
         fleet.load(str(damaged))
+
+
+@pytest.mark.parametrize("values, clash", [
+    ({"w": 1}, "'w'"),                      # the same name as a tensor
+    ({"opt/moment": [0]}, "'opt/moment'"),  # a tensor nested under a dict
+    ({"opt": {"m": 1}}, "'opt/moment'"),    # a value a tensor nests under
+], ids=["same_name", "same_nested_name", "parent_of_a_tensor"])
+def test_metadata_never_takes_the_place_of_a_tensor(tmp_path, values, clash):
+    """A crafted file whose metadata values share a tensor's name is refused, where loading
+    would have replaced the tensor silently."""
+    import json
+
+    import safetensors.numpy
+
+    path = tmp_path / "crafted.safetensors"
+    path.write_bytes(safetensors.numpy.save(
+        {"w": np.ones(2, np.float32), "opt/moment": np.zeros(2, np.float32)},
+        metadata={"fleetmpi.values": json.dumps(values)}))
+    with pytest.raises(ValueError, match=f"crafted.safetensors: .* the place of the tensor "
+                                         f"{clash}"):
+        fleet.load(str(path))
+
+
+def test_metadata_that_is_not_a_json_object_is_named(tmp_path):
+    import safetensors.numpy
+
+    path = tmp_path / "crafted.safetensors"
+    path.write_bytes(safetensors.numpy.save({"w": np.ones(2, np.float32)},
+                                            metadata={"fleetmpi.values": "[1, 2]"}))
+    with pytest.raises(ValueError, match="crafted.safetensors: its fleetmpi.values metadata is "
+                                         "a list, not a JSON object"):
+        fleet.load(str(path))

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..core import backend, files
+from ..core import archives, backend, files
 
 FORMAT = "fleetmpi-checkpoint"
 VERSION = 1
@@ -218,7 +218,7 @@ class _StoredModel(Mapping):
     def __getitem__(self, name):
         if name not in self.names:
             raise KeyError(name)
-        with np.load(self.path, allow_pickle=False) as stored:
+        with archives.load_npz(self.path) as stored:
             return stored[MODEL_PREFIX + name]
 
     def __iter__(self):
@@ -336,7 +336,7 @@ def _meta(stored):
 
 def read_meta(path):
     """The metadata of the checkpoint file ``path`` (step, rank, optimizer scalars, ...)."""
-    with np.load(path, allow_pickle=False) as stored:
+    with archives.load_npz(path) as stored:
         return _meta(stored)
 
 
@@ -351,7 +351,7 @@ def _read(path, model=True, shards=True):
     ``MODEL_PREFIX``. ``shards``: False gives a sharded optimizer's ``"<state>.shard"``
     arrays as None, for ``_join_shards`` to read the range it needs."""
     try:
-        with np.load(path, allow_pickle=False) as stored:
+        with archives.load_npz(path) as stored:
             arrays = {k: None if not shards and _is_shard_state(k) else stored[k]
                       for k in stored.files
                       if k != _META and (model is True or not k.startswith(MODEL_PREFIX))}
@@ -365,8 +365,9 @@ def _read(path, model=True, shards=True):
 
 def _stored_range(path, key, lo, hi):
     """Elements ``[lo, hi)`` of the 1-d array ``key`` of the checkpoint file ``path``, read
-    alone: the entries are stored uncompressed (``np.savez``, ``_write_entries``), so the
-    range lies at a known place in the file. A compressed entry is read whole and sliced."""
+    alone: the entries are stored uncompressed (``np.savez``, ``_write_entries``; the caller
+    read the file's metadata first, through ``archives.load_npz``, which refuses any other),
+    so the range lies at a known place in the file."""
     with zipfile.ZipFile(path) as archive:
         info = archive.getinfo(key + ".npy")
         with archive.open(info) as entry:
@@ -376,8 +377,6 @@ def _stored_range(path, key, lo, hi):
             if len(shape) != 1 or not 0 <= lo <= hi <= shape[0]:
                 raise ValueError(f"{path}: {key} has shape {shape}, not a shard holding "
                                  f"elements [{lo}, {hi})")
-            if info.compress_type != zipfile.ZIP_STORED:
-                return np.lib.format.read_array(entry, allow_pickle=False)[lo:hi].copy()
             header = entry.tell()
     out = np.empty(hi - lo, dtype)
     with open(path, "rb") as f:

@@ -105,7 +105,29 @@ def load(path, return_numpy=False):
             flat = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, ValueError, safetensors.SafetensorError) as error:
         raise ValueError(f"{path} is not a readable safetensors file: {error}") from None
+    values = _stored_values(path, metadata, flat)
     if not return_numpy:
         flat = {name: to_tensor(array) for name, array in flat.items()}
-    flat.update(json.loads(metadata.get(VALUES_KEY, "{}")))
+    flat.update(values)
     return _nest(flat)
+
+
+def _stored_values(path, metadata, tensors):
+    """The values of the file's ``VALUES_KEY`` metadata; a ValueError naming ``path`` where
+    they are not a JSON object, or where one would take the place of a tensor (the same name,
+    or a name that one of them nests under), which ``save`` never writes."""
+    try:
+        values = json.loads(metadata.get(VALUES_KEY, "{}"))
+    except ValueError as error:
+        raise ValueError(f"{path}: its {VALUES_KEY} metadata is not JSON ({error})") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: its {VALUES_KEY} metadata is a {type(values).__name__}, "
+                         "not a JSON object")
+    for name in values:
+        clash = [t for t in tensors if t == name or t.startswith(name + SEPARATOR)
+                 or name.startswith(t + SEPARATOR)]
+        if clash:
+            raise ValueError(f"{path}: its {VALUES_KEY} metadata holds {name!r}, which would "
+                             f"take the place of the tensor {clash[0]!r}; fleetmpi.save never "
+                             "writes such a file, so it is not loaded")
+    return values

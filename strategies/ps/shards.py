@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from fleetmpi.core import files
+from fleetmpi.core import archives, files
 
 
 def shard_path(dirname, server, server_num):
@@ -38,7 +38,7 @@ def load_shard(dirname, server, server_num):
         raise FileNotFoundError(f"no shard {path} for server {server} of {server_num}; the "
                                 f"directory holds {present}; a job restarts from its shards "
                                 "with the same number of servers")
-    with np.load(path, allow_pickle=False) as archive:
+    with archives.load_npz(path) as archive:
         arrays = {name: archive[name] for name in archive.files}
     meta = json.loads(bytes(arrays.pop("meta")).decode("utf-8"))
     return arrays, meta
