@@ -113,6 +113,8 @@ def test_manifest_files_and_replacement(tmp_path):
     train(model, opt, range(2, 3), 0)
     checkpoint.save(str(tmp_path), model, opt, 3)
     names = sorted(os.listdir(tmp_path))
+    assert names[0] == ".lock"        # this process holds the folder (checkpoint_lock)
+    names = names[1:]
     assert len(names) == 2 and names[0] == "manifest.json"
     assert re.fullmatch(r"step-3-rank-0-[0-9a-f]{8}\.npz", names[1]), names
     manifest = json.loads((tmp_path / "manifest.json").read_text())
@@ -311,6 +313,8 @@ def test_a_crash_while_saving_the_same_step_again_keeps_the_checkpoint(tmp_path,
                              timeout=120)     # on this process's device, as the reference
     assert crashed.returncode == 9, crashed.stdout + crashed.stderr
     left = sorted(os.listdir(tmp_path))
+    assert left[0] == ".lock"       # the killed process's lock, which the kernel dropped
+    left = left[1:]
     assert len(left) == 3, left     # manifest, the saved file, and the crash's file
     model, opt = build(0, False)
     train(model, opt, range(2), 0)
@@ -318,9 +322,10 @@ def test_a_crash_while_saving_the_same_step_again_keeps_the_checkpoint(tmp_path,
     model, opt = build(3, False)
     assert checkpoint.load(str(tmp_path), model, opt)["step"] == 2
     assert_same(everything(model, opt), want)
-    checkpoint.save(str(tmp_path), model, opt, 2)
+    checkpoint.save(str(tmp_path), model, opt, 2)      # the folder's lock is free again
     names = sorted(os.listdir(tmp_path))
-    assert names == ["manifest.json", os.path.basename(rank_file(str(tmp_path)))], names
+    assert names == [".lock", "manifest.json", os.path.basename(rank_file(str(tmp_path)))], \
+        names
 
 
 

@@ -9,7 +9,9 @@ Every file goes to a temporary name first (``.tmp-rank<r>-*.part``, created excl
 through a symlink) and is renamed into place; the manifest is renamed last, and only after
 every rank has seen the new manifest does each rank remove its older files and the temporaries
 an earlier, crashed save of its own left behind. A crash at any point therefore leaves the
-previous checkpoint or the new one loadable, never a mix and never neither.
+previous checkpoint or the new one loadable, never a mix and never neither. One job at a time
+saves into a folder (``fleetmpi.training.checkpoint_lock``): a second job's save is refused on
+every rank, naming the job that holds it.
 
 Loading checks the manifest (whose files must be plain names inside the folder, and not
 symbolic links pointing out of it), the world size and the digest, reads everything, and only
@@ -39,6 +41,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..core import archives, backend, files
+from . import checkpoint_lock
 
 FORMAT = "fleetmpi-checkpoint"
 VERSION = 1
@@ -92,16 +95,20 @@ def _hex(token):
     return token.tobytes()[:4].hex()
 
 
-def _save_token(comm, rank, directory):
-    """Eight hex digits that name this save, drawn by rank 0 and the same on every rank. In a
-    job of several ranks rank 0 first leaves a marker of that name in ``directory``, which
-    ``_check_shared`` then looks for."""
-    token = np.frombuffer(os.urandom(8), dtype=np.int64).copy()
-    if comm is None:
-        return _hex(token)
-    if rank == 0:
-        files.open_for_writing(_marker(directory, _hex(token))).close()
-    return _hex(_exchange(comm, token)[0])
+def _save_token(comm, rank, size, directory):
+    """Eight hex digits that name this save, drawn by rank 0 and the same on every rank, once
+    rank 0 holds the folder's lock (``checkpoint_lock``; every rank raises naming the job that
+    holds it otherwise). In a job of several ranks rank 0 first leaves a marker of that name in
+    ``directory``, which ``_check_shared`` then looks for."""
+    token = np.frombuffer(os.urandom(8), dtype=np.int64)
+    held = rank != 0 or checkpoint_lock.hold(directory, size)
+    if comm is not None:
+        if rank == 0 and held:
+            files.open_for_writing(_marker(directory, _hex(token))).close()
+        token, held = _exchange(comm, [token[0], int(held)])[0]
+    if not held:
+        raise checkpoint_lock.held_elsewhere_error(directory)
+    return _hex(np.int64(token))
 
 
 def _marker(directory, save):
@@ -158,7 +165,7 @@ def save(directory, model, optimizer, step, extra=None):
     if device_state is not None:
         arrays[_RNG_DEVICE] = device_state
     arrays[_META] = np.array(json.dumps(meta))
-    save = _save_token(comm, rank, directory)
+    save = _save_token(comm, rank, size, directory)
     if comm is not None:
         _check_shared(comm, rank, directory, save)
     path = os.path.join(directory, _rank_file(step, rank, save))
