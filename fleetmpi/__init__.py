@@ -26,20 +26,34 @@ import mpi4py as _mpi4py
 # THREAD_MULTIPLE, 3.9 us at THREAD_SERIALIZED, 4.9 us at THREAD_SINGLE; 1 MiB: 359, 387, 398 us.
 _mpi4py.rc.thread_level = "multiple"
 
+_transport_env = {}
 if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     # mpi4py initializes MPI when it is imported, below; the launcher would then be an MPI
     # process of its own, whose transport listens on the network (docs/launch.md, "Network")
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
+else:
+    from .core import launcher_env as _launcher_env
+
+    if _launcher_env.started_alone(_os.environ):
+        # A world of one has no peer to reach: its transport stays on shared memory, where the
+        # defaults listen on the host's external address (docs/launch.md, "Network"). Set for
+        # MPI's start only, so that jobs this process starts do not inherit it.
+        _transport_env = {name: value for name, value
+                          in _launcher_env.LOCAL_TRANSPORT_ENV.items() if name not in _os.environ}
 
 NO_MPI_LIBRARY = (
     "fleetmpi needs an MPI library, and mpi4py found none ({}). Install one: "
     "pip install 'fleetmpi[mpi]' (MPICH from PyPI), or load your site's MPI (module load ...) "
     "with mpi4py built against it (pip install --no-binary mpi4py mpi4py).")
 
+_os.environ.update(_transport_env)
 try:
     from mpi4py import MPI as _MPI  # noqa: F401 - the first load of the MPI library
 except RuntimeError as _error:
     raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
+finally:
+    for _name in _transport_env:
+        del _os.environ[_name]
 
 from . import autograd, device, framework, io, metric, nn, optimizer, utils
 from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, gather,

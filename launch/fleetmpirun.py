@@ -36,7 +36,7 @@ import threading
 import time
 
 from fleetmpi.training import elastic
-from fleetmpi.core import knobs
+from fleetmpi.core import knobs, launcher_env
 from fleetmpi.config.role_maker import endpoint_labels
 from . import mpi_command, rank_main, restart, shm, slurm, watch
 
@@ -295,11 +295,11 @@ def process_manager(args, flavour, mpiexec):
 
 def transport_environment(args, flavour, environ):
     """The variables that keep MPICH's transport on shared memory for a job on this host only
-    (``mpi_command.LOCAL_TRANSPORT_ENV``), less those the user set in ``environ``; none for
+    (``launcher_env.LOCAL_TRANSPORT_ENV``), less those the user set in ``environ``; none for
     Open MPI or a job over several hosts."""
     if flavour != mpi_command.MPICH or not on_this_host_only(args):
         return {}
-    return {name: value for name, value in mpi_command.LOCAL_TRANSPORT_ENV.items()
+    return {name: value for name, value in launcher_env.LOCAL_TRANSPORT_ENV.items()
             if name not in environ}
 
 

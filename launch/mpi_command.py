@@ -19,8 +19,9 @@ has it (the MPICH wheel installs it beside ``mpiexec``): gforker forks the ranks
 to them over inherited file descriptors, so it opens no socket, where hydra's control port
 listens on every interface. It takes ``-n``, ``-genv NAME VALUE`` and passes its own
 environment to the ranks (``-genvall`` is hydra's spelling of that, and gforker refuses it);
-it places ranks on no other host. ``LOCAL_TRANSPORT_ENV`` keeps the ranks' own transport on
-shared memory, so that it opens no listener either (docs/launch.md, "Network").
+it places ranks on no other host. ``fleetmpi.core.launcher_env.LOCAL_TRANSPORT_ENV`` keeps the
+ranks' own transport on shared memory, so that it opens no listener either (docs/launch.md,
+"Network").
 """
 import os
 import shutil
@@ -40,11 +41,6 @@ GFORKER_NAME = "mpiexec.gforker"
 GFORKER_OPTIONS = {"-l": 0, "-exitinfo": 0, "-genvnone": 0, "-envnone": 0, "-genvall": 0,
                    "-usize": 1, "-maxtime": 1, "-soft": 1, "-wdir": 1, "-path": 1,
                    "-genvlist": 1, "-envlist": 1, "-genv": 2, "-env": 2}
-# MPICH's transports on one host, shared memory only: UCX's (``self,sm``) and libfabric's
-# (``shm``, for ``MPICH_CH4_NETMOD=ofi``). Each opens no listener; the defaults listen on
-# 127.0.0.1 and on the host's external address. A variable the user set is left as it is.
-LOCAL_TRANSPORT_ENV = {"UCX_TLS": "self,sm", "FI_PROVIDER": "shm"}
-
 # Variables Open MPI forwards to the ranks on other hosts with ``-x`` (hydra forwards all).
 EXPORTED_PREFIXES = ("FLEETMPI_", "PADDLE_", "FLAGS_", "CUDA_", "NCCL_", "OMP_")
 EXPORTED_NAMES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "VIRTUAL_ENV")

@@ -3,6 +3,7 @@ argument), refusals of bad input, the rank wrapper's placement, roles and script
 few real jobs (2, 3 and 4 ranks) with per-rank logs, GPU variables, roles and exit codes."""
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -754,3 +755,38 @@ def test_the_launcher_process_does_not_initialize_mpi(argv, orig_argv, launcher)
         probe = subprocess.run([PY, "-c", code.format(name)], text=True, capture_output=True,
                                timeout=JOB_TIMEOUT)
         assert probe.stdout.strip() == initialized, probe.stderr
+
+
+ALONE_JOB = textwrap.dedent("""\
+    import json, os, re, subprocess
+    import numpy as np
+    import fleetmpi as fleet
+    from mpi4py import MPI
+
+    fleet.init(is_collective=True)
+    total = np.empty(1 << 16)
+    MPI.COMM_WORLD.Allreduce(np.ones(1 << 16), total)     # the transport is up and in use
+    ss = subprocess.run(["ss", "-ltnupH"], capture_output=True, text=True, timeout=30)
+    mine = [line.split()[4] for line in ss.stdout.splitlines()
+            if f"pid={os.getpid()}," in line]
+    print("LISTENERS " + json.dumps(mine))
+    print("INHERITED " + json.dumps([os.environ.get(n) for n in ("UCX_TLS", "FI_PROVIDER")]))
+    """)
+
+
+def test_a_process_started_alone_listens_on_no_socket(tmp_path):
+    """``python train.py``, a world of one: MPI's transport is kept to shared memory while MPI
+    starts (its defaults listen on the host's external address), and the variables are not
+    left for the jobs the process starts."""
+    if shutil.which("ss") is None:
+        pytest.skip("ss (iproute2) is not installed: the process's listeners cannot be read")
+    if mpi_command.detect_flavour(mpi_command.find_mpiexec()) != mpi_command.MPICH:
+        pytest.skip("the promise is MPICH's, whose transports the variables name")
+    launched = re.compile(r"(PMI|PMIX|OMPI|SLURM|MPI_LOCAL|UCX|FI)_")
+    environ = {name: value for name, value in os.environ.items() if not launched.match(name)}
+    done = subprocess.run([sys.executable, "-c", ALONE_JOB], capture_output=True, text=True,
+                          env=environ, timeout=JOB_TIMEOUT, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert json.loads(said["LISTENERS"]) == [], done.stdout
+    assert json.loads(said["INHERITED"]) == [None, None], done.stdout

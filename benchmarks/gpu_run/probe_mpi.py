@@ -7,8 +7,8 @@ transport, as the multi-rank stage's ranks do first (mpi4py's own hello world pa
 H200's Open MPI 4.1 where the stage's ranks then exited at once, saying nothing). Two ranks
 that each see a world of one mean that mpi4py's MPI is not the launcher's. Where the ranks
 fail as the environment is, they are started again with MPI's transports kept to shared memory
-(``fleetmpi.launch.mpi_command.LOCAL_TRANSPORT_ENV``, what ``fleetmpirun`` sets on one host),
-and the variables that made them start are reported.
+(``fleetmpi.core.launcher_env.LOCAL_TRANSPORT_ENV``, what ``fleetmpirun`` sets on one
+host), and the variables that made them start are reported.
 
     python probe_mpi.py SECONDS
 
@@ -42,7 +42,8 @@ def library():
 
 def hello(seconds):
     """``{"command", "ok", "variables"}`` (or ``"output"`` where no try started the ranks)."""
-    from fleetmpi.launch.mpi_command import LOCAL_TRANSPORT_ENV, local_command
+    from fleetmpi.core.launcher_env import LOCAL_TRANSPORT_ENV
+    from fleetmpi.launch.mpi_command import local_command
 
     cmd = local_command(RANKS, [sys.executable, "-c", RANK_PROGRAM])
     local = {name: value for name, value in LOCAL_TRANSPORT_ENV.items() if name not in os.environ}

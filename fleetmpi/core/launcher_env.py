@@ -48,3 +48,17 @@ RANKS_ON_NODE = tuple(family.local_size or family.tasks_per_node for family in M
                       if family.local_size or family.tasks_per_node)
 # This rank's index on its node, as each MPI launcher says it, in the order they are read.
 LOCAL_RANKS = tuple(family.local_rank for family in MPI_LAUNCHERS)
+# What a process manager sets for MPI to reach it, beside the families' variables (PMI over an
+# inherited descriptor, as mpiexec.gforker; PMIx, as prterun and srun --mpi=pmix).
+PROCESS_MANAGER = ("PMI_FD", "PMI_PORT", "PMIX_RANK")
+# The MPI library's transport kept to shared memory, UCX's (MPICH's default network module) and
+# libfabric's (under MPICH_CH4_NETMOD=ofi), whose defaults listen on 127.0.0.1 and on the host's
+# external address: set for the ranks of a job on one host and for a process started alone, so
+# that neither opens a listener (docs/launch.md, "Network"). A variable the user set is left.
+LOCAL_TRANSPORT_ENV = {"UCX_TLS": "self,sm", "FI_PROVIDER": "shm"}
+
+
+def started_alone(environ):
+    """Whether no launcher started this process: ``python train.py``, a world of one."""
+    return not any(family.size_variable(environ) for family in MPI_LAUNCHERS) and \
+        not any(environ.get(name) for name in PROCESS_MANAGER)
