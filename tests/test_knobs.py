@@ -98,6 +98,8 @@ def test_values_are_parsed(knob, text, value):
     (knobs.TRANSPORT, "gloo", "FLEETMPI_TRANSPORT='gloo' must be auto, mpi or nccl"),
     (knobs.DEVICE, "tpu", "FLEETMPI_DEVICE='tpu' is not a device"),
     (knobs.NUM_THREADS, "0", "FLEETMPI_NUM_THREADS='0' must be a positive integer"),
+    (knobs.NUM_THREADS, "99999999999999999999",
+     "FLEETMPI_NUM_THREADS='99999999999999999999' must be a positive integer up to 65536"),
     (knobs.LOCAL_SIZE, "two", "FLEETMPI_LOCAL_SIZE='two' must be a positive integer"),
     (knobs.LOG_LEVEL, "loud", "FLEETMPI_LOG_LEVEL='LOUD' is not a logging level"),
     (knobs.RESTART_COUNT, "-1", "FLEETMPI_RESTART_COUNT='-1' must be a whole number >= 0"),

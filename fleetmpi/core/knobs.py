@@ -102,6 +102,14 @@ def positive_integer(name, text):
     return int(text)
 
 
+def thread_count(name, text):
+    """A whole number from 1 to ``MAX_THREADS``: the BLAS takes it as a C int."""
+    count = positive_integer(name, text)
+    if count > MAX_THREADS:
+        raise ValueError(f"{name}={text!r} must be a positive integer up to {MAX_THREADS}")
+    return count
+
+
 def whole_number(name, text):
     """A whole number >= 0."""
     if not text.isdigit():
@@ -180,8 +188,9 @@ AUTO_ALLOWABLE = AUTO_ROUNDING + AUTO_CONVERGENCE
 DEVICE = Knob(
     "FLEETMPI_DEVICE", None, device, "`cpu`, `gpu`",
     "The array backend; unset: a GPU when CuPy imports and sees a device, else the CPU.")
+MAX_THREADS = 1 << 16
 NUM_THREADS = Knob(
-    "FLEETMPI_NUM_THREADS", None, positive_integer, "a positive integer",
+    "FLEETMPI_NUM_THREADS", None, thread_count, f"a positive integer up to {MAX_THREADS}",
     "BLAS threads per rank on CPU; unset: the node's cores over its ranks, or the user's "
     "`OMP_NUM_THREADS`/`OPENBLAS_NUM_THREADS`/`MKL_NUM_THREADS` where set.")
 KEEP_HOST_MEMORY = Knob(
