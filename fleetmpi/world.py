@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from .core import failure, job, log
+from .core import failure, job, knob_agreement, log
 from .core.job import (is_first_worker, local_rank, local_size, node_index, node_num,  # noqa: F401
                        role_maker, roles, topology, worker_index, worker_num)
 
@@ -50,6 +50,7 @@ def init(role_maker=None, is_collective=True, strategy=None):
     failure.install(topology.rank, topology.size, topology.node_index)
     verify(topology, collective=collective,
            emulated_nodes=os.environ.get(LOCAL_SIZE.name, "") != "")
+    knob_agreement.check(topology.world)
     role_maker.bind(topology.rank, topology.size)
     job.join(topology, role_maker)
     if not collective:

@@ -108,3 +108,58 @@ def test_values_are_parsed(knob, text, value):
 def test_bad_values_name_the_variable_the_value_and_what_is_allowed(knob, text, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         knob.value({knob.name: text})
+
+
+# -- the agreed knobs: the same meaning on every rank, checked at fleet.init ------------------
+
+MISMATCHED_START = """
+import os, sys
+from mpi4py import MPI
+rank = MPI.COMM_WORLD.Get_rank()
+os.environ.update(dict(pair.split("=", 1) for pair in sys.argv[2 + rank].split(",") if pair))
+import fleetmpi as fleet
+from fleetmpi.core.knob_agreement import KnobMismatchError
+try:
+    fleet.init(is_collective=True)
+    said = "started"
+except KnobMismatchError as error:
+    said = f"refused: {error}"
+with open(os.path.join(sys.argv[1], f"rank-{rank}"), "w") as f:
+    f.write(said)
+"""
+
+
+@pytest.mark.parametrize("settings, said", [
+    (["", "FLEETMPI_CHECK_COLLECTIVES=0"],
+     "FLEETMPI_CHECK_COLLECTIVES is unset on rank(s) 0, '0' on rank(s) 1"),
+    (["FLEETMPI_NONFINITE=skip,FLEETMPI_OVERLAP_ALLREDUCE=0", "FLEETMPI_NONFINITE=stop"],
+     "FLEETMPI_OVERLAP_ALLREDUCE is '0' on rank(s) 0, unset on rank(s) 1; "
+     "FLEETMPI_NONFINITE is 'skip' on rank(s) 0, 'stop' on rank(s) 1"),
+    (["FLEETMPI_CHECK_COLLECTIVES=1,FLEETMPI_LOG_LEVEL=DEBUG", ""], None),   # same meanings
+], ids=["check_collectives", "two_variables", "default_spelled_out"])
+def test_ranks_started_with_different_agreed_settings_are_refused_on_every_rank(tmp_path, settings,
+                                                                            said):
+    """Where the ranks would deadlock at their first collective, every rank is told at
+    ``fleet.init`` which variable differs and where; the default written out and a per-rank
+    knob (the log level) are no difference."""
+    import subprocess
+    import sys
+
+    from fleetmpi.launch.mpi_command import local_command
+
+    environ = {name: value for name, value in os.environ.items()
+               if name not in {knob.name for knob in knobs.AGREED}}
+    done = subprocess.run(local_command(2, [sys.executable, "-c", MISMATCHED_START,
+                                            str(tmp_path)] + settings),
+                          capture_output=True, text=True, timeout=120, env=environ)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        text = (tmp_path / f"rank-{rank}").read_text()
+        if said is None:
+            assert text == "started", text
+        else:
+            assert text.startswith("refused: ") and said in text, text
+
+
+def test_every_agreed_knob_is_a_knob():
+    assert set(knobs.AGREED) <= set(knobs.KNOBS)

@@ -291,6 +291,12 @@ ELASTIC_PROGRESS = Knob(
     "Set by `fleetmpirun --elastic`: where rank 0 records its last committed and reached "
     "steps.")
 
+# The knobs every rank must set alike: their values decide which collectives a rank calls
+# (the argument agreement's exchanges, the overlap's thread, the transport, the non-finite
+# verdict, a captured step, auto's trials), so ranks that differ would wait on each other for
+# good. ``fleetmpi.core.knob_agreement`` compares them at ``fleet.init``.
+AGREED = (DEVICE, LOCAL_SIZE, TRANSPORT, CHECK_COLLECTIVES, OVERLAP_ALLREDUCE, NONFINITE,
+          CUDA_GRAPH, AUTO_SECONDS, AUTO_ALLOW, AUTO_MEMORY_MB)
 KNOBS = (DEVICE, NUM_THREADS, KEEP_HOST_MEMORY, LOG_LEVEL, LOCAL_SIZE, CHECK_ENVIRONMENT,
          TRANSPORT, CHECK_COLLECTIVES, OVERLAP_ALLREDUCE, STALL_TIMEOUT, ABORT_ON_ERROR,
          TIMELINE, PROGRESS, PS_TIMEOUT, AUTO_SECONDS, AUTO_ALLOW, AUTO_MEMORY_MB,
