@@ -27,6 +27,7 @@ from .nn.pipeline_layer import PipelineLayer
 from .nn.functional import cudnn
 from .optimizer import Optimizer, StepContext, run_step
 from .pipeline_parallel import PipelineParallel
+from .training.model_agreement import check_same_model
 from .optimizer.step import (backward_pass, finish_step, minimize_loss, report_gradients,
                              run_backward_stage, run_forward, run_reduce_stage, step_running)
 from .strategies import applied
@@ -116,6 +117,7 @@ def _broadcast_state(model, comm):
     """Give ``model``'s parameters and buffers rank 0's values over ``comm`` (None: alone)."""
     if comm is None:
         return
+    check_same_model(model, comm)
     # A buffer built under LazyGuard has no values yet; every rank draws the same ones.
     flats = [buffer.data for buffer in model.flat_buffers() if not buffer.deferred]
     if flats:

@@ -317,3 +317,29 @@ def test_fusion_fields_with_nothing_to_fuse_are_reported_not_applied():
     opt.minimize(sequential, nn.CrossEntropyLoss(), x, y)
     assert sequential.fused_steps() == 1
     assert "build_strategy.fuse_elewise_add_act_ops" not in fleet.applied_strategy().not_applied
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("difference", ["width", "extra_layer", "dtype"])
+def test_a_model_that_differs_between_ranks_is_named_on_every_rank(difference):
+    """One error per rank naming the first parameter that differs and each rank's shape, where
+    the broadcast's argument check named only counts."""
+    from fleetmpi.training.model_agreement import ModelMismatchError
+
+    fleet.init(is_collective=True)
+    rank, size = fleet.worker_index(), fleet.worker_num()
+    odd = rank % 2
+    layers = [nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3 + (odd if difference == "width" else 0),
+                                                    dtype="float64" if odd and difference == "dtype"
+                                                    else None)]
+    if difference == "extra_layer" and odd:
+        layers.append(nn.Linear(3, 3))
+    with pytest.raises(ModelMismatchError) as info:
+        fleet.distributed_model(nn.Sequential(*layers))
+    lines = str(info.value).splitlines()
+    expected = {"width": ["2.weight of shape (8, 3) float32", "2.weight of shape (8, 4) float32"],
+                "extra_layer": ["nothing: it has 4 entries", "3.weight of shape (3, 3) float32"],
+                "dtype": ["2.weight of shape (8, 3) float32", "2.weight of shape (8, 3) float64"]}
+    for other in range(size):
+        assert f"  rank {other}: {expected[difference][other % 2]}" in lines, lines
+    fleet.distributed_model(nn.Sequential(nn.Linear(4, 8)))   # the same model: no error
