@@ -12,10 +12,11 @@ a default ``DistributedStrategy`` in a world of one rank, as a user's script wou
 
 Each round times ``--steps`` steps of one trainer, then as many of the other (which goes
 first alternates from round to round), so that the machine's drift falls on both; a round's
-figure is its median step. Printed: each round's medians and their ratio, the median of the
-rounds' figures, then where a step's time goes for each trainer (forward with the loss,
-backward, step, zeroing the gradients: medians over every timed step). Without PyTorch it
-says so and prints fleetmpi's figures alone.
+figure is its median step, in wall-clock time and in this process's CPU time (which other jobs
+on a shared machine disturb less). Printed: each round's medians and their ratios, the median
+of the rounds' figures, then where a step's wall-clock time goes for each trainer (forward
+with the loss, backward, step, zeroing the gradients: medians over every timed step). Without
+PyTorch it says so and prints fleetmpi's figures alone.
 
     python benchmarks/host_cost.py [--layers 12] [--width 24] [--heads 12] [--tokens 8]
                                    [--vocab 96] [--rounds 7] [--steps 40] [--warmup 10]
@@ -33,6 +34,7 @@ from throughput_run.torch_models import torch_gpt  # noqa: E402
 from throughput_run.training import our_optimizer, torch_optimizer  # noqa: E402
 
 PARTS = ("forward", "backward", "step", "clear_grad")
+CLOCKS = ("", "CPU ")
 
 
 def load_torch():
@@ -52,7 +54,8 @@ def sizes(args):
 
 
 def our_step(gpt, tokens, targets):
-    """fleetmpi's step ``parts -> seconds of each of PARTS``, as a user's script trains."""
+    """fleetmpi's step, as a user's script trains: ``step()`` returns the wall-clock seconds
+    of each of ``PARTS``."""
     import fleetmpi as fleet
     import fleetmpi.nn.functional as F
     from fleetmpi import nn
@@ -97,8 +100,15 @@ def torch_step(torch, gpt, tokens, targets):
     return step
 
 
+def cpu_timed(step):
+    """``(wall-clock seconds of each of PARTS, CPU seconds)`` of one call of ``step``."""
+    start = time.process_time()
+    parts = step()
+    return parts, time.process_time() - start
+
+
 def measure(steps, args):
-    """``{trainer: [rounds of [per-step part times]]}``: ``args.warmup`` steps each, then
+    """``{trainer: [rounds of [cpu_timed(step)]]}``: ``args.warmup`` steps each, then
     ``args.rounds`` rounds of ``args.steps`` steps, the trainers alternating within each
     round, the one going first alternating between rounds."""
     for step in steps.values():
@@ -108,36 +118,45 @@ def measure(steps, args):
     for index in range(args.rounds):
         order = list(steps) if index % 2 == 0 else list(reversed(steps))
         for name in order:
-            rounds[name].append([steps[name]() for _ in range(args.steps)])
+            rounds[name].append([cpu_timed(steps[name]) for _ in range(args.steps)])
     return rounds
 
 
 def round_medians(rounds):
-    """Each round's median step, in seconds."""
-    return [statistics.median(sum(parts) for parts in timed) for timed in rounds]
+    """Each round's ``(median wall-clock step, median CPU step)``, in seconds."""
+    return [(statistics.median(sum(parts) for parts, _ in timed),
+             statistics.median(cpu for _, cpu in timed)) for timed in rounds]
 
 
 def print_rounds(medians):
-    """The rounds' medians of each trainer, the ratio where there are two, and the median of
-    the rounds."""
+    """The rounds' medians of each trainer on each clock (``CLOCKS``), their ratios where
+    there are two trainers, and the median of the rounds."""
     names = list(medians)
-    header = "".join(f"{name + ' ms':>14}" for name in names)
-    print(f"{'round':>6}{header}" + (f"{'ratio':>8}" if len(names) == 2 else ""))
+    header = ""
+    for clock in CLOCKS:
+        header += "".join(f"{name + ' ' + clock + 'ms':>17}" for name in names)
+        header += f"{clock + 'ratio':>11}" if len(names) == 2 else ""
+    print(f"{'round':>6}{header}")
 
     def row(label, figures):
-        cells = "".join(f"{seconds * 1e3:>14.2f}" for seconds in figures)
-        ratio = f"{figures[0] / figures[1]:>8.2f}" if len(figures) == 2 else ""
-        print(f"{label:>6}{cells}{ratio}")
+        """``figures``: per trainer, ``(wall, CPU)`` seconds."""
+        cells = ""
+        for clock in range(len(CLOCKS)):
+            cells += "".join(f"{pair[clock] * 1e3:>17.2f}" for pair in figures)
+            if len(figures) == 2:
+                cells += f"{figures[0][clock] / figures[1][clock]:>11.2f}"
+        print(f"{label:>6}{cells}")
     for index, figures in enumerate(zip(*medians.values())):
         row(str(index + 1), figures)
-    row("median", [statistics.median(medians[name]) for name in names])
+    row("median", [[statistics.median(pair[clock] for pair in medians[name])
+                    for clock in range(len(CLOCKS))] for name in names])
 
 
 def print_parts(rounds):
-    """Where each trainer's step goes: the median of each of ``PARTS`` over its timed
-    steps."""
+    """Where each trainer's step goes: the median wall-clock time of each of ``PARTS`` over
+    its timed steps."""
     for name, timed in rounds.items():
-        every = [parts for round_ in timed for parts in round_]
+        every = [parts for round_ in timed for parts, _ in round_]
         medians = [statistics.median(parts[i] for parts in every) for i in range(len(PARTS))]
         cells = ", ".join(f"{part} {seconds * 1e3:.2f}" for part, seconds in zip(PARTS, medians))
         print(f"{name} step, median ms: {cells}")

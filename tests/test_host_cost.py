@@ -1,6 +1,7 @@
 """benchmarks/host_cost.py run for a couple of steps, in a fresh process each (it sets its
-thread count and initialises fleet): the table of rounds, the median row and the breakdown of
-each trainer's step, with PyTorch and without it. Nothing about the timings is asserted."""
+thread count and initialises fleet): the table of rounds (wall-clock and CPU time), the
+median row and the breakdown of each trainer's step, with PyTorch and without it. Nothing
+about the timings is asserted."""
 import os
 import re
 import subprocess
@@ -26,10 +27,13 @@ def run(prelude=""):
 
 
 def check_table(lines, trainers):
-    """The header, a row per round and the median row, ``trainers`` figures each (and their
-    ratio for two), then a breakdown line per trainer."""
+    """The header, a row per round and the median row, ``trainers`` figures each in
+    wall-clock and CPU time (and their ratios for two), then a breakdown line per trainer."""
     assert lines[0].startswith("host cost of a training step: GPT of 2 layers, 8 wide")
-    columns = [f"{name} ms" for name in trainers] + (["ratio"] if len(trainers) == 2 else [])
+    columns = []
+    for clock in ("", "CPU "):
+        columns += [f"{name} {clock}ms" for name in trainers]
+        columns += [f"{clock}ratio"] if len(trainers) == 2 else []
     assert re.fullmatch(r"\s*round\s+" + r"\s+".join(map(re.escape, columns)), lines[1])
     cells = len(columns)
     for line, label in zip(lines[2:5], ("1", "2", "median")):
