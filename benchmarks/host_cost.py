@@ -14,9 +14,9 @@ Each round times ``--steps`` steps of one trainer, then as many of the other (wh
 first alternates from round to round), so that the machine's drift falls on both; a round's
 figure is its median step, in wall-clock time and in this process's CPU time (which other jobs
 on a shared machine disturb less). Printed: each round's medians and their ratios, the median
-of the rounds' figures, then where a step's wall-clock time goes for each trainer (forward
-with the loss, backward, step, zeroing the gradients: medians over every timed step). Without
-PyTorch it says so and prints fleetmpi's figures alone.
+of the rounds' figures, then where a step's CPU time goes for each trainer (forward with the
+loss, backward, step, zeroing the gradients: medians over every timed step). Without PyTorch
+it says so and prints fleetmpi's figures alone.
 
     python benchmarks/host_cost.py [--layers 12] [--width 24] [--heads 12] [--tokens 8]
                                    [--vocab 96] [--rounds 7] [--steps 40] [--warmup 10]
@@ -54,8 +54,8 @@ def sizes(args):
 
 
 def our_step(gpt, tokens, targets):
-    """fleetmpi's step, as a user's script trains: ``step()`` returns the wall-clock seconds
-    of each of ``PARTS``."""
+    """fleetmpi's step, as a user's script trains: ``step()`` returns the CPU seconds of each
+    of ``PARTS``."""
     import fleetmpi as fleet
     import fleetmpi.nn.functional as F
     from fleetmpi import nn
@@ -67,16 +67,16 @@ def our_step(gpt, tokens, targets):
     vocab = gpt["vocab_size"]
 
     def step():
-        start = time.perf_counter()
+        start = time.process_time()
         loss = F.cross_entropy(model(x).reshape([-1, vocab]), y)
-        forward = time.perf_counter()
+        forward = time.process_time()
         loss.backward()
-        backward = time.perf_counter()
+        backward = time.process_time()
         opt.step()
-        stepped = time.perf_counter()
+        stepped = time.process_time()
         opt.clear_grad()
         return forward - start, backward - forward, stepped - backward, \
-            time.perf_counter() - stepped
+            time.process_time() - stepped
     return step
 
 
@@ -87,28 +87,28 @@ def torch_step(torch, gpt, tokens, targets):
     x, y = torch.from_numpy(tokens), torch.from_numpy(targets.reshape(-1))
 
     def step():
-        start = time.perf_counter()
+        start = time.process_time()
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        forward = time.perf_counter()
+        forward = time.process_time()
         loss.backward()
-        backward = time.perf_counter()
+        backward = time.process_time()
         opt.step()
-        stepped = time.perf_counter()
+        stepped = time.process_time()
         opt.zero_grad()
         return forward - start, backward - forward, stepped - backward, \
-            time.perf_counter() - stepped
+            time.process_time() - stepped
     return step
 
 
-def cpu_timed(step):
-    """``(wall-clock seconds of each of PARTS, CPU seconds)`` of one call of ``step``."""
-    start = time.process_time()
+def wall_timed(step):
+    """``(CPU seconds of each of PARTS, wall-clock seconds)`` of one call of ``step``."""
+    start = time.perf_counter()
     parts = step()
-    return parts, time.process_time() - start
+    return parts, time.perf_counter() - start
 
 
 def measure(steps, args):
-    """``{trainer: [rounds of [cpu_timed(step)]]}``: ``args.warmup`` steps each, then
+    """``{trainer: [rounds of [wall_timed(step)]]}``: ``args.warmup`` steps each, then
     ``args.rounds`` rounds of ``args.steps`` steps, the trainers alternating within each
     round, the one going first alternating between rounds."""
     for step in steps.values():
@@ -118,14 +118,14 @@ def measure(steps, args):
     for index in range(args.rounds):
         order = list(steps) if index % 2 == 0 else list(reversed(steps))
         for name in order:
-            rounds[name].append([cpu_timed(steps[name]) for _ in range(args.steps)])
+            rounds[name].append([wall_timed(steps[name]) for _ in range(args.steps)])
     return rounds
 
 
 def round_medians(rounds):
     """Each round's ``(median wall-clock step, median CPU step)``, in seconds."""
-    return [(statistics.median(sum(parts) for parts, _ in timed),
-             statistics.median(cpu for _, cpu in timed)) for timed in rounds]
+    return [(statistics.median(wall for _, wall in timed),
+             statistics.median(sum(parts) for parts, _ in timed)) for timed in rounds]
 
 
 def print_rounds(medians):
@@ -153,13 +153,13 @@ def print_rounds(medians):
 
 
 def print_parts(rounds):
-    """Where each trainer's step goes: the median wall-clock time of each of ``PARTS`` over
-    its timed steps."""
+    """Where each trainer's step goes: the median CPU time of each of ``PARTS`` over its
+    timed steps."""
     for name, timed in rounds.items():
         every = [parts for round_ in timed for parts, _ in round_]
         medians = [statistics.median(parts[i] for parts in every) for i in range(len(PARTS))]
         cells = ", ".join(f"{part} {seconds * 1e3:.2f}" for part, seconds in zip(PARTS, medians))
-        print(f"{name} step, median ms: {cells}")
+        print(f"{name} step, median CPU ms: {cells}")
 
 
 def describe(args, torch):

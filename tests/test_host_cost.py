@@ -41,7 +41,7 @@ def check_table(lines, trainers):
     for line, name in zip(lines[5:], trainers):
         parts = ", ".join(f"{part} {NUMBER}" for part in ("forward", "backward", "step",
                                                            "clear_grad"))
-        assert re.fullmatch(rf"{name} step, median ms: {parts}", line), line
+        assert re.fullmatch(rf"{name} step, median CPU ms: {parts}", line), line
     assert len(lines) == 5 + len(trainers)
 
 
