@@ -103,6 +103,24 @@ def test_fused_and_unfused_updates_are_identical():
         np.testing.assert_array_equal(results[0], results[1])
 
 
+def test_run_views_are_each_parameters_view_whole_or_cut():
+    """``BufferRun.views`` (the per-parameter update's) gives what ``view`` gives for each
+    parameter: shaped like it when the run holds all of it, the 1-d piece a shard cut."""
+    model = model_with_grads()
+    opt = optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    opt.shard(5, 20)    # cuts both weights (the buffer holds the last layer first)
+    for run in opt._update_runs:
+        flat = np.arange(run.stop - run.start, dtype=np.float64)
+        views = run.views(flat)
+        assert len(views) == len(run.parameters)
+        for view, p in zip(views, run.parameters):
+            expected = run.view(flat, p)
+            assert view.shape == expected.shape
+            np.testing.assert_array_equal(view, expected)
+            whole = run.start <= p.offset and p.offset + p.size <= run.stop
+            assert view.shape == (p.shape if whole else (view.size,))
+
+
 def test_minimize_trains_and_returns_a_0d_loss():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 5))

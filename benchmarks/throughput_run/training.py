@@ -72,7 +72,7 @@ def _rates(found, model, device):
             "host_ms": found["host_ms"], "peak_bytes": found["peak_bytes"]}
 
 
-def _our_optimizer(kind, parameters):
+def our_optimizer(kind, parameters):
     from fleetmpi import optimizer
 
     settings = OPTIMIZERS[kind]
@@ -114,7 +114,7 @@ def _train_ours(args, precision, deadline):
     strategy.fuse_bn_act_ops = True
     request_amp(strategy, precision)
     model = fleet.distributed_model(our_model(args.model, args.device))
-    opt = fleet.distributed_optimizer(_our_optimizer(found.optimizer, model.parameters()),
+    opt = fleet.distributed_optimizer(our_optimizer(found.optimizer, model.parameters()),
                                       strategy)
     check_amp_dtype(opt, precision)
     x, y = (backend.asarray(a) for a in batches(args.model, args.device))
@@ -142,7 +142,7 @@ def run_ours(args):
                     release)
 
 
-def _torch_optimizer(kind, parameters):
+def torch_optimizer(kind, parameters):
     import torch
 
     settings = dict(OPTIMIZERS[kind])
@@ -162,7 +162,7 @@ def _train_torch(args, precision, deadline):
     torch.manual_seed(0)
     target = torch.device("cuda" if gpu else "cpu")
     model = DistributedDataParallel(torch_model(args.model, args.device).to(target))
-    opt = _torch_optimizer(found.optimizer, model.parameters())
+    opt = torch_optimizer(found.optimizer, model.parameters())
     loss_fn = torch.nn.CrossEntropyLoss()
     autocast = torch_autocast(precision, target.type)
     scaler = torch_scaler(precision, target.type)

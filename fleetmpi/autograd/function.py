@@ -183,10 +183,11 @@ def _bfloat16_kept(result, arrays):
     arguments and every floating input array is bfloat16. NumPy returns float32 for
     ml_dtypes' bfloat16 where a Python float takes part (``x * 0.5``), where float16 stays
     float16 (NEP 50's weak scalars); an operation keeps bfloat16 as it keeps float16."""
-    if not any(type(a) is float for a in arrays):
+    if float not in map(type, arrays):
         return result
     floating = [a.dtype for a in arrays if hasattr(a, "dtype") and backend.is_floating(a.dtype)]
-    if not floating or any(dtype.name != "bfloat16" for dtype in floating):
+    # A kind "f" dtype is not bfloat16: tested first, as a dtype's name is slow to produce.
+    if not floating or any(dtype.kind == "f" or dtype.name != "bfloat16" for dtype in floating):
         return result
 
     def kept(array):

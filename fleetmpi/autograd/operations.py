@@ -253,7 +253,8 @@ class Transpose(Function):
         return x.transpose(self.perm)
 
     def backward(self, dy):
-        return dy.transpose(tuple(np.argsort(self.perm))), None
+        inverse = sorted(range(len(self.perm)), key=self.perm.__getitem__)
+        return dy.transpose(inverse), None
 
 
 def _is_advanced(index):

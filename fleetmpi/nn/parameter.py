@@ -208,10 +208,6 @@ class Parameter(Tensor):
         self.buffer = buffer
         self.offset = offset
 
-    @property
-    def size(self):
-        return int(np.prod(self.data.shape))
-
     def __repr__(self):
         return f"Parameter({self.name!r}, shape={list(self.shape)}, dtype={self.dtype})"
 

@@ -61,6 +61,7 @@ class BufferRun:
         self.parameters = parameters
         self._data = data
         self._grad = grad
+        self._layout = None
 
     @property
     def data(self):
@@ -70,13 +71,30 @@ class BufferRun:
     def grad(self):
         return self.buffer.grad[self.start:self.stop] if self._grad is None else self._grad
 
+    def _places(self):
+        """``{id(parameter): (begin, end, shape or None)}``: where each parameter lies in an
+        array of this run's length, and its shape when the run holds all of it. Worked out
+        once: a parameter's offset, size and shape do not change while a run holds it."""
+        if self._layout is None:
+            self._layout = {}
+            for p in self.parameters:
+                begin = max(p.offset, self.start)
+                end = min(p.offset + p.size, self.stop)
+                whole = end - begin == p.size
+                self._layout[id(p)] = (begin - self.start, end - self.start,
+                                       p.shape if whole else None)
+        return self._layout
+
     def view(self, flat, parameter):
         """The part of ``flat`` (an array of this run's length) that belongs to ``parameter``:
         shaped like the parameter when the run holds all of it, else the 1-d piece it holds."""
-        begin = max(parameter.offset, self.start)
-        end = min(parameter.offset + parameter.size, self.stop)
-        piece = flat[begin - self.start:end - self.start]
-        return piece.reshape(parameter.shape) if end - begin == parameter.size else piece
+        begin, end, shape = self._places()[id(parameter)]
+        return flat[begin:end] if shape is None else flat[begin:end].reshape(shape)
+
+    def views(self, flat):
+        """``view(flat, p)`` of every parameter of the run, in order."""
+        return [flat[begin:end] if shape is None else flat[begin:end].reshape(shape)
+                for begin, end, shape in self._places().values()]
 
 
 # The key of a shard's own gradient in a sharded state_dict ("gradient.shard").
@@ -325,9 +343,11 @@ class Optimizer:
 
         def update():
             for run, grad, state in zip(self._update_runs, grads, self.run_states):
-                for p in run.parameters:
-                    views = {name: run.view(flat, p) for name, flat in state.items()}
-                    self.reference_update(run.view(run.data, p), run.view(grad, p), views, lr)
+                names = list(state)
+                for data, grad_view, *state_views in zip(
+                        run.views(run.data), run.views(grad),
+                        *(run.views(flat) for flat in state.values())):
+                    self.reference_update(data, grad_view, dict(zip(names, state_views)), lr)
         kernels.unless_found(found_inf, params + [flat for state in self.run_states
                                                   for flat in state.values()], update)
 
