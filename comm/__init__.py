@@ -14,7 +14,7 @@ a range of elements cut by such offsets, and the one bucket plan (``plan_buckets
 ``Extent``s, sizes in ``megabytes``) that the gradient strategies share with
 ``allreduce_many``.
 """
-from .agreement import CollectiveMismatchError
+from .stall import CollectiveMismatchError
 from .bucketing import Extent, megabytes, plan_buckets
 from .communicator import Communicator
 from .ring import overlap_counts

@@ -18,15 +18,11 @@ import zlib
 
 import numpy as np
 
-from .stall import gather_rows
+from .stall import CollectiveMismatchError, gather_rows
 
 FIELDS = ("collective", "op", "algorithm", "compression", "root", "dtype", "count", "arrays",
           "shapes", "unchecked", "history", "rejected")
 _REJECTED = FIELDS.index("rejected")
-
-
-class CollectiveMismatchError(ValueError):
-    """Raised on every rank when the ranks called a collective with different arguments."""
 
 
 def _dtype_names():

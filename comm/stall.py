@@ -21,6 +21,7 @@ in growing steps up to ``SLEEP_MAX_SECONDS``, so ranks waiting on an oversubscri
 not take the CPU from the rank they are waiting for.
 """
 import os
+import sys
 import time
 
 import numpy as np
@@ -28,6 +29,11 @@ import numpy as np
 from .watchdog import watch_of
 
 ROW_TAG = 101
+# gather_rows' head (a row's width, then its collective's name) and the row's words that travel
+# with it; the words of a call site named when the ranks' heads differ.
+HEAD = 4
+INLINE = 12
+SITE_WORDS = 12
 SPIN_SECONDS = 1e-3
 SLEEP_MIN_SECONDS = 50e-6
 SLEEP_MAX_SECONDS = 1e-3
@@ -115,20 +121,89 @@ def _exchange(comm, rows):
         pacer.pause()
 
 
+class CollectiveMismatchError(ValueError):
+    """Raised on every rank when the ranks called a collective with different arguments, or
+    reached different collectives."""
+
+
+def _head(width, collective):
+    """A row's head: its width, then the collective's name in ``HEAD - 1`` words."""
+    head = np.zeros(HEAD, dtype=np.int64)
+    name = collective.encode()[:8 * (HEAD - 1)]
+    head[0] = width
+    head[1:].view(np.uint8)[:len(name)] = np.frombuffer(name, dtype=np.uint8)
+    return head
+
+
+def _words(text, count):
+    """``text`` in ``count`` int64 words (cut to fit)."""
+    words = np.zeros(count, dtype=np.int64)
+    data = text.encode()[:8 * count]
+    words.view(np.uint8)[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return words
+
+
+def _text(words):
+    return bytes(words.view(np.uint8)).rstrip(b"\0").decode(errors="replace")
+
+
+def _call_site():
+    """Where the script called into fleetmpi: the first frame outside its modules."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == \
+            "fleetmpi":
+        frame = frame.f_back
+    if frame is None:
+        return "fleetmpi"
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+
+
+def _different_calls(comm, heads):
+    """The error every rank raises when the ranks reached different exchanges: one more
+    exchange gives each rank's call site, then each rank's call is named."""
+    size = len(heads)
+    sites = np.zeros((size, SITE_WORDS), dtype=np.int64)
+    sites[comm.Get_rank()] = _words(_call_site(), SITE_WORDS)
+    _exchange(comm, sites)
+    said = "; ".join(f"rank {r}: {_text(heads[r, 1:HEAD])} (at {_text(sites[r])})"
+                     for r in range(size))
+    return CollectiveMismatchError(
+        f"the ranks reached different collectives: {said}. A rank skipped or added a "
+        "collective (one inside a caught exception, or in a branch only some ranks take); every "
+        "rank must call the same collectives in the same order")
+
+
 def gather_rows(comm, row, collective):
     """Every rank's ``row`` (an int64 vector) stacked in rank order, on every rank; a call of
-    ``comm``'s watch unless a watched call is in flight there already (module docstring)."""
+    ``comm``'s watch unless a watched call is in flight there already (module docstring).
+
+    Each rank's row travels behind a head naming the collective and the row's width, with
+    the first ``INLINE`` words of the row, so that ranks that reached different calls (a
+    barrier on one, a checkpoint's exchange on another) raise ``CollectiveMismatchError``
+    naming each call and where the script made it, instead of receiving rows of the wrong
+    size (MPI's truncation error) or of another call; a longer row follows in a second
+    exchange."""
     call_state(comm).calls += 1
     rank, size = comm.Get_rank(), comm.Get_size()
-    rows = np.empty((size, len(row)), dtype=np.int64)
-    rows[rank] = row
+    row = np.asarray(row, dtype=np.int64)
     if size == 1:
-        return rows
+        return row[None, :].copy()
+    first = np.zeros((size, HEAD + INLINE), dtype=np.int64)
+    first[rank, :HEAD] = _head(len(row), collective)
+    first[rank, HEAD:HEAD + min(len(row), INLINE)] = row[:INLINE]
     watch = watch_of(comm)
     entered = watch.enter((collective, collective))
     try:
+        _exchange(comm, first)
+        if (first[:, :HEAD] != first[rank, :HEAD]).any():
+            raise _different_calls(comm, first)
+        if len(row) <= INLINE:
+            return first[:, HEAD:HEAD + len(row)].copy()
+        rows = np.empty((size, len(row)), dtype=np.int64)
+        rows[rank] = row
         _exchange(comm, rows)
+        return rows
     finally:
         if entered:
             watch.ended += 1
-    return rows

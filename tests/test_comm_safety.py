@@ -59,7 +59,9 @@ def test_op_root_algorithm_and_collective_mismatch_raise_on_every_rank():
         comm.broadcast(np.ones(3), root=0 if first else 1)
     with raises(CollectiveMismatchError, match="algorithm differs"):
         comm.allreduce(np.ones(3), algorithm="ring" if first else "native")
-    with raises(CollectiveMismatchError, match="collective differs"):
+    with raises(CollectiveMismatchError, match=r"the ranks reached different collectives: "
+                                               r"rank 0: broadcast \(at test_comm_safety.py:"
+                                               r"\d+ in test_op_.*; rank 1: allreduce \(at "):
         if first:
             comm.broadcast(np.ones(3))
         else:
@@ -249,3 +251,37 @@ def test_bad_arguments_in_a_world_of_one():
         comm.reduce_scatter(np.array(1.0))
     with raises(ValueError, match="dest=0 must be another rank"):
         comm.send(np.ones(2), 0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_reach_different_collectives_are_told_which_and_where(tmp_path_factory):
+    """Rank 0 at ``barrier_worker`` while the others save a checkpoint (a barrier a rank took
+    inside a caught exception, say): every rank names each rank's call and its line, where the
+    rows of different widths ended in MPI's truncation error, and the ranks are in step again
+    afterwards."""
+    import re
+
+    from fleetmpi import nn, optimizer
+    from fleetmpi.training import checkpoint
+
+    fleet.init(is_collective=True)
+    rank, size = fleet.worker_index(), fleet.worker_num()
+    from mpi4py import MPI
+
+    folder = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("skipped")) if rank == 0 else None)
+    model = nn.Linear(2, 2)
+    opt = optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    try:
+        if rank == 0:
+            fleet.barrier_worker()
+        else:
+            checkpoint.save(folder, model, opt, 1)
+        said = "nothing was raised"
+    except CollectiveMismatchError as error:
+        said = str(error)
+    ok(re.search(r"rank 0: barrier_worker \(at test_comm_safety.py:\d+ in test_", said),
+       said)
+    for other in range(1, size):
+        ok(re.search(rf"rank {other}: checkpoint.save \(at test_comm_safety.py:\d+ in test_",
+                     said), said)
+    fleet.barrier_worker()
