@@ -258,6 +258,27 @@ def test_a_member_whose_header_declares_more_than_it_holds_is_refused(tmp_path):
         archives.check_npz(path)
 
 
+def test_a_full_disk_during_a_save_names_the_file_and_keeps_the_checkpoint(tmp_path,
+                                                                          monkeypatch):
+    import errno
+
+    model, opt = build(0, False)
+    checkpoint.save(str(tmp_path), model, opt, 1)
+
+    def full(f, **arrays):
+        f.write(b"PK partly")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "savez", full)
+    with pytest.raises(OSError, match=r"cannot write .*step-2-rank-0-[0-9a-f]{8}\.npz: No space "
+                                      r"left on device") as info:
+        checkpoint.save(str(tmp_path), model, opt, 2)
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert checkpoint.load(str(tmp_path), *build(1, False))["step"] == 1
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".part")]
+
+
 def test_damaged_manifest_and_files_are_named(tmp_path):
     model, opt = build(0, False)
     checkpoint.save(str(tmp_path), model, opt, 1)

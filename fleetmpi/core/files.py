@@ -36,7 +36,8 @@ def temporary_beside(path, binary=False, prefix=None):
 def write_atomically(path, write, prefix=None):
     """``write(binary file object)`` into a temporary beside ``path`` (``temporary_beside``'s
     ``prefix``: a caller that names its temporaries can find those a killed process left),
-    flushed to disk, then renamed over ``path``; on an error the temporary is removed."""
+    flushed to disk, then renamed over ``path``; on an error the temporary is removed, and an
+    OSError without a file name (a full disk, a quota) is raised again naming ``path``."""
     f, temporary = temporary_beside(path, binary=True, prefix=prefix)
     try:
         with f:
@@ -44,7 +45,10 @@ def write_atomically(path, write, prefix=None):
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         if os.path.exists(temporary):
             os.remove(temporary)
+        if isinstance(error, OSError) and error.filename is None and error.errno:
+            raise OSError(error.errno, f"cannot write {path}: {error.strerror or error}") \
+                from None
         raise
