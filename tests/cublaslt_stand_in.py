@@ -345,3 +345,29 @@ class StandIn:
 def _writable(address, dtype, count):
     size = np.dtype(dtype).itemsize * count
     return np.ndarray(count, dtype, (ctypes.c_char * size).from_address(address))
+
+
+STREAM = 0x5EED  # the handle of the stream products run on, by default
+
+
+def install(monkeypatch, library=None):
+    """Route ``fleetmpi/kernels/cublaslt.py`` to ``library`` (a new ``StandIn`` by default)
+    through its seams: the binding, host addresses for device pointers, the stream ``STREAM``,
+    device 0, workspaces from NumPy (listed in ``library.workspaces``), and no plan, handle or
+    workspace made yet. Returns the library."""
+    from fleetmpi.kernels import cublaslt
+
+    library = StandIn() if library is None else library
+    module = library.module()
+    library.workspaces = []
+
+    def allocate(nbytes):
+        library.workspaces.append(np.empty(nbytes, np.uint8))
+        return library.workspaces[-1]
+    for name, value in (("_binding", lambda: module),
+                        ("_device_pointer", lambda array: array.ctypes.data),
+                        ("_current_stream", lambda: STREAM), ("_device_id", lambda: 0),
+                        ("_allocate_workspace", allocate), ("_plans", {}), ("_handles", {}),
+                        ("_workspaces", {})):
+        monkeypatch.setattr(cublaslt, name, value)
+    return library

@@ -17,12 +17,11 @@ import pytest
 from fleetmpi import nn
 from fleetmpi import kernels
 from fleetmpi.core import backend, capture_checks
-from fleetmpi.kernels import cublaslt, products
+from fleetmpi.kernels import cublaslt
 from fleetmpi.kernels.products import matmul_arrays
 
-from cublaslt_stand_in import INVALID_VALUE, NOT_SUPPORTED, StandIn, cuBLASLtError
-
-STREAM = 0x5EED
+from cublaslt_stand_in import (INVALID_VALUE, NOT_SUPPORTED, STREAM, StandIn, cuBLASLtError,
+                               install)
 
 
 def _before(a, b):
@@ -74,28 +73,11 @@ def test_out_must_hold_the_product():
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    """The backend's GPU branch over NumPy with the stand-in cuBLASLt, host addresses for device
-    pointers, a fixed stream, and no plan, handle or workspace made yet."""
-    library = StandIn()
-    module = library.module()
-    library.workspaces = []
-
-    def allocate(nbytes):
-        library.workspaces.append(np.empty(nbytes, np.uint8))
-        return library.workspaces[-1]
+    """The backend's GPU branch over NumPy with the stand-in cuBLASLt (``install``)."""
     monkeypatch.setattr(backend, "_xp", AlignedNumPy("numpy"))
     monkeypatch.setattr(backend, "on_gpu", lambda: True)
     monkeypatch.setattr(kernels, "_use_kernel", lambda *groups: None)
-    for name, value in (("_binding", lambda: module), ("_device_pointer", _address),
-                        ("_current_stream", lambda: STREAM), ("_device_id", lambda: 0),
-                        ("_allocate_workspace", allocate), ("_plans", {}), ("_handles", {}),
-                        ("_workspaces", {})):
-        monkeypatch.setattr(cublaslt, name, value)
-    return library
-
-
-def _address(array):
-    return array.ctypes.data
+    return install(monkeypatch)
 
 
 class AlignedNumPy(types.ModuleType):
