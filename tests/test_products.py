@@ -342,3 +342,48 @@ def _misaligned_product(module):
     module.matmul(handle, desc, one.ctypes.data, pointer + 4, layouts[0], pointer + 256,
                   layouts[1], zero.ctypes.data, pointer + 512, layouts[2], pointer + 512,
                   layouts[2], results.ctypes.data, workspace.ctypes.data, workspace.nbytes, 0)
+
+
+def _on_device(cupy, host):
+    """``host`` on the device, a transposed view staying one (of a row-major copy)."""
+    if host.flags.c_contiguous:
+        return cupy.asarray(host)
+    return cupy.asarray(np.ascontiguousarray(host.swapaxes(-1, -2))).swapaxes(-1, -2)
+
+
+@pytest.mark.skipif(not backend.on_gpu(), reason="needs CuPy, a CUDA device and nvmath-python "
+                                                  "(FLEETMPI_DEVICE=gpu)")
+class TestOnTheGPU:
+    """The real cuBLASLt (the prepared GPU command, ``benchmarks/gpu_check.py``, runs this file
+    with ``FLEETMPI_DEVICE=gpu``)."""
+
+    @pytest.mark.parametrize("dtype", _dtypes(), ids=lambda d: d.name)
+    @pytest.mark.parametrize("shapes", SHAPES, ids=str)
+    @pytest.mark.parametrize("transposes", TRANSPOSES, ids=str)
+    def test_products_equal_the_host_product(self, dtype, shapes, transposes):
+        cupy = backend.array_module()
+        rng = np.random.default_rng(9)
+        hosts = [_random(rng, s, dtype, t) for s, t in zip(shapes, transposes)]
+        got = matmul_arrays(*(_on_device(cupy, h) for h in hosts))
+        _assert_product(backend.to_numpy(got), *hosts)
+
+    def test_a_planned_product_is_captured_and_replays_on_new_inputs(self):
+        from fleetmpi.device.cuda.graphs import CUDAGraph
+
+        cupy = backend.array_module()
+        rng = np.random.default_rng(10)
+        a, b = (rng.standard_normal(s).astype(np.float32) for s in ((64, 32), (48, 32)))
+        x, w = cupy.asarray(a), cupy.asarray(b)
+        matmul_arrays(x, w.T)  # the warm-up makes the plan
+        graph = CUDAGraph()
+        graph.capture_begin()
+        try:
+            y = matmul_arrays(x, w.T)
+            with pytest.raises(capture_checks.CaptureError, match=r"\(64, 32\) @ \(32, 64\)"):
+                matmul_arrays(x, x.T)
+        finally:
+            graph.capture_end()
+        a = rng.standard_normal(a.shape).astype(np.float32)
+        x[...] = cupy.asarray(a)
+        graph.replay()
+        _assert_product(backend.to_numpy(y), a, b.T)
