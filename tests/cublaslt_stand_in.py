@@ -89,7 +89,7 @@ PREFERENCE_TYPES = {MatmulPreferenceAttribute.SEARCH_MODE: np.uint32,
                     MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES: np.uint64,
                     **{a: np.uint32 for a in list(MatmulPreferenceAttribute)[2:]}}
 # cublasLtMatmulHeuristicResult_t
-HEURISTIC_RESULT = np.dtype([("algo", np.uint64, (8,)), ("workspace_size", np.uint64),
+HEURISTIC_RESULT = np.dtype([("algo", [("data_", np.uint64, (8,))]), ("workspace_size", np.uint64),
                              ("state", np.int32), ("waves_count", np.float32),
                              ("reserved", np.int32, (4,))])
 ALGO_MAGIC = 0x5354414e44494e  # marks the algorithms this stand-in handed out
@@ -294,7 +294,7 @@ class StandIn:
             return
         record = _writable(results, HEURISTIC_RESULT, 1)
         record[0] = np.zeros((), HEURISTIC_RESULT)
-        record["algo"][0, :2] = (ALGO_MAGIC, len(self.algorithms))
+        record["algo"]["data_"][0, :2] = (ALGO_MAGIC, len(self.algorithms))
         record["workspace_size"][0] = self.algorithm_workspace
         self.algorithms.append({"problem": (desc, adesc, bdesc, cdesc, ddesc),
                                 "workspace": self.algorithm_workspace,

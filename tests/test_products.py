@@ -9,6 +9,7 @@ product for every transpose of either operand, batches with broadcast, strided v
 and one workspace, run on the current stream, and, inside a CUDA graph capture, run what was
 planned and refuse a product first met there, naming its shapes.
 """
+import inspect
 import types
 
 import numpy as np
@@ -18,6 +19,7 @@ from fleetmpi import nn
 from fleetmpi import kernels
 from fleetmpi.core import backend, capture_checks
 from fleetmpi.kernels import cublaslt
+from fleetmpi.kernels.cublaslt_layouts import OP_N, OP_T
 from fleetmpi.kernels.products import matmul_arrays
 
 from cublaslt_stand_in import (INVALID_VALUE, NOT_SUPPORTED, STREAM, StandIn, cuBLASLtError,
@@ -342,6 +344,41 @@ def _misaligned_product(module):
     module.matmul(handle, desc, one.ctypes.data, pointer + 4, layouts[0], pointer + 256,
                   layouts[1], zero.ctypes.data, pointer + 512, layouts[2], pointer + 512,
                   layouts[2], results.ctypes.data, workspace.ctypes.data, workspace.nbytes, 0)
+
+
+STAND_IN_CALLS = ("create", "matmul_desc_create", "matmul_desc_set_attribute",
+                  "matrix_layout_create", "matrix_layout_set_attribute",
+                  "matmul_preference_create", "matmul_preference_set_attribute",
+                  "matmul_algo_get_heuristic", "matmul")
+
+
+def test_the_stand_in_and_the_codes_are_the_bindings():
+    """Where nvmath-python imports (it does without a GPU), the stand-in's enums, attribute
+    types, heuristic record and argument counts are the real binding's, and the type codes
+    ``cublaslt.py`` hands over are nvmath's."""
+    real = pytest.importorskip("nvmath.bindings.cublasLt")
+    import nvmath
+    from nvmath.bindings import cublas
+    stand_in = StandIn().module()
+    for name, types_of in (("MatrixLayoutAttribute", "get_matrix_layout_attribute_dtype"),
+                           ("MatmulDescAttribute", "get_matmul_desc_attribute_dtype"),
+                           ("MatmulPreferenceAttribute", "get_matmul_preference_attribute_dtype"),
+                           ("Epilogue", None)):
+        for member in getattr(stand_in, name):
+            assert int(getattr(getattr(real, name), member.name)) == int(member), member
+            if types_of is not None:
+                assert (np.dtype(getattr(real, types_of)(member))
+                        == np.dtype(getattr(stand_in, types_of)(member))), member
+    assert real.matmul_heuristic_result_dtype == stand_in.matmul_heuristic_result_dtype
+    for name in STAND_IN_CALLS:
+        want = len(inspect.signature(getattr(real, name)).parameters)
+        assert len(inspect.signature(getattr(StandIn, name)).parameters) - 1 == want, name
+    codes = nvmath.CudaDataType
+    assert ((cublaslt.CUDA_R_32F, cublaslt.CUDA_R_64F, cublaslt.CUDA_R_16F, cublaslt.CUDA_R_16BF)
+            == (codes.CUDA_R_32F, codes.CUDA_R_64F, codes.CUDA_R_16F, codes.CUDA_R_16BF))
+    assert (cublaslt.COMPUTE_32F, cublaslt.COMPUTE_64F) == (cublas.ComputeType.COMPUTE_32F,
+                                                           cublas.ComputeType.COMPUTE_64F)
+    assert (OP_N, OP_T) == (cublas.Operation.N, cublas.Operation.T)
 
 
 def _on_device(cupy, host):
