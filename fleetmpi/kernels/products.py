@@ -20,9 +20,9 @@ from ..core import backend
 from . import cublaslt
 
 
-def product_shape(a, b):
-    """``(lead, m, k, n)`` of ``a @ b``: the broadcast leading axes and the matrices' sizes, or
-    a ValueError naming the shapes."""
+def _product_shape(a, b):
+    """The shape of ``a @ b`` (the broadcast leading axes, then the rows of ``a`` and the
+    columns of ``b``), or a ValueError naming the shapes."""
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"matmul_arrays needs operands of at least 2 dimensions, got shapes "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
@@ -35,7 +35,7 @@ def product_shape(a, b):
         raise ValueError(f"matmul_arrays cannot multiply shapes {tuple(a.shape)} and "
                          f"{tuple(b.shape)}: the last axis of the first must equal the "
                          f"second-to-last of the second, and the leading axes must broadcast")
-    return tuple(lead), m, k, n
+    return tuple(lead) + (m, n)
 
 
 def _rounds_once(a, b):
@@ -43,7 +43,7 @@ def _rounds_once(a, b):
     return a.dtype == b.dtype and a.dtype.itemsize == 2 and backend.is_floating(a.dtype)
 
 
-def product_dtype(a, b):
+def _product_dtype(a, b):
     """The dtype of ``a @ b``: the operands' where they share one, else NumPy's promotion."""
     return a.dtype if a.dtype == b.dtype else np.result_type(a.dtype, b.dtype)
 
@@ -60,12 +60,11 @@ def matmul_arrays(a, b, out=None):
     such as a parameter's gradient memory), else into a new array (module docstring). On a
     GPU operands that are views (``w.T``, ``x.swapaxes(-1, -2)``, slices) are read where they
     lie: ``cublaslt.py`` says which layouts it copies."""
-    lead, m, _, n = product_shape(a, b)
-    dtype = product_dtype(a, b)
+    shape, dtype = _product_shape(a, b), _product_dtype(a, b)
     if out is not None:
-        _check_out(out, lead + (m, n), dtype)
+        _check_out(out, shape, dtype)
     if backend.on_gpu():
-        return cublaslt.matmul(a, b, lead + (m, n), dtype, out)
+        return cublaslt.matmul(a, b, shape, dtype, out)
     if _rounds_once(a, b):
         product = np.matmul(a.astype(np.float32), b.astype(np.float32))
         if out is None:
