@@ -9,7 +9,9 @@ product for every transpose of either operand, batches with broadcast, strided v
 and one workspace, run on the current stream, and, inside a CUDA graph capture, run what was
 planned and refuse a product first met there, naming its shapes.
 """
+import ast
 import inspect
+import os
 import types
 
 import numpy as np
@@ -344,6 +346,48 @@ def _misaligned_product(module):
     module.matmul(handle, desc, one.ctypes.data, pointer + 4, layouts[0], pointer + 256,
                   layouts[1], zero.ctypes.data, pointer + 512, layouts[2], pointer + 512,
                   layouts[2], results.ctypes.data, workspace.ctypes.data, workspace.nbytes, 0)
+
+
+# The files that may multiply matrices themselves, and why; every other product calls
+# matmul_arrays, which a CUDA graph can capture on a GPU.
+OWN_PRODUCTS = {
+    "fleetmpi/kernels/products.py": "matmul_arrays itself: the host product",
+    "fleetmpi/kernels/cublaslt.py": "the cuBLASLt call, and CuPy's own kernel for integers",
+    "fleetmpi/kernels/reference.py": "the non-finite probe, on host arrays only",
+    "fleetmpi/nn/functional/norm.py": "channel_dot's einsum, on the host branch only",
+    "fleetmpi/plan/calibrate.py": "the planner's least-squares fits, on the host",
+}
+PRODUCT_CALLS = {"matmul", "tensordot", "einsum", "dot", "vdot", "inner"}
+
+
+def _own_products(path):
+    """``[(line, what)]`` of each product ``path`` computes itself: ``@`` or a call of a
+    ``matmul``/``tensordot``/``einsum``/``dot``/``vdot``/``inner`` attribute."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.MatMult):
+            found.append((node.lineno, "@"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in PRODUCT_CALLS):
+            found.append((node.lineno, ast.unparse(node.func)))
+    return found
+
+
+def test_every_product_of_the_package_calls_matmul_arrays():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    wrong = []
+    for folder in ("fleetmpi", "comm", "strategies"):
+        for directory, _, files in os.walk(os.path.join(root, folder)):
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(directory, name)
+                relative = os.path.relpath(path, root).replace(os.sep, "/")
+                if relative not in OWN_PRODUCTS:
+                    wrong += [f"{relative}:{line} {what}" for line, what in _own_products(path)]
+    assert not wrong, "products that bypass matmul_arrays:\n" + "\n".join(wrong)
+    # the scan sees the products it is meant to: the allowed ones are found
+    assert _own_products(os.path.join(root, "fleetmpi/kernels/reference.py"))
 
 
 STAND_IN_CALLS = ("create", "matmul_desc_create", "matmul_desc_set_attribute",
