@@ -183,8 +183,9 @@ def _operand(array, lead, xp):
 
 
 def _target(out, shape, dtype, xp):
-    """``(array, Matrix)`` cuBLASLt writes the product into: ``out`` (or a new array) where it
-    is row-major with batch members apart, else a new array the caller copies into ``out``."""
+    """``(array, Matrix, batch count)`` of what cuBLASLt writes the product into: ``out`` (or a
+    new array) where it is row-major with its batch members apart, else a new array the caller
+    copies into ``out``."""
     target = out if out is not None else xp.empty(shape, dtype)
     matrix = describe(target, shape[:-2])
     count = int(np.prod(shape[:-2], dtype=np.int64))
