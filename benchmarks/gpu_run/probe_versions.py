@@ -49,13 +49,17 @@ def _cudnn():
             "cudnn_frontend": cudnn.__version__}
 
 
-def _cublaslt():
+def _nvmath():
     import nvmath
+
+    return {"nvmath": nvmath.__version__}
+
+
+def _cublaslt():
     from nvmath.bindings import cublasLt
 
     # cuBLASLt: major * 10000 + minor * 100 + patch
-    return {"cublaslt": _dotted(cublasLt.get_version(), (10000, 100, 1)),
-            "nvmath": nvmath.__version__}
+    return {"cublaslt": _dotted(cublasLt.get_version(), (10000, 100, 1))}
 
 
 def _torch():
@@ -115,7 +119,8 @@ PROBES = (
     (_driver, ("driver",)),
     (_nccl, ("nccl",)),
     (_cudnn, ("cudnn", "cudnn_frontend")),
-    (_cublaslt, ("cublaslt", "nvmath")),
+    (_nvmath, ("nvmath",)),
+    (_cublaslt, ("cublaslt",)),
     (_torch, ("torch",)),
     (_mpi, ("mpi4py", "mpi_library")),
 )
