@@ -63,7 +63,7 @@ class MatrixLayoutAttribute(enum.IntEnum):
 
 class MatmulDescAttribute(enum.IntEnum):
     COMPUTE_TYPE, SCALE_TYPE, POINTER_MODE, TRANSA, TRANSB, TRANSC = range(6)
-    EPILOGUE = 7
+    EPILOGUE, BIAS_POINTER, BIAS_DATA_TYPE = 7, 8, 26
 
 
 class MatmulPreferenceAttribute(enum.IntEnum):
@@ -73,7 +73,7 @@ class MatmulPreferenceAttribute(enum.IntEnum):
 
 
 class Epilogue(enum.IntEnum):
-    DEFAULT = 1
+    DEFAULT, BIAS = 1, 4
 
 
 LAYOUT_TYPES = {MatrixLayoutAttribute.TYPE: np.uint32, MatrixLayoutAttribute.ORDER: np.int32,
@@ -84,7 +84,9 @@ DESC_TYPES = {MatmulDescAttribute.COMPUTE_TYPE: np.int32,
               MatmulDescAttribute.SCALE_TYPE: np.int32,
               MatmulDescAttribute.POINTER_MODE: np.int32, MatmulDescAttribute.TRANSA: np.int32,
               MatmulDescAttribute.TRANSB: np.int32, MatmulDescAttribute.TRANSC: np.int32,
-              MatmulDescAttribute.EPILOGUE: np.uint32}
+              MatmulDescAttribute.EPILOGUE: np.uint32,
+              MatmulDescAttribute.BIAS_POINTER: np.intp,
+              MatmulDescAttribute.BIAS_DATA_TYPE: np.int32}
 PREFERENCE_TYPES = {MatmulPreferenceAttribute.SEARCH_MODE: np.uint32,
                     MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES: np.uint64,
                     **{a: np.uint32 for a in list(MatmulPreferenceAttribute)[2:]}}
@@ -150,7 +152,9 @@ class Desc:
                        MatmulDescAttribute.SCALE_TYPE: scale_type,
                        MatmulDescAttribute.POINTER_MODE: 0, MatmulDescAttribute.TRANSA: OP_N,
                        MatmulDescAttribute.TRANSB: OP_N, MatmulDescAttribute.TRANSC: OP_N,
-                       MatmulDescAttribute.EPILOGUE: Epilogue.DEFAULT}
+                       MatmulDescAttribute.EPILOGUE: Epilogue.DEFAULT,
+                       MatmulDescAttribute.BIAS_POINTER: 0,
+                       MatmulDescAttribute.BIAS_DATA_TYPE: -1}
 
     def __getitem__(self, attribute):
         return self.values[attribute]
@@ -267,8 +271,10 @@ class StandIn:
         _check(len(kinds) == 1 and kinds <= accepted, NOT_SUPPORTED,
                f"data types {sorted(kinds)} with compute type "
                f"{desc[MatmulDescAttribute.COMPUTE_TYPE]}")
-        _check(desc[MatmulDescAttribute.EPILOGUE] == Epilogue.DEFAULT, NOT_SUPPORTED,
-               "this stand-in interprets no epilogue")
+        _check(desc[MatmulDescAttribute.EPILOGUE] == Epilogue.DEFAULT or (
+            desc[MatmulDescAttribute.BIAS_DATA_TYPE] == -1 and d.batch_count == 1),
+            NOT_SUPPORTED, "this stand-in interprets the bias epilogue of one matrix, its bias "
+            "of D's type")
         m, k = (a.rows, a.cols) if desc[MatmulDescAttribute.TRANSA] == OP_N else (a.cols, a.rows)
         k2, n = (b.rows, b.cols) if desc[MatmulDescAttribute.TRANSB] == OP_N else (b.cols, b.rows)
         _check(k == k2, INVALID_VALUE, f"op(A) is {m}x{k} but op(B) is {k2}x{n}")
@@ -335,11 +341,24 @@ class StandIn:
         result = alpha * np.matmul(first.astype(compute), second.astype(compute))
         if beta != 0:
             result += beta * layouts[2].matrices(c).astype(compute)
+        if description[MatmulDescAttribute.EPILOGUE] == Epilogue.BIAS:
+            result += _bias(description, layouts[3]).astype(compute)[:, None]
         target = layouts[3].matrices(d)
         target[...] = result.astype(target.dtype)
         self.executions.append({"desc": desc, "algorithm": index, "stream": stream,
                                 "shape": tuple(result.shape), "pointers": (a, b, d),
                                 "workspace": (workspace, workspace_size)})
+
+
+def _bias(desc, layout):
+    """The bias vector of the ``BIAS`` epilogue: one value of D's type per row of D, at the
+    descriptor's ``BIAS_POINTER``. cuBLASLt's kernels may load it 16 bytes at a time, and a
+    less aligned bias faults there ("misaligned address"), which no alignment preference
+    covers; the stand-in refuses it."""
+    pointer = desc[MatmulDescAttribute.BIAS_POINTER]
+    _check(pointer != 0, INVALID_VALUE, "the BIAS epilogue without a BIAS_POINTER")
+    _check(pointer % 16 == 0, NOT_SUPPORTED, f"misaligned address: a bias at {pointer:#x}")
+    return _read(pointer, DATA_TYPES[layout.type], layout.rows)
 
 
 def _writable(address, dtype, count):

@@ -468,3 +468,31 @@ class TestOnTheGPU:
         x[...] = cupy.asarray(a)
         graph.replay()
         _assert_product(backend.to_numpy(y), a, b.T)
+
+
+@pytest.mark.parametrize("dtype", _dtypes(), ids=lambda d: d.name)
+def test_a_bias_is_added_as_linear_added_it(dtype):
+    rng = np.random.default_rng(11)
+    x, w, bias = (rng.standard_normal(s).astype(dtype) for s in ((2, 5, 7), (7, 3), (3,)))
+    want = _before(x, w)
+    want += bias
+    got = matmul_arrays(x, w, bias=bias)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_an_aligned_bias_is_added_by_the_epilogue_and_another_after(stand_in):
+    rng = np.random.default_rng(12)
+    x, w = rng.standard_normal((2, 5, 7)).astype(np.float32), rng.standard_normal((7, 3))
+    w = w.astype(np.float32)
+    memory = AlignedNumPy("numpy").empty(8, np.float32)
+    memory[:] = rng.standard_normal(8)
+    aligned, misaligned = memory[:3], memory[1:4]
+    for bias in (aligned, misaligned):
+        got = matmul_arrays(x, w, bias=bias)
+        np.testing.assert_allclose(got, x @ w + bias, rtol=1e-5, atol=1e-5)
+    batched = matmul_arrays(x.swapaxes(-1, -2).copy().swapaxes(-1, -2), w, bias=aligned)
+    np.testing.assert_allclose(batched, x @ w + aligned, rtol=1e-5, atol=1e-5)
+    names = cublaslt._binding()
+    epilogues = [stand_in.objects[e["desc"]][1][names.MatmulDescAttribute.EPILOGUE]
+                 for e in stand_in.executions]
+    assert epilogues == [names.Epilogue.BIAS] + [names.Epilogue.DEFAULT] * 2
