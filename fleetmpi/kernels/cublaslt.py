@@ -8,13 +8,15 @@ is handed its workspace.
 A product is described to cuBLASLt as ``cublaslt_layouts.py`` says (column-major, ``C^T = B^T
 A^T``). Its plan is made once per key (device; dtype, compute and scale type; each operand's
 op, rows, columns, leading dimension and batch stride; the batch count; the alignment of each
-pointer) and kept for the process: the matmul descriptor, the layouts of ``A``, ``B`` and
-``D`` (``C`` is ``D``, with ``beta = 0``), the preference (the workspace cuBLASLt may use, the
-pointers' alignment) and the one algorithm its heuristic returned. Each device has one handle
-and one workspace of ``WORKSPACE_BYTES`` (what cuBLAS asks for on Hopper), made with its first
-plan. Executing a plan is one ``cublasLtMatmul`` on CuPy's current stream, ``alpha`` and
-``beta`` host scalars of the scale type: nothing is allocated besides the output, nothing waits
-on the host.
+pointer; whether the ``BIAS`` epilogue adds a bias) and kept for the process: the matmul
+descriptor, the layouts of ``A``, ``B`` and ``D`` (``C`` is ``D``, with ``beta = 0``), the
+preference (the workspace cuBLASLt may use, the pointers' alignment) and the one algorithm
+its heuristic returned. A bias (a ``Linear`` layer's) is added by that epilogue, with no
+launch of its own, where ``_bias_pointer`` allows; the bias's address is set on the
+descriptor before each product. Each device has one handle and one workspace of
+``WORKSPACE_BYTES`` (what cuBLAS asks for on Hopper), made with its first plan. Executing a
+plan is one ``cublasLtMatmul`` on CuPy's current stream, ``alpha`` and ``beta`` host scalars
+of the scale type: nothing is allocated besides the output, nothing waits on the host.
 
 Making a plan is host work a CUDA graph would not replay, and the first plan also allocates the
 workspace; so inside a capture (``fleetmpi.core.capture_checks.current``) a product whose plan
@@ -122,13 +124,15 @@ def _preference(lt, alignments):
 class Plan:
     """The cuBLASLt objects of one key (module docstring), made once."""
 
-    def __init__(self, lt, handle, key, shapes):
-        _, data_type, compute, scale, first, second, result, count, alignments = key
+    def __init__(self, lt, handle, key, shapes, bias):
+        _, data_type, compute, scale, first, second, result, count, alignments, fused = key
         self.desc = lt.matmul_desc_create(compute, scale)
-        for attribute, matrix in ((lt.MatmulDescAttribute.TRANSA, first),
-                                  (lt.MatmulDescAttribute.TRANSB, second)):
-            _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc,
-                 attribute, matrix.op)
+        names = lt.MatmulDescAttribute
+        self.bias = fused
+        for attribute, value in ((names.TRANSA, first.op), (names.TRANSB, second.op)) + (
+                ((names.EPILOGUE, lt.Epilogue.BIAS), (names.BIAS_POINTER, bias)) if fused
+                else ()):
+            self._set(lt, attribute, value)
         self.layouts = [_layout(lt, data_type, m, count) for m in (first, second, result)]
         self.preference = _preference(lt, alignments)
         self.heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
@@ -142,8 +146,15 @@ class Plan:
         self.algorithm = self.heuristic.ctypes.data + self.heuristic.dtype.fields["algo"][1]
         self.alpha, self.beta = np.ones(1, SCALES[scale]), np.zeros(1, SCALES[scale])
 
-    def run(self, lt, handle, pointers, workspace, stream):
-        """``D = A B`` on ``stream``; ``pointers``: cuBLASLt's ``A``, ``B`` and ``D``."""
+    def _set(self, lt, attribute, value):
+        _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc,
+             attribute, value)
+
+    def run(self, lt, handle, pointers, workspace, stream, bias=None):
+        """``D = A B`` (``+ bias``, with the bias epilogue) on ``stream``; ``pointers``:
+        cuBLASLt's ``A``, ``B`` and ``D``."""
+        if self.bias:
+            self._set(lt, lt.MatmulDescAttribute.BIAS_POINTER, bias)
         first, second, result = pointers
         a_layout, b_layout, d_layout = self.layouts
         lt.matmul(handle, self.desc, self.alpha.ctypes.data, first, a_layout, second, b_layout,
@@ -159,14 +170,26 @@ def _handle(lt, device):
     return _handles[device]
 
 
-def _plan(key, shapes):
+def _plan(key, shapes, bias):
     """The ``Plan`` of ``key``, made on first use; inside a capture a missing one is refused."""
     plan = _plans.get(key)
     if plan is None:
         capture_checks.refuse(f"planning the matrix product {shapes}", NEEDS_PLAN)
         lt = _binding()
-        plan = _plans[key] = Plan(lt, _handle(lt, key[0]), key, shapes)
+        plan = _plans[key] = Plan(lt, _handle(lt, key[0]), key, shapes, bias)
     return plan
+
+
+def _bias_pointer(bias, count, shape, dtype):
+    """The address of ``bias`` where cuBLASLt's ``BIAS`` epilogue can add it, else None: one
+    matrix (not a batch), a contiguous vector of the product's columns in its dtype, 16-byte
+    aligned (the epilogue's kernels may load the bias 16 bytes at a time, and no alignment
+    preference covers it: a parameter's view into a flat buffer need not be)."""
+    if (bias is None or count != 1 or bias.shape != shape[-1:] or bias.dtype != dtype
+            or bias.strides[0] != dtype.itemsize):
+        return None
+    pointer = _device_pointer(bias)
+    return pointer if pointer % 16 == 0 else None
 
 
 def _operand(array, lead, xp):
@@ -196,15 +219,20 @@ def _target(out, shape, dtype, xp):
     return target, matrix, count
 
 
-def matmul(a, b, shape, dtype, out=None):
-    """``a @ b`` of CuPy arrays (``shape`` and ``dtype`` of the product, as
-    ``products.matmul_arrays`` found them) into ``out`` or a new array (module docstring)."""
+def matmul(a, b, shape, dtype, out=None, bias=None):
+    """``a @ b`` (``+ bias``) of CuPy arrays (``shape`` and ``dtype`` of the product, as
+    ``products.matmul_arrays`` found them) into ``out`` or a new array (module docstring); the
+    bias by the epilogue where ``_bias_pointer`` allows, else added after."""
     xp = backend.array_module()
     if dtype.name not in TYPES:
-        return xp.matmul(a, b, out=out)
+        result = xp.matmul(a, b, out=out)
+        if bias is not None:
+            result += bias
+        return result
     described = f"{tuple(a.shape)} @ {tuple(b.shape)} ({dtype.name})"
     a, b = (x if x.dtype == dtype else x.astype(dtype) for x in (a, b))
     target, d, count = _target(out, shape, dtype, xp)
+    fused = None
     if target.size == 0 or a.shape[-1] == 0:
         target[...] = 0
     else:
@@ -213,11 +241,14 @@ def matmul(a, b, shape, dtype, out=None):
         a_matrix, b_matrix, d, count = fold(a_matrix, b_matrix, d, count, m)
         pointers = tuple(_device_pointer(x) for x in (b, a, target))
         device = _device_id()
+        fused = _bias_pointer(bias, count, shape, dtype)
         key = (device, *TYPES[dtype.name], b_matrix, a_matrix, d, count,
-               tuple(_alignment(p) for p in pointers + pointers[-1:]))
-        plan = _plan(key, described)
+               tuple(_alignment(p) for p in pointers + pointers[-1:]), fused is not None)
+        plan = _plan(key, described, fused)
         plan.run(_binding(), _handles[device], pointers, _device_pointer(_workspaces[device]),
-                 _current_stream())
+                 _current_stream(), fused)
+    if bias is not None and fused is None:
+        target += bias
     if out is None or target is out:
         return target
     out[...] = target

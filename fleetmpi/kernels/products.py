@@ -54,17 +54,7 @@ def _check_out(out, shape, dtype):
                          f"cannot hold the product, of shape {shape} and dtype {dtype}")
 
 
-def matmul_arrays(a, b, out=None):
-    """``a @ b`` over the last two axes of backend arrays of at least 2 dimensions (leading axes
-    broadcast), written into ``out`` when given (an array of the product's shape and dtype,
-    such as a parameter's gradient memory), else into a new array (module docstring). On a
-    GPU operands that are views (``w.T``, ``x.swapaxes(-1, -2)``, slices) are read where they
-    lie: ``cublaslt.py`` says which layouts it copies."""
-    shape, dtype = _product_shape(a, b), _product_dtype(a, b)
-    if out is not None:
-        _check_out(out, shape, dtype)
-    if backend.on_gpu():
-        return cublaslt.matmul(a, b, shape, dtype, out)
+def _host_product(a, b, out):
     if _rounds_once(a, b):
         product = np.matmul(a.astype(np.float32), b.astype(np.float32))
         if out is None:
@@ -72,3 +62,22 @@ def matmul_arrays(a, b, out=None):
         out[...] = product
         return out
     return np.matmul(a, b, out=out)
+
+
+def matmul_arrays(a, b, out=None, bias=None):
+    """``a @ b`` over the last two axes of backend arrays of at least 2 dimensions (leading axes
+    broadcast), written into ``out`` when given (an array of the product's shape and dtype,
+    such as a parameter's gradient memory), else into a new array (module docstring); then
+    ``+= bias`` where given (a vector of the product's columns, as a Linear layer's). On a GPU
+    operands that are views (``w.T``, ``x.swapaxes(-1, -2)``, slices) are read where they lie
+    (``cublaslt.py`` says which layouts it copies), and the bias is added by cuBLASLt's
+    epilogue where it can be."""
+    shape, dtype = _product_shape(a, b), _product_dtype(a, b)
+    if out is not None:
+        _check_out(out, shape, dtype)
+    if backend.on_gpu():
+        return cublaslt.matmul(a, b, shape, dtype, out, bias)
+    product = _host_product(a, b, out)
+    if bias is not None:
+        product += bias
+    return product

@@ -36,10 +36,7 @@ class Linear(Function):
 
     def forward(self, x, weight, bias):
         self.x, self.weight = x, weight
-        y = matmul_arrays(x, weight)
-        if bias is not None:
-            y += bias
-        return y
+        return matmul_arrays(x, weight, bias=bias)
 
     def backward(self, dy):
         return _weight_grads(self, self.x, self.weight, dy)
