@@ -490,9 +490,16 @@ def test_an_aligned_bias_is_added_by_the_epilogue_and_another_after(stand_in):
     for bias in (aligned, misaligned):
         got = matmul_arrays(x, w, bias=bias)
         np.testing.assert_allclose(got, x @ w + bias, rtol=1e-5, atol=1e-5)
+    plans = stand_in.count("matmul_desc_create")
+    other = AlignedNumPy("numpy").empty(3, np.float32)
+    other[:] = -aligned
+    np.testing.assert_allclose(matmul_arrays(x, w, bias=other), x @ w - aligned, rtol=1e-5,
+                               atol=1e-5)
+    assert stand_in.count("matmul_desc_create") == plans  # the bias's plan, another bias
     batched = matmul_arrays(x.swapaxes(-1, -2).copy().swapaxes(-1, -2), w, bias=aligned)
     np.testing.assert_allclose(batched, x @ w + aligned, rtol=1e-5, atol=1e-5)
     names = cublaslt._binding()
     epilogues = [stand_in.objects[e["desc"]][1][names.MatmulDescAttribute.EPILOGUE]
                  for e in stand_in.executions]
-    assert epilogues == [names.Epilogue.BIAS] + [names.Epilogue.DEFAULT] * 2
+    assert epilogues == [names.Epilogue.BIAS, names.Epilogue.DEFAULT, names.Epilogue.BIAS,
+                         names.Epilogue.DEFAULT]
