@@ -27,8 +27,10 @@ def _product_shape(a, b):
         raise ValueError(f"matmul_arrays needs operands of at least 2 dimensions, got shapes "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")
     (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
+    lead_a, lead_b = tuple(a.shape[:-2]), tuple(b.shape[:-2])
     try:
-        lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        lead = lead_a if lead_a == lead_b or not lead_b else (
+            lead_b if not lead_a else np.broadcast_shapes(lead_a, lead_b))
     except ValueError:
         lead = None
     if k != k2 or lead is None:
