@@ -25,6 +25,7 @@ from fleetmpi.core import backend
 from fleetmpi import kernels
 from fleetmpi.kernels import loader
 
+from cublaslt_stand_in import install as install_cublaslt
 from cuda_host import load_on_host
 
 C_TYPES = {"float": "float32", "double": "float64", "__half": "float16", "bool": "bool",
@@ -134,8 +135,10 @@ def host_launch(geometry, launched):
 @pytest.fixture
 def gpu_path(monkeypatch, request):
     """Route ``fleetmpi.kernels`` through its GPU branch with kernels run on the host, on the
-    (grid, block) of ``request.param``; the fixture's value is the list of kernels launched."""
+    (grid, block) of ``request.param``, and products through the stand-in cuBLASLt; the
+    fixture's value is the list of kernels launched."""
     launched = []
+    install_cublaslt(monkeypatch)
     monkeypatch.setattr(backend, "on_gpu", lambda: True)
     monkeypatch.setattr(backend, "array_module", lambda: NanNumpy())
     monkeypatch.setattr(kernels, "launch", host_launch(request.param, launched))

@@ -31,6 +31,7 @@ from fleetmpi.nn.functional import cudnn
 from fleetmpi.strategies import applied
 from fleetmpi.strategies.amp import CastPolicy
 
+from cublaslt_stand_in import install as install_cublaslt
 from cudnn_frontend_stand_in import StandIn
 from test_conv_reference import TOLERANCE, assert_close, run
 
@@ -44,8 +45,8 @@ def _fresh_decision(monkeypatch):
 
 @pytest.fixture
 def gpu_branch(monkeypatch):
-    """The backend's GPU branch over NumPy (the fused kernels' references), with the cuDNN
-    decision, settings and graphs fresh."""
+    """The backend's GPU branch over NumPy (the fused kernels' references, products through
+    the stand-in cuBLASLt), with the cuDNN decision, settings and graphs fresh."""
     monkeypatch.setattr(backend, "_xp", np)
     monkeypatch.setattr(backend, "on_gpu", lambda: True)
     monkeypatch.setattr(kernels, "_use_kernel", lambda *groups: None)
@@ -54,6 +55,7 @@ def gpu_branch(monkeypatch):
     cupy.lib = np.lib  # the own path's strided windows on the GPU branch
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     _fresh_decision(monkeypatch)
+    install_cublaslt(monkeypatch)
     return monkeypatch
 
 

@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 VERSION_KEYS = ("python", "numpy", "mpi4py", "mpi_library", "cupy", "cuda_runtime", "driver",
-                "nccl", "cudnn", "cudnn_frontend", "torch", "fleetmpi")
+                "nccl", "cudnn", "cudnn_frontend", "cublaslt", "nvmath", "torch", "fleetmpi")
 
 
 def load_part(name):

@@ -1,6 +1,7 @@
 """The ``gpu`` extras resolve to today's GPU stack: ``pip install --dry-run`` of each, from the
-package registry, names CuPy 14, cuDNN 9 with NVIDIA's cuDNN frontend, and NCCL, for CUDA 12
-(``gpu``) and CUDA 13 (``gpu-cuda13``)."""
+package registry, names CuPy 14, cuDNN 9 with NVIDIA's cuDNN frontend, NCCL, and nvmath-python
+1 (cuBLASLt) with the CUDA major's cuda-bindings, for CUDA 12 (``gpu``) and CUDA 13
+(``gpu-cuda13``)."""
 import json
 import os
 import subprocess
@@ -12,9 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # extra -> {distribution: major version}; None: any version
 STACKS = {
     "gpu": {"cupy-cuda12x": 14, "nvidia-cudnn-cu12": 9, "nvidia-nccl-cu12": 2,
-            "nvidia-cudnn-frontend": None},
+            "nvidia-cudnn-frontend": None, "nvmath-python": 1, "cuda-bindings": 12},
     "gpu-cuda13": {"cupy-cuda13x": 14, "nvidia-cudnn-cu13": 9, "nvidia-nccl-cu13": 2,
-                   "nvidia-cudnn-frontend": None},
+                   "nvidia-cudnn-frontend": None, "nvmath-python": 1, "cuda-bindings": 13},
 }
 
 

@@ -23,12 +23,14 @@ GPU_TEST_FILES = (
      "AMP, recompute and sharding stages 1-3 on one GPU"),
     ("tests/test_cudnn_frontend.py", "cuDNN through nvidia-cudnn-frontend against im2col and "
      "the attention reference"),
+    ("tests/test_products.py", "matrix products through cuBLASLt (nvmath-python) against the "
+     "host's, and a planned product captured in a CUDA graph and replayed"),
     ("tests/test_kernels.py", "the fused RawKernels against the unfused layers"),
     ("tests/test_fused_kernels.py", "LayerNorm, cross-entropy, dropout + add and bias + GELU "
      "kernels in a GPT step against the NumPy references"),
     ("tests/test_attention_kernels.py", "attention.cu's forward and backward, compiled by "
      "NVRTC, against the NumPy reference on the host"),
-    ("tests/test_amp.py", "float16 products through cuBLAS and the fused kernels"),
+    ("tests/test_amp.py", "float16 products through cuBLASLt and the fused kernels"),
     ("tests/test_amp_precision.py", "amp in float16 and bfloat16, levels O1 and O2, on tensor "
      "cores against float32"),
     ("tests/test_auto.py", "recompute offload, which applies on a GPU only"),

@@ -1,6 +1,7 @@
 """Print the versions a GPU check ran with, as one JSON object on a line that starts with
 ``RESULT``: device, driver, CUDA, CuPy, NCCL, cuDNN (through NVIDIA's cudnn frontend) and the
-frontend, PyTorch, MPI, NumPy, Python, and where fleetmpi was imported from.
+frontend, cuBLASLt (through nvmath-python) and nvmath-python, PyTorch, MPI, NumPy, Python, and
+where fleetmpi was imported from.
 
 Run as a script in the environment the stages use (``PYTHONPATH`` with the installed copy),
 so that it sees what they see. A missing or broken part reads "not installed" or
@@ -46,6 +47,19 @@ def _cudnn():
     # cuDNN 9: major * 10000 + minor * 100 + patch
     return {"cudnn": _dotted(cudnn.backend_version(), (10000, 100, 1)),
             "cudnn_frontend": cudnn.__version__}
+
+
+def _nvmath():
+    import nvmath
+
+    return {"nvmath": nvmath.__version__}
+
+
+def _cublaslt():
+    from nvmath.bindings import cublasLt
+
+    # cuBLASLt: major * 10000 + minor * 100 + patch
+    return {"cublaslt": _dotted(cublasLt.get_version(), (10000, 100, 1))}
 
 
 def _torch():
@@ -105,6 +119,8 @@ PROBES = (
     (_driver, ("driver",)),
     (_nccl, ("nccl",)),
     (_cudnn, ("cudnn", "cudnn_frontend")),
+    (_nvmath, ("nvmath",)),
+    (_cublaslt, ("cublaslt",)),
     (_torch, ("torch",)),
     (_mpi, ("mpi4py", "mpi_library")),
 )

@@ -7,7 +7,7 @@ import re
 # The versions the summary names, in its order, with their labels.
 SHOWN_VERSIONS = (("driver", "driver"), ("cuda_runtime", "CUDA runtime"), ("cupy", "CuPy"),
                   ("nccl", "NCCL"), ("cudnn", "cuDNN"), ("cudnn_frontend", "cuDNN frontend"),
-                  ("torch", "PyTorch"), ("mpi_library", "MPI"), ("python", "Python"),
+                  ("cublaslt", "cuBLASLt"), ("nvmath", "nvmath-python"), ("torch", "PyTorch"), ("mpi_library", "MPI"), ("python", "Python"),
                   ("numpy", "NumPy"), ("fleetmpi", "fleetmpi from"))
 TEST_STAGES = ("gpu_tests", "multi_rank")
 SHOWN_FAILURES = 15

@@ -10,23 +10,13 @@ import numbers
 import numpy as np
 
 from ..core import backend
+from ..kernels.products import matmul_arrays
 from .function import Cast, Function
 from .tensor import Tensor, as_array
 
 
 def _xp():
     return backend.array_module()
-
-
-def matmul_arrays(a, b):
-    """``a @ b``. Float16 (and bfloat16) operands multiply as a GPU's matrix product in that
-    dtype does, products summed in float32 and rounded to the operands' dtype once; on the host
-    that runs as a float32 product, since NumPy has no BLAS for float16 and its own loop is
-    hundreds of times slower (and ml_dtypes' bfloat16 product returns float32)."""
-    if (a.dtype == b.dtype and a.dtype.itemsize == 2 and backend.is_floating(a.dtype)
-            and not backend.on_gpu()):
-        return (a.astype(np.float32) @ b.astype(np.float32)).astype(a.dtype)
-    return a @ b
 
 
 def _swap_last(a):

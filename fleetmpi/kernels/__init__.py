@@ -4,7 +4,8 @@ step's kernels, ``attention_reference.py`` for attention's) on CPU and for dtype
 do not cover.
 
 Each function here takes backend arrays and returns backend arrays; what it computes is defined
-by the reference function of the same name.
+by the reference function of the same name. Matrix products are ``products.matmul_arrays``
+(through cuBLASLt on a GPU), which every product of the trainer calls.
 """
 import math
 import numbers
@@ -14,6 +15,7 @@ import numpy as np
 from ..core import backend, capture_checks
 from . import attention_reference, reference, transformer_reference
 from .loader import constant, instance_suffix, instances, launch
+from .products import matmul_arrays
 
 ACT_CODES = {act: code for code, act in enumerate(reference.ACTIVATIONS)}
 # The optimizer updates' references are chains of elementwise passes over whole arrays. On the

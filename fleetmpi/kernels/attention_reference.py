@@ -29,6 +29,7 @@ import math
 
 import numpy as np
 
+from .products import matmul_arrays
 from .transformer_reference import compute_dtype
 
 KEY_BLOCK = 64
@@ -41,7 +42,7 @@ def _key_blocks(k_len, key_block):
 def _scores(q, key, mask, is_causal, start, stop, scale, xp):
     """``scale * q k^T + mask`` of every query against keys ``start:stop`` (``q`` in the compute
     dtype, ``mask`` None or broadcast to the whole scores' shape), ``-inf`` where masked."""
-    s = q @ key[..., start:stop, :].astype(q.dtype, copy=False).swapaxes(-1, -2)
+    s = matmul_arrays(q, key[..., start:stop, :].astype(q.dtype, copy=False).swapaxes(-1, -2))
     s *= scale
     if mask is not None:
         block = mask[..., start:stop]
@@ -78,7 +79,7 @@ def attention_forward(query, key, value, mask, is_causal, xp, key_block=KEY_BLOC
         p = xp.exp(s - shift)
         shrink = xp.exp(top - shift)
         total = total * shrink + p.sum(axis=-1, keepdims=True)
-        acc = acc * shrink + p @ value[..., start:stop, :].astype(compute, copy=False)
+        acc = acc * shrink + matmul_arrays(p, value[..., start:stop, :].astype(compute, copy=False))
         top = new_top
     seen = total > 0
     safe_total = xp.where(seen, total, compute.type(1))
@@ -109,10 +110,10 @@ def attention_backward(dout, query, key, value, out, lse, mask, is_causal, xp,
         p = xp.exp(_scores(q, key, mask, is_causal, start, stop, scale, xp) - lse)
         keys = key[..., start:stop, :].astype(compute, copy=False)
         values = value[..., start:stop, :].astype(compute, copy=False)
-        dv[..., start:stop, :] = p.swapaxes(-1, -2) @ grad_out
-        ds = p * (grad_out @ values.swapaxes(-1, -2) - delta)
-        dq += ds @ keys
-        dk[..., start:stop, :] = ds.swapaxes(-1, -2) @ q
+        dv[..., start:stop, :] = matmul_arrays(p.swapaxes(-1, -2), grad_out)
+        ds = p * (matmul_arrays(grad_out, values.swapaxes(-1, -2)) - delta)
+        dq += matmul_arrays(ds, keys)
+        dk[..., start:stop, :] = matmul_arrays(ds.swapaxes(-1, -2), q)
     dq *= scale
     dk *= scale
     return (dq.astype(query.dtype, copy=False), dk.astype(key.dtype, copy=False),

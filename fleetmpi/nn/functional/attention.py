@@ -23,6 +23,7 @@ import numpy as np
 
 from ...core import backend
 from ... import kernels
+from ...kernels.products import matmul_arrays
 from ...autograd import Function, Tensor
 from ...autograd.autocast import input_dtype
 from . import cudnn, cudnn_attention, kernel_attention
@@ -81,7 +82,7 @@ class ScaledDotProductAttention(Function):
         self.scale = 1.0 / math.sqrt(query.shape[-1])
         q = query.astype(compute, copy=False)
         k = key.astype(compute, copy=False)
-        scores = q @ _swap_last(k)
+        scores = matmul_arrays(q, _swap_last(k))
         scores *= compute.type(self.scale)
         if attn_mask is not None:
             scores += _additive(attn_mask, compute, xp)
@@ -101,7 +102,7 @@ class ScaledDotProductAttention(Function):
             keep = backend.rank_rng().random(probs.shape) >= dropout_p
             self.keep = keep.astype(compute) * compute.type(1.0 / (1.0 - dropout_p))
             probs = probs * self.keep
-        out = probs @ value.astype(compute, copy=False)
+        out = matmul_arrays(probs, value.astype(compute, copy=False))
         return out.astype(np.result_type(query.dtype, key.dtype, value.dtype), copy=False)
 
     def backward(self, dy):
@@ -112,10 +113,10 @@ class ScaledDotProductAttention(Function):
         dropped = probs if self.keep is None else probs * self.keep
         dvalue = None
         if needs[2]:
-            dvalue = (_swap_last(dropped) @ dy).astype(self.value.dtype, copy=False)
+            dvalue = matmul_arrays(_swap_last(dropped), dy).astype(self.value.dtype, copy=False)
         if not (needs[0] or needs[1] or needs[3]):
             return None, None, dvalue, None
-        dprobs = dy @ _swap_last(self.value.astype(compute, copy=False))
+        dprobs = matmul_arrays(dy, _swap_last(self.value.astype(compute, copy=False)))
         if self.keep is not None:
             dprobs *= self.keep
         dprobs *= probs
@@ -125,11 +126,11 @@ class ScaledDotProductAttention(Function):
         dscores *= compute.type(self.scale)
         dquery = dkey = None
         if needs[0]:
-            dquery = (dscores @ self.key.astype(compute, copy=False)).astype(
+            dquery = matmul_arrays(dscores, self.key.astype(compute, copy=False)).astype(
                 self.query.dtype, copy=False)
         if needs[1]:
-            dkey = (_swap_last(dscores) @ self.query.astype(compute, copy=False)).astype(
-                self.key.dtype, copy=False)
+            query = self.query.astype(compute, copy=False)
+            dkey = matmul_arrays(_swap_last(dscores), query).astype(self.key.dtype, copy=False)
         return dquery, dkey, dvalue, dmask
 
 

@@ -2,8 +2,8 @@
 add) and embedding."""
 from ...core import backend
 from ... import kernels
+from ...kernels.products import matmul_arrays
 from ...autograd import Function, Tensor
-from ...autograd.operations import matmul_arrays
 from ...kernels import transformer_reference
 
 
@@ -14,13 +14,12 @@ def _weight_grads(node, x, weight, dz):
     dx = matmul_arrays(dz, weight.T) if needs[0] else None
     dw = db = None
     if needs[1] or needs[2]:
-        xp = backend.array_module()
         dz2 = dz.reshape(-1, dz.shape[-1])
         if needs[1]:
             x2 = x.reshape(-1, x.shape[-1]).T
             dw = node.grad_buffer(1, weight.shape, weight.dtype)
             if dw is not None and x2.dtype == dw.dtype and dz2.dtype == dw.dtype:
-                xp.matmul(x2, dz2, out=dw)
+                matmul_arrays(x2, dz2, out=dw)
             else:
                 dw = matmul_arrays(x2, dz2)
         if needs[2]:
@@ -37,10 +36,7 @@ class Linear(Function):
 
     def forward(self, x, weight, bias):
         self.x, self.weight = x, weight
-        y = matmul_arrays(x, weight)
-        if bias is not None:
-            y += bias
-        return y
+        return matmul_arrays(x, weight, bias=bias)
 
     def backward(self, dy):
         return _weight_grads(self, self.x, self.weight, dy)

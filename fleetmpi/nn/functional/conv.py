@@ -13,8 +13,8 @@ import numpy as np
 
 from ...core import backend
 from ... import kernels
+from ...kernels.products import matmul_arrays
 from ...autograd import Function
-from ...autograd.operations import matmul_arrays
 from . import cudnn, cudnn_ops
 
 

@@ -21,10 +21,15 @@ def sum_over_ranks(communicator, *vectors):
 
 
 def channel_dot(a, b):
-    """``(a * b).sum`` over every axis but 1, without the product's full-size temporary."""
-    xp = backend.array_module()
+    """``(a * b).sum`` over every axis but 1: on the host one ``einsum``, without the product's
+    full-size temporary; on a GPU the product and a reduction, since CuPy's ``einsum`` runs
+    this contraction as a cuBLAS product, which a CUDA graph capture refuses
+    (``fleetmpi/kernels/cublaslt.py``)."""
     shape = (a.shape[0], a.shape[1], int(np.prod(a.shape[2:], dtype=np.int64)))
-    return xp.einsum("nci,nci->c", a.reshape(shape), b.reshape(shape))
+    a, b = a.reshape(shape), b.reshape(shape)
+    if backend.on_gpu():
+        return (a * b).sum(axis=(0, 2))
+    return np.einsum("nci,nci->c", a, b)
 
 
 def batch_statistics(x, axes, communicator):
