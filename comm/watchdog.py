@@ -38,6 +38,7 @@ import zlib
 import numpy as np
 
 from fleetmpi.core.knobs import STALL_TIMEOUT
+from .exit_report import exit_message, unfinished_line
 from .peer_watch import PeerCalls, peer_stall_message, peer_verdict
 from .stall_report import (REPORT_LINGER_SECONDS, call_name, call_text, end_job, stall_message,
                            verdict, write_report)
@@ -330,12 +331,32 @@ class Watchdog:
         return True
 
     def finish(self):
-        """At the end of the script: stop the thread, then tell every watched communicator's
-        other ranks how many calls this rank made there."""
+        """At the end of the script: stop the thread, tell every watched communicator's other
+        ranks how many calls this rank made there, and wait for theirs; a rank that does not
+        finish within the stall time is reported and the job ended (``exit_report``)."""
         from mpi4py import MPI
 
         self.stopping.set()
         self.thread.join()
+        sends = self._announce()
+        # Wait until the other ranks have announced their end too (what MPI_Finalize, which
+        # comes next, waits for anyway), answering their questions meanwhile: no message is
+        # left unmatched at MPI_Finalize, which a job of hundreds of communicators did not
+        # survive. A rank still in a call hears this one's end and ends the job.
+        started = time.monotonic()
+        while not self._all_finished():
+            if time.monotonic() - started >= self.timeout:
+                self._report_unfinished(time.monotonic() - started)
+            time.sleep(1e-3)
+        deadline = time.monotonic() + FINISH_SECONDS
+        while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+            time.sleep(1e-3)
+
+    def _announce(self):
+        """This rank's end, sent to every other rank of every watched communicator: its
+        collectives there and its sends to and receives from that rank."""
+        from mpi4py import MPI
+
         sends = []
         for watch in self.watches:
             for rank in range(watch.size):
@@ -346,18 +367,33 @@ class Watchdog:
                         sends.append(watch.comm.Isend(counts, dest=rank, tag=FINISHED_TAG))
                     except MPI.Exception:  # a rank that has gone already
                         pass
-        # Wait until the other ranks have announced their end too (what MPI_Finalize, which
-        # comes next, waits for anyway), answering their questions meanwhile: no message is
-        # left unmatched at MPI_Finalize, which a job of hundreds of communicators did not
-        # survive. A rank still in a call hears this one's end and ends the job.
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            for watch in list(self.watches):
-                if not self._listen(watch):
-                    self.watches.remove(watch)
-            if all(len(w.finished) >= w.size - 1 for w in self.watches):
-                break
+        return sends
+
+    def _all_finished(self):
+        """Answer the questions that came, note the ends announced; whether every rank of
+        every watched communicator has ended."""
+        for watch in list(self.watches):
+            if not self._listen(watch):
+                self.watches.remove(watch)
+        return all(len(w.finished) >= w.size - 1 for w in self.watches)
+
+    def _report_unfinished(self, waited):
+        """Ask the ranks that have not finished where they are (on the largest communicator
+        that misses some, of those the most used), report them, and end the job ``REPORT_LINGER_SECONDS`` later,
+        answering questions meanwhile."""
+        watch = max((w for w in self.watches if len(w.finished) < w.size - 1),
+                    key=lambda w: (w.size, w.started))
+        missing = [r for r in range(watch.size) if r != watch.rank and r not in watch.finished]
+        inquiry = Inquiry(watch, missing)
+        while not inquiry.done():
+            self._all_finished()
             time.sleep(1e-3)
-        deadline = time.monotonic() + FINISH_SECONDS
-        while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+        if self._all_finished():  # the last ones ended meanwhile
+            return
+        lines = [unfinished_line(r, inquiry.answers[r]) for r in missing]
+        write_report(exit_message(watch.rank, watch.size, waited, missing, lines))
+        ending = time.monotonic() + REPORT_LINGER_SECONDS
+        while time.monotonic() < ending:
+            self._all_finished()
             time.sleep(1e-3)
+        end_job()

@@ -1,7 +1,9 @@
 """Every wait is watched: a point-to-point ``recv`` whose sender never sends (a plain
 ``Communicator.recv``, and a pipeline stage whose peer raised inside ``train_batch`` and
-caught it) is reported by the waiting rank, naming itself, the call and where the peer is,
-within the stall time and a few seconds, and the job ends non-zero leaving nothing behind."""
+caught it) is reported by the waiting rank, naming itself, the call and where the peer is;
+a rank that finished its script reports the ranks that never finish theirs instead of
+waiting in ``MPI_Finalize``. Each within the stall time and a few seconds, and the job ends
+non-zero leaving nothing behind."""
 import re
 
 import pytest
@@ -64,6 +66,23 @@ def test_a_pipeline_stage_whose_peer_raised_in_train_batch_is_reported(how):
     assert job.reported_within() <= STALL_SECONDS + REPORT_MARGIN_SECONDS, job.text
     assert "rank 0 finished" not in job.text, job.text
     check_ended_cleanly(job)
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "fleetmpirun"])
+def test_a_rank_that_never_finishes_is_reported_by_the_finished_ones(launcher):
+    """Rank 1 hangs before the last of 10 broadcasts; rank 0, the root, returns from it and
+    ends its script, where it waited in MPI_Finalize for good."""
+    job = run_job(launcher_command(launcher, 2, ["wait_jobs.py", "exit", "broadcast"]))
+    found = job.reports()
+    assert set(found) == {0}, job.text
+    assert re.match(r"finished its script and has waited (\S+) s for rank\(s\) 1 to finish "
+                    r"theirs: rank 1 is in no call; its last collective here #9 \(broadcast "
+                    r"of float64 \(4,\)\); .*aborting the job instead of waiting in "
+                    r"MPI_Finalize", found[0]), job.text
+    assert float(re.search(r"has waited (\S+) s", found[0]).group(1)) >= STALL_SECONDS
+    assert "rank 0 finished" in job.text and "rank 1 finished" not in job.text, job.text
+    assert job.reported_within() <= STALL_SECONDS + REPORT_MARGIN_SECONDS, job.text
+    check_ended_cleanly(job, launcher)
 
 
 def peer_answer(sent=0, received=0, in_flight=False, peer=None, text="send #1 to rank 0",

@@ -3,6 +3,7 @@ outside the collectives, each of which must be reported and end the job.
 
     fleetmpirun --np 2 python tests/wait_jobs.py recv HOW
     fleetmpirun --np 2 python tests/wait_jobs.py pipeline HOW
+    fleetmpirun --np 2 python tests/wait_jobs.py exit broadcast
 
 ``recv``: rank 1 sends rank 0 one array, then rank 0 waits for a second while rank 1, instead
 of sending it, sleeps a minute (``HOW``: ``sleep``), ends its script (``finish``), waits in a
@@ -10,6 +11,8 @@ of sending it, sleeps a minute (``HOW``: ``sleep``), ends its script (``finish``
 ``pipeline``: a 2-stage ``PipelineLayer`` trained by ``train_batch``; at step 2 the last
 stage's loss raises, which the script catches; that rank then ends its script (``finish``)
 or sleeps a minute (``sleep``), and the first stage waits for gradients that never come.
+``exit``: every rank makes 10 broadcasts from rank 0, except rank 1, which hangs (sleeps a
+minute) before its last: rank 0's broadcast, a send, returns, and rank 0 ends its script.
 Every rank prints ``PID <pid>`` and ``SEGMENTS <the MPICH segments it mapped>`` once started,
 and the job prints ``FAULT <epoch seconds>`` when the fault happens.
 """
@@ -108,6 +111,19 @@ def pipeline(how):
     print(f"rank {rank} finished", flush=True)
 
 
+def exit_path(collective):
+    fleet.init()
+    started()
+    comm = Communicator(topology())
+    x = np.arange(4.0)
+    for call in range(10):
+        if call == 9 and comm.rank == 1:
+            fault()
+            time.sleep(60)
+        getattr(comm, collective)(x, root=0)
+    print(f"rank {comm.rank} finished", flush=True)
+
+
 if __name__ == "__main__":
     mode, how = sys.argv[1:3]
-    {"recv": recv, "pipeline": pipeline}[mode](how)
+    {"recv": recv, "pipeline": pipeline, "exit": exit_path}[mode](how)
