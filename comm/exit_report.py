@@ -3,11 +3,20 @@
 At the end of its script a rank announces it on every watched communicator and waits for the
 others' announcements (``Watchdog.finish``), which ``MPI_Finalize`` would wait for anyway,
 forever where a rank hangs outside any call. After ``FLEETMPI_STALL_TIMEOUT`` it asks the
-ranks still missing where they are and ends the job instead; the functions here are pure.
+ranks still missing where they are and, where one is in no call (or silent), reports them
+and ends the job; a rank waiting in a watched call is left to its own watchdog. The
+functions here are pure.
 """
 from fleetmpi.core.knobs import STALL_TIMEOUT
 
 from .stall_report import ranks_text
+
+
+def in_a_call(answer):
+    """Whether an answer says its rank waits in a watched call (which its own watchdog
+    reports once it overstays)."""
+    return answer is not None and (answer["in_flight"] or answer["p2p"]["in_flight"]
+                                   or bool(answer["elsewhere"]))
 
 
 def unfinished_line(rank, answer):

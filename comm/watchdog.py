@@ -38,7 +38,7 @@ import zlib
 import numpy as np
 
 from fleetmpi.core.knobs import STALL_TIMEOUT
-from .exit_report import exit_message, unfinished_line
+from .exit_report import exit_message, in_a_call, unfinished_line
 from .peer_watch import PeerCalls, peer_stall_message, peer_verdict
 from .stall_report import (REPORT_LINGER_SECONDS, call_name, call_text, end_job, stall_message,
                            verdict, write_report)
@@ -344,9 +344,11 @@ class Watchdog:
         # left unmatched at MPI_Finalize, which a job of hundreds of communicators did not
         # survive. A rank still in a call hears this one's end and ends the job.
         started = time.monotonic()
+        ask = started + self.timeout
         while not self._all_finished():
-            if time.monotonic() - started >= self.timeout:
+            if time.monotonic() >= ask:
                 self._report_unfinished(time.monotonic() - started)
+                ask = time.monotonic() + self.timeout
             time.sleep(1e-3)
         deadline = time.monotonic() + FINISH_SECONDS
         while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
@@ -379,8 +381,9 @@ class Watchdog:
 
     def _report_unfinished(self, waited):
         """Ask the ranks that have not finished where they are (on the largest communicator
-        that misses some, of those the most used), report them, and end the job ``REPORT_LINGER_SECONDS`` later,
-        answering questions meanwhile."""
+        that misses some, of those the most used), report them, and end the job
+        ``REPORT_LINGER_SECONDS`` later, answering questions meanwhile. Unless each waits in
+        a watched call: its own watchdog reports that call, and this rank asks again later."""
         watch = max((w for w in self.watches if len(w.finished) < w.size - 1),
                     key=lambda w: (w.size, w.started))
         missing = [r for r in range(watch.size) if r != watch.rank and r not in watch.finished]
@@ -388,7 +391,7 @@ class Watchdog:
         while not inquiry.done():
             self._all_finished()
             time.sleep(1e-3)
-        if self._all_finished():  # the last ones ended meanwhile
+        if self._all_finished() or all(in_a_call(inquiry.answers[r]) for r in missing):
             return
         lines = [unfinished_line(r, inquiry.answers[r]) for r in missing]
         write_report(exit_message(watch.rank, watch.size, waited, missing, lines))

@@ -85,6 +85,24 @@ def test_a_rank_that_never_finishes_is_reported_by_the_finished_ones(launcher):
     check_ended_cleanly(job, launcher)
 
 
+def test_a_timeline_rank_0_cannot_write_is_named_and_the_job_ends(tmp_path):
+    """``FLEETMPI_TIMELINE`` names a folder: rank 0 cannot put the file there. Every rank
+    names the path and the error, keeps its part file, and the job ends (its status is the
+    training's: 0), where the other ranks waited for good in the exit hook's barrier."""
+    folder = tmp_path / "timeline"
+    folder.mkdir()
+    job = run_job(launcher_command("mpiexec", 2, ["wait_jobs.py", "timeline", "allreduce"]),
+                  FLEETMPI_TIMELINE=str(folder))
+    assert job.code == 0, job.text
+    for rank in range(2):
+        assert f"[fleetmpi rank {rank}/2 node 0] ERROR timeline: rank 0 could not write " \
+               f"{folder}: [Errno 21] Is a directory" in job.text, job.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "timeline", "timeline.rank0.part", "timeline.rank1.part"]
+    assert job.reported_within("[fleetmpi rank") <= STALL_SECONDS + REPORT_MARGIN_SECONDS
+    assert job.left_behind()[0] == [], job.text
+
+
 def peer_answer(sent=0, received=0, in_flight=False, peer=None, text="send #1 to rank 0",
                 started=0, blocked_here=False, elsewhere=()):
     return {"started": started, "text": "barrier", "blocked_here": blocked_here,

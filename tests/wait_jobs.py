@@ -4,6 +4,7 @@ outside the collectives, each of which must be reported and end the job.
     fleetmpirun --np 2 python tests/wait_jobs.py recv HOW
     fleetmpirun --np 2 python tests/wait_jobs.py pipeline HOW
     fleetmpirun --np 2 python tests/wait_jobs.py exit broadcast
+    FLEETMPI_TIMELINE=FOLDER mpiexec -n 2 python tests/wait_jobs.py timeline allreduce
 
 ``recv``: rank 1 sends rank 0 one array, then rank 0 waits for a second while rank 1, instead
 of sending it, sleeps a minute (``HOW``: ``sleep``), ends its script (``finish``), waits in a
@@ -13,6 +14,7 @@ stage's loss raises, which the script catches; that rank then ends its script (`
 or sleeps a minute (``sleep``), and the first stage waits for gradients that never come.
 ``exit``: every rank makes 10 broadcasts from rank 0, except rank 1, which hangs (sleeps a
 minute) before its last: rank 0's broadcast, a send, returns, and rank 0 ends its script.
+``timeline``: 3 allreduces, then the script ends (the timeline is written at exit).
 Every rank prints ``PID <pid>`` and ``SEGMENTS <the MPICH segments it mapped>`` once started,
 and the job prints ``FAULT <epoch seconds>`` when the fault happens.
 """
@@ -111,6 +113,16 @@ def pipeline(how):
     print(f"rank {rank} finished", flush=True)
 
 
+def timeline(collective):
+    fleet.init()
+    started()
+    comm = Communicator(topology())
+    for _ in range(3):
+        getattr(comm, collective)(np.ones(4))
+    fault()
+    print(f"rank {comm.rank} finished", flush=True)
+
+
 def exit_path(collective):
     fleet.init()
     started()
@@ -126,4 +138,4 @@ def exit_path(collective):
 
 if __name__ == "__main__":
     mode, how = sys.argv[1:3]
-    {"recv": recv, "pipeline": pipeline, "exit": exit_path}[mode](how)
+    {"recv": recv, "pipeline": pipeline, "exit": exit_path, "timeline": timeline}[mode](how)
