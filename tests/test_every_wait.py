@@ -2,14 +2,15 @@
 ``Communicator.recv``, and a pipeline stage whose peer raised inside ``train_batch`` and
 caught it) is reported by the waiting rank, naming itself, the call and where the peer is;
 a rank that finished its script reports the ranks that never finish theirs instead of
-waiting in ``MPI_Finalize``. Each within the stall time and a few seconds, and the job ends
+waiting in ``MPI_Finalize``; a parameter-server worker whose server hung ends the job.
+Each within the stall time and a few seconds, and the job ends
 non-zero leaving nothing behind."""
 import re
 
 import pytest
 
 from wait_support import (REPORT_MARGIN_SECONDS, STALL_SECONDS, check_ended_cleanly,
-                          launcher_command, run_job)
+                          fleetmpirun, launcher_command, run_job)
 
 CERTAIN = "it cannot arrive, aborting the job"
 TIMED_OUT = "FLEETMPI_STALL_TIMEOUT is exceeded, aborting the job"
@@ -101,6 +102,27 @@ def test_a_timeline_rank_0_cannot_write_is_named_and_the_job_ends(tmp_path):
         "timeline", "timeline.rank0.part", "timeline.rank1.part"]
     assert job.reported_within("[fleetmpi rank") <= STALL_SECONDS + REPORT_MARGIN_SECONDS
     assert job.left_behind()[0] == [], job.text
+
+
+@pytest.mark.parametrize("mode", ["async", "geo"])
+def test_a_worker_whose_server_hung_ends_the_job_naming_it(mode):
+    """Server 0 hangs at its fourth push: the worker waiting for its answer raises
+    ``ServerError`` after twice ``FLEETMPI_PS_TIMEOUT`` and, where an async or GEO worker
+    that raises leaves alone, ends the job, naming the server; before, the job never
+    ended."""
+    ps_timeout = 1
+    command = fleetmpirun() + ["--server_num", "1", "--worker_num", "2", "pserver_jobs.py",
+                               "server-hang", "--servers", "1", "--mode", mode]
+    job = run_job(command, FLEETMPI_PS_TIMEOUT=str(ps_timeout))
+    said = re.findall(r"\[fleetmpi\] worker (\d) \(rank \d\) leaves because server 0 \(rank 2\) "
+                      r"did not answer within 2 s \(twice FLEETMPI_PS_TIMEOUT\); a hung server "
+                      r"would keep the job from ending: aborting the job", job.text)
+    assert said, job.text
+    assert "ServerError: server 0 (rank 2) did not answer worker" in job.text, job.text
+    assert "ok leave" not in job.text, job.text
+    bound = 2 * ps_timeout + REPORT_MARGIN_SECONDS
+    assert job.reported_within("[fleetmpi] worker") <= bound, job.text
+    check_ended_cleanly(job)
 
 
 def peer_answer(sent=0, received=0, in_flight=False, peer=None, text="send #1 to rank 0",
