@@ -54,7 +54,7 @@ def peer_fault(how, comm):
         raise ValueError(f"unknown HOW {how!r}")
 
 
-def recv(how):
+def recv_job(how):
     fleet.init()
     started()
     comm = Communicator(topology())
@@ -68,7 +68,8 @@ def recv(how):
 
 
 class FailingLoss(nn.Layer):
-    """Cross entropy that raises at step ``fail_at`` (counted in calls: one per micro-batch)."""
+    """Cross entropy that raises at its call ``fail_at_call`` (one call per micro-batch, two
+    per step: call 3 is step 2's first)."""
 
     def __init__(self, fail_at_call):
         super().__init__()
@@ -83,7 +84,7 @@ class FailingLoss(nn.Layer):
         return self.loss(logits, labels)
 
 
-def pipeline(how):
+def pipeline_job(how):
     strategy = fleet.DistributedStrategy()
     strategy.pipeline = True
     strategy.pipeline_configs = {"accumulate_steps": 2, "micro_batch_size": 4}
@@ -113,7 +114,7 @@ def pipeline(how):
     print(f"rank {rank} finished", flush=True)
 
 
-def timeline(collective):
+def timeline_job(collective):
     fleet.init()
     started()
     comm = Communicator(topology())
@@ -123,7 +124,7 @@ def timeline(collective):
     print(f"rank {comm.rank} finished", flush=True)
 
 
-def exit_path(collective):
+def exit_job(collective):
     fleet.init()
     started()
     comm = Communicator(topology())
@@ -138,4 +139,5 @@ def exit_path(collective):
 
 if __name__ == "__main__":
     mode, how = sys.argv[1:3]
-    {"recv": recv, "pipeline": pipeline, "exit": exit_path, "timeline": timeline}[mode](how)
+    {"recv": recv_job, "pipeline": pipeline_job, "exit": exit_job,
+     "timeline": timeline_job}[mode](how)

@@ -10,17 +10,14 @@ import time
 from fleetmpi.launch import shm
 from fleetmpi.launch.mpi_command import local_command
 
+from test_failure import fleetmpirun
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 STALL_SECONDS = 3
 # The report must come within the stall time and this much more, on a busy machine too.
 REPORT_MARGIN_SECONDS = 5
 # A job that hangs runs into this and fails the test instead of hanging it.
 JOB_SECONDS = 120
-
-
-def fleetmpirun():
-    script = os.path.join(os.path.dirname(sys.executable), "fleetmpirun")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "fleetmpi.launch"]
 
 
 def launcher_command(launcher, n, program):
