@@ -3,8 +3,8 @@ under ``fleetmpirun``.
 
     python benchmarks/faults.py [--ranks 2] [--repeats 3] [--only TEXT]
 
-Each scenario runs ``tests/failure_jobs.py`` or ``tests/stall_jobs.py`` (the jobs the
-fault-injection tests start): the
+Each scenario runs ``tests/failure_jobs.py``, ``tests/stall_jobs.py`` or
+``tests/wait_jobs.py`` (the jobs the fault-injection tests start): the
 job prints ``FAULT <time>`` at the moment of the fault, and the time from there to the
 launcher's exit is the measure (median of ``--repeats`` runs), next to the exit status and
 whether the job's output names the failing rank. Stalls run with ``FLEETMPI_STALL_TIMEOUT=2``,
@@ -29,6 +29,8 @@ from fleetmpi.launch.mpi_command import local_command
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "failure_jobs.py")
 ELASTIC_JOB = os.path.join(os.path.dirname(JOB), "elastic_job.py")
 STALL_JOB = os.path.join(os.path.dirname(JOB), "stall_jobs.py")
+WAIT_JOB = os.path.join(os.path.dirname(JOB), "wait_jobs.py")
+NOT_SENT = "rank 1 has not made the matching send"
 HANG_SECONDS = 60
 SCENARIOS = [
     # (name, job arguments (after the job file, failure_jobs.py unless named first), extra
@@ -65,6 +67,19 @@ SCENARIOS = [
     ("rank 1's checkpoint file damaged, every rank loads", ["damaged-checkpoint"], {},
      {"mpiexec": "because not every rank could load its part; rank 1:",
       "fleetmpirun": "because not every rank could load its part; rank 1:"}),
+    ("rank 1 never sends what rank 0 waits for in recv (stall)", [WAIT_JOB, "recv", "sleep"],
+     {"FLEETMPI_STALL_TIMEOUT": "2"}, {"mpiexec": NOT_SENT, "fleetmpirun": NOT_SENT}),
+    ("rank 1 ends its script while rank 0 waits in recv", [WAIT_JOB, "recv", "finish"],
+     {"FLEETMPI_STALL_TIMEOUT": "2"}, {"mpiexec": NOT_SENT, "fleetmpirun": NOT_SENT}),
+    ("pipeline stage 1 raises in train_batch, caught, then ends its script",
+     [WAIT_JOB, "pipeline", "finish"], {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": NOT_SENT, "fleetmpirun": NOT_SENT}),
+    ("pipeline stage 1 raises in train_batch, caught, then sleeps (stall)",
+     [WAIT_JOB, "pipeline", "sleep"], {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": NOT_SENT, "fleetmpirun": NOT_SENT}),
+    ("rank 1 hangs outside any call, rank 0 ends its script (exit path, stall)",
+     [WAIT_JOB, "exit", "broadcast"], {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "for rank(s) 1 to finish", "fleetmpirun": "for rank(s) 1 to finish"}),
 ]
 
 

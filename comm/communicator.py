@@ -108,7 +108,7 @@ def _refuse_host_transport_in_capture(comm, collective):
 
 def _recorded(collective, nbytes=False, watched=True):
     """Wrap a collective so that it is a call of the communicator's stall ``Watch`` (unless
-    ``watched`` is False: point-to-point) and, while the timeline records, one ``comm`` event
+    ``watched`` is False: point-to-point, which notes itself in the watch's ``peers``) and, while the timeline records, one ``comm`` event
     named ``collective`` with the algorithm(s) its flat operations noted and its bytes: the
     payload it added, or (``nbytes``) the bytes of its array ``x``."""
     def wrap(method):
@@ -775,9 +775,14 @@ class Communicator:
         header = np.zeros(4 + HEADER_DIMS, dtype=np.int64)
         header[:4] = (x.dtype.num, x.size, x.nbytes, x.ndim)
         header[4:4 + x.ndim] = x.shape
-        self._control.Send(header, dest=dest, tag=P2P_TAG)
-        buf = array_module(x).ascontiguousarray(x)
-        dispatch.chosen(ctx, "send", None, buf.nbytes).run(ctx, buf, dest)
+        peers = self._watch.peers
+        peers.enter_send(dest, x)
+        try:
+            self._control.Send(header, dest=dest, tag=P2P_TAG)
+            buf = array_module(x).ascontiguousarray(x)
+            dispatch.chosen(ctx, "send", None, buf.nbytes).run(ctx, buf, dest)
+        finally:
+            peers.ended += 1
 
     @_recorded("recv", nbytes=True, watched=False)
     def recv(self, x, source):
@@ -790,7 +795,19 @@ class Communicator:
         check_array(ctx, x, writable=True)
         check_peer(ctx, source, "source")
         header = np.empty(4 + HEADER_DIMS, dtype=np.int64)
-        self._control.Recv(header, source=source, tag=P2P_TAG)
+        peers = self._watch.peers
+        peers.enter_recv(source, x)
+        try:
+            self._control.Recv(header, source=source, tag=P2P_TAG)
+            self._recv_body(x, source, header)
+        finally:
+            peers.ended += 1
+        return x
+
+    def _recv_body(self, x, source, header):
+        """``recv`` once its header has come: the array, or the message drained and an
+        error naming both dtypes and shapes."""
+        ctx = self.context
         num, _, nbytes, ndim = (int(v) for v in header[:4])
         shape = tuple(int(v) for v in header[4:4 + ndim])
         xp = array_module(x)
@@ -804,7 +821,6 @@ class Communicator:
         receive.run(ctx, buf, source)
         if buf is not x:
             x[...] = buf
-        return x
 
     @_recorded("barrier")
     def barrier(self):

@@ -15,6 +15,11 @@ and the calls their callers are blocked in on other communicators. A rank that f
 script announces it on every watched communicator (``FINISHED_TAG``, from ``atexit``, before
 MPI is finalized).
 
+Point-to-point. ``Communicator.send`` and ``recv`` note themselves in the watch's ``peers``
+(``peer_watch.PeerCalls``: counts per peer, so that a ``recv`` can be matched with the peer's
+``send`` of the same number); one in flight is timed the same way, only its peer is asked,
+and ``peer_watch.peer_verdict`` reads the answer.
+
 Reporting. ``stall_report.verdict`` reads the answers. A rank that finished before this call,
 one blocked in a call this rank has not reached, or one in a different call at this number
 cannot arrive: that is reported at once, within seconds at any stall time. Otherwise the
@@ -33,6 +38,8 @@ import zlib
 import numpy as np
 
 from fleetmpi.core.knobs import STALL_TIMEOUT
+from .exit_report import exit_message, in_a_call, unfinished_line
+from .peer_watch import PeerCalls, peer_stall_message, peer_verdict
 from .stall_report import (REPORT_LINGER_SECONDS, call_name, call_text, end_job, stall_message,
                            verdict, write_report)
 
@@ -68,7 +75,7 @@ class Watch:
     rank blocked elsewhere can say where in terms the others can look up."""
 
     __slots__ = ("comm", "rank", "size", "members", "identity", "started", "ended", "what",
-                 "comm_thread", "finished", "seen", "since", "next_inquiry", "inquiry")
+                 "comm_thread", "finished", "seen", "since", "next_inquiry", "inquiry", "peers")
 
     def __init__(self, comm, members):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
@@ -82,6 +89,7 @@ class Watch:
         self.comm_thread = None
         self.finished = {}
         self.seen, self.since, self.next_inquiry, self.inquiry = 0, 0.0, 0.0, None
+        self.peers = PeerCalls(self.size)  # its point-to-point calls (``peer_watch``)
 
     def enter(self, what):
         """Note a call starting, unless one is in flight already (this one is part of it);
@@ -146,22 +154,25 @@ def answer_of(watch, asker, watches):
     asker_world = watch.members[asker]
     elsewhere = [[w.identity, w.started, call_text(w.what), asker_world in w.members]
                  for w in watches if w is not watch and w.started != w.ended and w.blocking()]
-    answer = {"started": watch.started, "in_flight": watch.started != watch.ended,
+    in_flight = watch.started != watch.ended
+    answer = {"started": watch.started, "in_flight": in_flight,
+              "blocked_here": in_flight and watch.blocking(),
               "name": call_name(watch.what), "text": call_text(watch.what),
-              "elsewhere": elsewhere}
+              "elsewhere": elsewhere, "p2p": watch.peers.answer(asker)}
     return json.dumps(answer).encode()[:ANSWER_BYTES]
 
 
 class Inquiry:
     """One round of asking every other rank of a watch where it is."""
 
-    def __init__(self, watch):
+    def __init__(self, watch, others=None):
         from mpi4py import MPI
 
         comm = watch.comm
         while comm.Iprobe(source=MPI.ANY_SOURCE, tag=ANSWER_TAG):  # late answers of before
             comm.Recv(bytearray(ANSWER_BYTES), source=MPI.ANY_SOURCE, tag=ANSWER_TAG)
-        others = [r for r in range(watch.size) if r != watch.rank]
+        if others is None:
+            others = [r for r in range(watch.size) if r != watch.rank]
         self.buffers = {r: bytearray(ANSWER_BYTES) for r in others}
         self.receives = {r: comm.Irecv(self.buffers[r], source=r, tag=ANSWER_TAG)
                          for r in others}
@@ -219,6 +230,8 @@ class Watchdog:
                 for watch in watches:
                     if self.ending is None and watch.started != watch.ended:
                         self._judge(watch)
+                    if self.ending is None and watch.peers.started != watch.peers.ended:
+                        self._judge_peers(watch)
                 self.sends = [r for r in self.sends if not r.Test()]
             if self.ending is not None and time.monotonic() >= self.ending:
                 end_job()
@@ -246,9 +259,10 @@ class Watchdog:
             answer = answer_of(watch, asker, self.watches)
             self.sends.append(comm.Isend(answer, dest=asker, tag=ANSWER_TAG))
         while comm.Iprobe(source=MPI.ANY_SOURCE, tag=FINISHED_TAG, status=status):
-            count = np.zeros(1, np.int64)
-            comm.Recv(count, source=status.Get_source(), tag=FINISHED_TAG)
-            watch.finished[status.Get_source()] = int(count[0])
+            counts, source = np.zeros(3, np.int64), status.Get_source()
+            comm.Recv(counts, source=source, tag=FINISHED_TAG)
+            watch.finished[source] = int(counts[0])
+            watch.peers.finished[source] = {"sent": int(counts[1]), "received": int(counts[2])}
 
     def _judge(self, watch):
         """Time the call in flight on ``watch``; ask and report as the module docstring says."""
@@ -284,34 +298,105 @@ class Watchdog:
         self.ending = time.monotonic() + REPORT_LINGER_SECONDS
         return True
 
+    def _judge_peers(self, watch):
+        """Time the point-to-point call in flight on ``watch``; ask its peer alone, and
+        report as ``peer_watch`` says."""
+        peers, now = watch.peers, time.monotonic()
+        if peers.seen != peers.started:
+            peers.seen, peers.since, peers.inquiry = peers.started, now, None
+            peers.next_inquiry = now + min(FIRST_INQUIRY_SECONDS, self.timeout)
+        waited, peer = now - peers.since, peers.what[1]
+        if peer in peers.finished:
+            self._report_peers(watch, waited, None, only_certain=True)
+        if self.ending is None and peers.inquiry is None and now >= peers.next_inquiry:
+            peers.inquiry = Inquiry(watch, [peer])
+        if self.ending is None and peers.inquiry is not None and peers.inquiry.done():
+            answer, peers.inquiry = peers.inquiry.answers[peer], None
+            if not self._report_peers(watch, waited, answer, only_certain=True):
+                peers.next_inquiry = peers.since + min(2 * waited, self.timeout)
+                if waited >= self.timeout:
+                    self._report_peers(watch, waited, answer)
+
+    def _report_peers(self, watch, waited, answer, only_certain=False):
+        """As ``_report``, for the point-to-point call in flight on ``watch``."""
+        what = watch.peers.what
+        counts = (watch.started, {w.identity: w.started for w in self.watches})
+        line, arrived, certain = peer_verdict(what, watch.rank, answer,
+                                              watch.peers.finished.get(what[1]), counts)
+        if only_certain and not certain:
+            return False
+        write_report(peer_stall_message(watch.rank, watch.size, what, waited, line, arrived,
+                                        certain))
+        self.ending = time.monotonic() + REPORT_LINGER_SECONDS
+        return True
+
     def finish(self):
-        """At the end of the script: stop the thread, then tell every watched communicator's
-        other ranks how many calls this rank made there."""
+        """At the end of the script: stop the thread, tell every watched communicator's other
+        ranks how many calls this rank made there, and wait for theirs; a rank that does not
+        finish within the stall time is reported and the job ended (``exit_report``)."""
         from mpi4py import MPI
 
         self.stopping.set()
         self.thread.join()
-        sends = []
-        for watch in self.watches:
-            count = np.array([watch.started], np.int64)
-            for rank in range(watch.size):
-                if rank != watch.rank:
-                    try:
-                        sends.append(watch.comm.Isend(count, dest=rank, tag=FINISHED_TAG))
-                    except MPI.Exception:  # a rank that has gone already
-                        pass
+        sends = self._announce()
         # Wait until the other ranks have announced their end too (what MPI_Finalize, which
         # comes next, waits for anyway), answering their questions meanwhile: no message is
         # left unmatched at MPI_Finalize, which a job of hundreds of communicators did not
         # survive. A rank still in a call hears this one's end and ends the job.
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            for watch in list(self.watches):
-                if not self._listen(watch):
-                    self.watches.remove(watch)
-            if all(len(w.finished) >= w.size - 1 for w in self.watches):
-                break
+        started = time.monotonic()
+        ask = started + self.timeout
+        while not self._all_finished():
+            if time.monotonic() >= ask:
+                self._report_unfinished(time.monotonic() - started)
+                ask = time.monotonic() + self.timeout
             time.sleep(1e-3)
         deadline = time.monotonic() + FINISH_SECONDS
         while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
             time.sleep(1e-3)
+
+    def _announce(self):
+        """This rank's end, sent to every other rank of every watched communicator: its
+        collectives there and its sends to and receives from that rank."""
+        from mpi4py import MPI
+
+        sends = []
+        for watch in self.watches:
+            for rank in range(watch.size):
+                if rank != watch.rank:
+                    counts = np.array([watch.started, watch.peers.sent[rank],
+                                       watch.peers.received[rank]], np.int64)
+                    try:
+                        sends.append(watch.comm.Isend(counts, dest=rank, tag=FINISHED_TAG))
+                    except MPI.Exception:  # a rank that has gone already
+                        pass
+        return sends
+
+    def _all_finished(self):
+        """Answer the questions that came, note the ends announced; whether every rank of
+        every watched communicator has ended."""
+        for watch in list(self.watches):
+            if not self._listen(watch):
+                self.watches.remove(watch)
+        return all(len(w.finished) >= w.size - 1 for w in self.watches)
+
+    def _report_unfinished(self, waited):
+        """Ask the ranks that have not finished where they are (on the largest communicator
+        that misses some, of those the most used), report them, and end the job
+        ``REPORT_LINGER_SECONDS`` later, answering questions meanwhile. Unless each waits in
+        a watched call: its own watchdog reports that call, and this rank asks again later."""
+        watch = max((w for w in self.watches if len(w.finished) < w.size - 1),
+                    key=lambda w: (w.size, w.started))
+        missing = [r for r in range(watch.size) if r != watch.rank and r not in watch.finished]
+        inquiry = Inquiry(watch, missing)
+        while not inquiry.done():
+            self._all_finished()
+            time.sleep(1e-3)
+        if self._all_finished() or all(in_a_call(inquiry.answers[r]) for r in missing):
+            return
+        lines = [unfinished_line(r, inquiry.answers[r]) for r in missing]
+        write_report(exit_message(watch.rank, watch.size, waited, missing, lines))
+        ending = time.monotonic() + REPORT_LINGER_SECONDS
+        while time.monotonic() < ending:
+            self._all_finished()
+            time.sleep(1e-3)
+        end_job()

@@ -262,9 +262,12 @@ def scenario_leave(args):
     """Worker 1 leaves after 2 steps: by an exception in sync mode, by exiting without
     stop_worker otherwise; or (scenario ``stall``) stops pushing for three timeouts; or
     (scenario ``raise``) raises in any mode; or (scenario ``interrupt``) hangs until SIGINT
-    ends it, as the MPI launcher ends a hung rank while it ends the job."""
+    ends it, as the MPI launcher ends a hung rank while it ends the job; or (scenario
+    ``server-hang``) server 0 hangs at its fourth push, printing ``FAULT <epoch seconds>``."""
     model = fleet.distributed_model(dense_model())
     opt = fleet.distributed_optimizer(adam(model.parameters()), strategy_for(args.mode, 2))
+    if args.scenario == "server-hang":
+        hang_server_at_push(4)
     if fleet.is_server():
         return serve(args)
     fleet.init_worker()
@@ -284,6 +287,25 @@ def scenario_leave(args):
         opt.minimize(model, nn.CrossEntropyLoss(), *parts[0])
     fleet.stop_worker()
     say(f"ok leave {args.mode} worker {w}")
+
+
+def hang_server_at_push(count):
+    """Every rank prints ``PID`` and ``SEGMENTS``; server 0 sleeps a minute at push
+    ``count``."""
+    from fleetmpi.launch import shm
+    from fleetmpi.strategies.ps.server import Server
+
+    say(f"PID {os.getpid()}")
+    say(" ".join(["SEGMENTS"] + sorted(shm.mapped_segments(os.getpid()))))
+    push, pushes = Server._push, []
+
+    def hanging_push(self, worker, message):
+        pushes.append(worker)
+        if self.state.server == 0 and len(pushes) == count:
+            say(f"FAULT {time.time():.6f}")
+            time.sleep(60)
+        return push(self, worker, message)
+    Server._push = hanging_push
 
 
 # -- roles, endpoints and fleet.util in each group ------------------------------------------
@@ -337,7 +359,8 @@ def main():
     join(args.servers)
     scenarios = {"sync": scenario_sync, "restart": scenario_restart, "digits": scenario_digits,
                  "sparse": scenario_sparse, "leave": scenario_leave, "stall": scenario_leave,
-                 "raise": scenario_leave, "interrupt": scenario_leave, "roles": scenario_roles}
+                 "raise": scenario_leave, "interrupt": scenario_leave,
+                 "server-hang": scenario_leave, "roles": scenario_roles}
     scenarios[args.scenario](args)
 
 

@@ -61,6 +61,7 @@ SPILL_SECONDS = 1.0
 CHUNK_BYTES = 4 << 20
 CLOCK_SAMPLES = 8
 FLUSH_TIMEOUT = 60.0
+OUTCOME_BYTES = 1024
 PART_SUFFIX = ".part"
 _LANE_IDS = {lane: i for i, lane in enumerate(LANES)}
 _TAG_CLOCK = 31
@@ -279,24 +280,47 @@ def _event_chunks(rank, records, offset_ns, epoch_ns):
 
 
 class _TraceWriter:
-    """Writes the trace file under a temporary name, renamed into place by ``finish``."""
+    """Writes the trace file under a temporary name, renamed into place by ``finish``.
+
+    The first ``OSError`` (a folder at ``path``, a full disk) is kept in ``error`` and what
+    follows is skipped, so that rank 0 still takes every rank's chunks, which the other ranks
+    wait to hand over, and can tell them."""
 
     def __init__(self, path, other_data):
-        self.path = path
-        self.file, self.tmp = files.temporary_beside(path)
+        self.path, self.error, self.file, self.tmp = path, None, None, None
+        self.first = True
+        self._guarded(self._open, other_data)
+
+    def _guarded(self, action, *args):
+        if self.error is None:
+            try:
+                action(*args)
+            except OSError as error:
+                self.error = error
+
+    def _open(self, other_data):
+        self.file, self.tmp = files.temporary_beside(self.path)
         self.file.write('{"displayTimeUnit":"ms","otherData":'
                         + json.dumps(other_data) + ',\n"traceEvents":[\n')
-        self.first = True
 
     def write(self, text):
         if text:
-            self.file.write(text if self.first else ",\n" + text)
+            self._guarded(self.file.write, text if self.first else ",\n" + text)
             self.first = False
 
-    def finish(self):
+    def _close(self):
         self.file.write("\n]}\n")
         self.file.close()
         os.replace(self.tmp, self.path)
+
+    def finish(self):
+        """Put the file in place; the error that kept it from being written, or None."""
+        self._guarded(self._close)
+        if self.error is not None and self.file is not None:
+            self.file.close()
+            if os.path.exists(self.tmp):
+                os.remove(self.tmp)
+        return self.error
 
 
 def _node_indices(hosts):
@@ -380,7 +404,8 @@ def _receive_chunks(comm, source):
 
 
 def _write_gathered(comm, recorder, part):
-    """Every rank's part file merged into rank 0's trace file; collective over ``comm``."""
+    """Every rank's part file merged into rank 0's trace file; collective over ``comm``.
+    Rank 0 returns the error that kept it from writing the file, or None."""
     import numpy as np
     from mpi4py import MPI
 
@@ -401,7 +426,7 @@ def _write_gathered(comm, recorder, part):
     chunks = _event_chunks(rank, records, offset, epoch)
     if rank != 0:
         _send_chunks(comm, chunks)
-        return
+        return None
     writer = _TraceWriter(recorder.path, {
         "clock": "CLOCK_MONOTONIC, aligned to rank 0 at flush",
         "clock_offset_us": [round(int(o) / 1e3, 3) for o in offsets], "hosts": hosts})
@@ -412,7 +437,21 @@ def _write_gathered(comm, recorder, part):
     for source in range(1, size):
         for chunk in _receive_chunks(comm, source):
             writer.write(chunk)
-    writer.finish()
+    return writer.finish()
+
+
+def _shared_outcome(comm, error, timeout):
+    """Rank 0's ``error`` writing the file (None: written) as text, on every rank, without a
+    wait longer than ``timeout`` (None: not every rank got it in time)."""
+    import numpy as np
+
+    text = np.zeros(OUTCOME_BYTES, dtype=np.uint8)
+    if comm.Get_rank() == 0 and error is not None:
+        raw = str(error).encode()[:OUTCOME_BYTES - 1] or b"?"
+        text[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    if not _wait(comm.Ibcast(text, root=0), timeout):
+        return None
+    return bytes(text).rstrip(b"\0").decode(errors="replace")
 
 
 def flush(timeout=FLUSH_TIMEOUT):
@@ -443,10 +482,19 @@ def flush(timeout=FLUSH_TIMEOUT):
         return None
     comm = MPI.COMM_WORLD.Dup()
     try:
-        _write_gathered(comm, recorder, part)
-        comm.Barrier()
+        outcome = _shared_outcome(comm, _write_gathered(comm, recorder, part), timeout)
     finally:
         comm.Free()
+    if outcome:
+        logger.error("timeline: rank 0 could not write %s: %s; the part files %s stay for "
+                     "'python -m fleetmpi.core.timeline merge %s' once it can be written",
+                     recorder.path, outcome, part_path(recorder.path, "*"), recorder.path)
+        return None
+    if outcome is None:
+        logger.warning("timeline: rank 0 did not say within %.0f s whether it wrote %s; the "
+                       "part files %s stay", timeout, recorder.path,
+                       part_path(recorder.path, "*"))
+        return None
     os.remove(part)
     return recorder.path
 

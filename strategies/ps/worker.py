@@ -53,6 +53,7 @@ class Client:
         self.old = None
         self.caches = [RowCache(t) for t in tables] if mode == GEO else None
         self.stopped = False
+        self.hung = None  # (server, seconds) of a server that did not answer
         self.steps = 0
         self.staleness = []
         self.last_pulled = [np.zeros(0, np.int64) for _ in tables]
@@ -73,6 +74,7 @@ class Client:
         deadline = time.monotonic() + self.timeout
         message = wire.receive(self.comm, self.rank(server), wire.TAG_REPLY, deadline)
         if message is None:
+            self.hung = (server, self.timeout)
             raise ServerError(f"server {server} (rank {self.rank(server)}) did not answer "
                               f"worker {self.worker} within {self.timeout:g} s")
         if message.kind == wire.Kind.ERROR:
@@ -194,6 +196,8 @@ class Client:
         stop with an error naming this worker, the others go on)."""
         from mpi4py import MPI
 
+        if self.hung is not None and not MPI.Is_finalized():
+            self._end_job_for_hung_server()
         if self.stopped or MPI.Is_finalized():
             return
         self.stopped = True
@@ -202,6 +206,16 @@ class Client:
             data = wire.encode(wire.Kind.LEFT, [text], step=self.steps)
             self.comm.Send(data, dest=self.rank(s), tag=wire.TAG_REQUEST)
 
+
+    def _end_job_for_hung_server(self):
+        """A worker leaving because its server hung ends the job, whatever the mode: the
+        server would never finish, and the job would wait for it in ``MPI_Finalize``."""
+        server, seconds = self.hung
+        failure.abort(f"[fleetmpi] worker {self.worker} (rank {self.comm.Get_rank()}) leaves "
+                      f"because server {server} (rank {self.rank(server)}) did not answer "
+                      f"within {seconds:g} s (twice FLEETMPI_PS_TIMEOUT); a hung server would "
+                      f"keep the job from ending: aborting the job",
+                      linger=failure.REPORT_LINGER)
 
     def _leave_after_error(self, report):
         """Asynchronous and GEO: an uncaught exception ends this worker alone; the servers
