@@ -6,8 +6,11 @@ without ``out=``. Its GPU branch (``fleetmpi/kernels/cublaslt.py``) runs here on
 operands at the addresses it is handed, as the layouts declare: the branch must give NumPy's
 product for every transpose of either operand, batches with broadcast, strided views and
 ``out=`` into a gradient buffer, hand views over without copying them, make one plan per key
-and one workspace, run on the current stream, and, inside a CUDA graph capture, run what was
-planned and refuse a product first met there, naming its shapes.
+and one workspace, run on the current stream, add an aligned bias by the epilogue (another
+after), and, inside a CUDA graph capture, run what was planned and refuse a product first met
+there, naming its shapes. The stand-in's names and types are checked against nvmath-python's
+binding where it imports, and no module of the package multiplies matrices behind
+``matmul_arrays``'s back. ``TestOnTheGPU`` runs the real cuBLASLt on a GPU.
 """
 import ast
 import inspect
