@@ -22,12 +22,12 @@ What it models (one device, one process):
 * a capture records each operation and a graph's launch runs them again, on what the arrays
   hold then, as a GPU replays kernels;
 * counts (``Runtime.counting()``, a ``runtime.Counts``): kernel launches, library calls
-  (cuBLAS through CuPy; ``Runtime.library_call`` is the hook for stand-ins of cuBLASLt, cuDNN
-  and NCCL), graph launches, allocations, memory taken from the device, host waits and copies
+  (cuBLAS through CuPy, NCCL; ``Runtime.library_call`` is the hook for stand-ins of cuBLASLt
+  and cuDNN), graph launches, allocations, memory taken from the device, host waits and copies
   from the host.
 
 What it does not model: timing and concurrency (work runs in the order it is queued, at
-once), more than one device or process (no NCCL), CuPy's kernel fusion and its own kernel
+once), more than one device or process (NCCL for one rank only, ``nccl.py``), CuPy's kernel fusion and its own kernel
 counts inside one function (a NumPy function is one kernel here), the pool's splitting of
 blocks and its per-stream free lists, values a GPU computes differently (float32 sums in
 another order, so results match the NumPy backend to float tolerance; transcendental
@@ -43,7 +43,7 @@ from fleetmpi import kernels as fused_kernels
 from fleetmpi.core import backend, cuda_source
 from fleetmpi.nn.functional import cudnn
 
-from . import arrays, functions, generator, products, runtime as cuda
+from . import arrays, functions, generator, nccl, products, runtime as cuda
 from .kernels import RawKernel, RawModule
 
 _OWN = {name: getattr(functions, name) for name in (
@@ -128,7 +128,7 @@ def _cuda_namespace(runtime):
         MemoryPool=lambda allocator=None: cuda.MemoryPool(runtime),
         MemoryPointer=cuda.MemoryPointer, alloc=runtime.alloc,
         get_allocator=runtime.get_allocator, set_allocator=runtime.set_allocator,
-        using_allocator=using_allocator)
+        using_allocator=using_allocator, nccl=nccl)
 
 
 def install(monkeypatch):
@@ -139,7 +139,8 @@ def install(monkeypatch):
     monkeypatch.setattr(arrays, "_runtime", cupy.runtime)
     monkeypatch.setattr(backend, "_xp", cupy)
     monkeypatch.setattr(backend, "_rank_rng", None)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    for name, module in (("cupy", cupy), ("cupy.cuda", cupy.cuda), ("cupy.cuda.nccl", nccl)):
+        monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setitem(sys.modules, "cudnn", None)  # ``import cudnn`` raises ImportError
     for name, empty in (("_frontend", None), ("_handle", None), ("_unusable", None),
                         ("_plans", {}), ("_declined_kinds", set())):

@@ -316,8 +316,9 @@ class ndarray(NDArrayOperatorsMixin):
         if _has_mask(key):
             _runtime.check_transfer("D2H")
             _runtime.synchronized()
-        if _basic(np_key) and Ellipsis not in (np_key if isinstance(np_key, tuple) else ()):
-            np_key = (np_key if isinstance(np_key, tuple) else (np_key,)) + (Ellipsis,)
+        parts = np_key if isinstance(np_key, tuple) else (np_key,)
+        if _basic(parts) and not any(part is Ellipsis for part in parts):
+            np_key = parts + (Ellipsis,)
         return call("getitem", lambda: self._array[np_key])
 
     def __setitem__(self, key, value):

@@ -126,6 +126,7 @@ class Runtime:
         self.in_using_allocator = False
         self._local = threading.local()
         self._records = []
+        self._streams = weakref.WeakValueDictionary()
         self.null = Stream(self, null=True)
         self.default_pool = MemoryPool(self)
         self.allocator = self.default_pool.malloc
@@ -146,12 +147,17 @@ class Runtime:
         return self.current_stream().is_capturing()
 
     # -- work --------------------------------------------------------------------------------
-    def enqueue(self, name, run, done=False, library=None):
-        """Queue kernel ``name`` (``run()``) on the current stream: run now, or recorded by a
-        capture. ``done``: ``run`` already ran, writing only memory it allocated (an
-        operation that made its output to learn its shape); it is then only recorded.
-        ``library``: the work is a call into that library, counted as such, not as a launch."""
-        capture = self.current_stream().capture
+    def stream_of(self, ptr):
+        """The ``Stream`` whose handle is ``ptr`` (what libraries are handed)."""
+        return self._streams[ptr]
+
+    def enqueue(self, name, run, done=False, library=None, stream=None):
+        """Queue kernel ``name`` (``run()``) on ``stream`` (the current stream by default):
+        run now, or recorded by a capture. ``done``: ``run`` already ran, writing only memory
+        it allocated (an operation that made its output to learn its shape); it is then only
+        recorded. ``library``: the work is a call into that library, counted as such, not as
+        a launch."""
+        capture = (self.current_stream() if stream is None else stream).capture
         if capture is not None:
             capture.check_open()
             capture.work.append(run)
@@ -266,6 +272,7 @@ class Stream:
         self.non_blocking = non_blocking
         self.ptr = 0 if null else next(_pointers)
         self.capture = None
+        runtime._streams[self.ptr] = self
 
     def __repr__(self):
         return f"<stand-in Stream {self.ptr:#x}>"
@@ -360,8 +367,10 @@ class Event:
         self.capture = stream.capture
 
     def _refuse_captured(self):
+        """A wait on an event recorded in a capture that is under way; the capture itself is
+        left as it was (the event, not the stream, is what was asked)."""
         if self.capture is not None and self.capture.active:
-            self.capture.refuse(907)
+            raise CUDARuntimeError(907)
 
     def synchronize(self):
         self._refuse_captured()
