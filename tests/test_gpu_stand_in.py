@@ -13,10 +13,14 @@
 * What one eager step asks of the device: kernel launches, library calls, allocations, host
   waits.
 """
+import ctypes
+import os
+
 import numpy as np
 import pytest
 
 import fleetmpi as fleet
+import fleetmpi.nn.functional as F
 from fleetmpi import amp, nn, optimizer
 from fleetmpi.comm import release_communicators
 from fleetmpi.core import backend
@@ -24,10 +28,14 @@ from fleetmpi.core.knobs import NONFINITE
 from fleetmpi.device.cuda.graphs import CUDAGraph
 from fleetmpi.nn.functional import cudnn
 
+from cupy_stand_in import library_call
 from cupy_stand_in.runtime import CUDADriverError, CUDARuntimeError, INVALIDATED
+import test_cuda_graphs
 from test_cuda_graphs import (AMP_CONFIGS, AMP_SETUPS, SETUPS, batches, build, fails_at_cublas,
                               graphed_run, make_strategy)
 
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "benchmarks")
 CUBLAS = "calling cuBLAS API during stream capture is currently unsupported"
 D2H = "the current stream is capturing, so D2H transfers are disallowed"
 H2D = "the current stream is capturing, so H2D transfers are disallowed"
@@ -35,11 +43,14 @@ H2D = "the current stream is capturing, so H2D transfers are disallowed"
 MODELS = {
     "mlp": (lambda: nn.MLP([784, 1024, 1024, 10]), (32, 784), 10, optimizer.Momentum, 0.01),
     "gpt": (lambda: nn.GPT(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128),
-            (4, 64), 96, optimizer.AdamW, 1e-4),
-    "resnet20": (nn.resnet20, (8, 3, 32, 32), 10, optimizer.Momentum, 0.01),
+            (2, 64), 96, optimizer.AdamW, 1e-4),
+    "resnet20": (nn.resnet20, (2, 3, 32, 32), 10, optimizer.Momentum, 0.01),
 }
 CASES = [("mlp", "fp32"), ("mlp", "amp"), ("mlp", "auto_cast"), ("gpt", "fp32"),
          ("gpt", "amp"), ("resnet20", "fp32"), ("resnet20", "amp")]
+# The transformer's and the convolutional network's kernels captured, with amp's verdict on
+# the device (the MLP's setups, the non-finite check's included: test_cuda_graphs.py's).
+GRAPHED_CASES = [("gpt", "amp"), ("resnet20", "amp")]
 
 
 def host(array):
@@ -130,6 +141,48 @@ def test_an_eager_step_on_the_gpu_branches_matches_the_numpy_step(name, precisio
     moved = 2 * lr if MODELS[name][3] is optimizer.AdamW else tolerance * lr
     for index, (a, b) in enumerate(zip(got[2], expected[2])):  # and a float32 rounding unit
         np.testing.assert_allclose(a, b, atol=moved, rtol=1e-6, err_msg=f"parameter {index}")
+
+
+# -- the trainer's GPU branch reads nothing back on the host --------------------------------------
+
+def _lookup_and_loss(seed=0):
+    """An embedding lookup, a batch norm and a cross entropy over it, as a function of no
+    arguments returning the loss."""
+    rng = np.random.default_rng(seed)
+    ids = fleet.to_tensor(rng.integers(0, 10, (4, 3)))
+    weight = fleet.to_tensor(rng.standard_normal((10, 5)).astype(np.float32),
+                             stop_gradient=False)
+    labels, norm = fleet.to_tensor(rng.integers(0, 5, 12)), nn.BatchNorm1D(5)
+    return lambda: F.cross_entropy(norm(F.embedding(ids, weight).reshape([12, 5])), labels)
+
+
+def test_embedding_batch_norm_and_cross_entropy_wait_for_nothing(gpu_stand_in):
+    """On the GPU branch the embedding's index check and cross entropy's label check read
+    device arrays back (twice a call each) and batch norm its count: 11 host waits a GPT-tiny
+    step, 24 a ResNet-20 step, and inside a capture CuPy refuses each. Now none is read, and
+    their forward is captured (batch norm's backward multiplies through cuBLAS)."""
+    step = _lookup_and_loss()
+    step()  # what is made lazily
+    with gpu_stand_in.counting() as counts:
+        step().backward()
+    assert counts.syncs == 0
+    graph = CUDAGraph()
+    captured = graph.capture(step)
+    graph.replay()
+    np.testing.assert_array_equal(host(captured.data), host(step().data))
+
+
+def test_labels_and_indices_out_of_range_give_nan_rows_on_the_device(gpu_stand_in):
+    """Where nothing is read back, a label or an index outside its range is a NaN row (the
+    NumPy backend raises a ValueError naming the range, ``test_nn.py``)."""
+    logits = fleet.to_tensor(np.zeros((3, 4), np.float32), stop_gradient=False)
+    loss = F.cross_entropy(logits, fleet.to_tensor(np.array([0, 4, -1])), reduction="none")
+    loss.backward(fleet.to_tensor(np.ones(3, np.float32)))
+    assert np.isnan(host(loss.data)).tolist() == [False, True, True]
+    assert np.isnan(host(logits.grad)).all(axis=1).tolist() == [False, True, True]
+    weight = fleet.to_tensor(np.ones((10, 2), np.float32))
+    rows = F.embedding(fleet.to_tensor(np.array([1, 10, -1])), weight)
+    assert np.isnan(host(rows.data)).all(axis=1).tolist() == [False, True, True]
 
 
 # -- what CuPy 14 refuses while a stream captures ------------------------------------------------
@@ -302,6 +355,23 @@ def test_a_captured_draw_draws_anew_at_each_replay(gpu_stand_in):
     np.testing.assert_array_equal(seen[0], again.random((4,), dtype=np.float32).get())
 
 
+def test_a_library_call_through_the_hook_is_counted_captured_and_replayed(gpu_stand_in):
+    """``cupy_stand_in.library_call``: how a stand-in of cuBLASLt or cuDNN, which reads and
+    writes device memory at its addresses, queues its work on the stand-in's streams."""
+    x = gpu_stand_in.zeros(2)
+    memory = np.ctypeslib.as_array((ctypes.c_double * 2).from_address(x.data.ptr))
+    stream = gpu_stand_in.cuda.Stream(non_blocking=True)
+    with gpu_stand_in.counting() as counts, stream:
+        stream.begin_capture()
+        library_call("cublasLt", "matmul", lambda: np.add(memory, 1, out=memory))
+        graph = stream.end_capture()
+    assert counts.library_calls == {"cublasLt": 1} and counts.launches == 0
+    assert float(x.sum()) == 0.0
+    graph.launch()
+    graph.launch()
+    assert float(x.sum()) == 4.0
+
+
 # -- a graphed step fails at cuBLAS, as on the H200 -----------------------------------------------
 
 @fails_at_cublas
@@ -336,6 +406,72 @@ def test_a_graphed_step_of_a_benchmark_model_fails_at_cupys_cublas(gpu_stand_in,
     step = fleet.graphed_step(train_step, (trainer.x, trainer.y), warmup_steps=1)
     for _ in range(2):
         step(trainer.x, trainer.y)
+
+
+@fails_at_cublas
+def test_the_benchmarks_kernel_count_captures_a_gpt_step(gpu_stand_in, monkeypatch):
+    """``benchmarks/throughput_run/kernels.py`` counts a step's kernels by capturing it with
+    CuPy's stream capture alone. On the H200 the GPT-2 rows gave no count: "the step does not
+    capture (RuntimeError: the current stream is capturing, so D2H transfers are
+    disallowed)", the embedding's index check reading the ids back; now nothing is read, and
+    the capture fails at the first product's cuBLAS call."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    from throughput_run.kernels import _captured
+
+    trainer = Trainer("gpt", "fp32")
+    trainer.step(read=False)
+    graph, failure = _captured(lambda: trainer.step(read=False))
+    if failure is not None:
+        raise failure
+    assert graph is not None
+
+
+@pytest.fixture
+def products_capturable(gpu_stand_in, monkeypatch):
+    """The stand-in with CuPy's refusal of cuBLAS inside a capture lifted: what products
+    through cuBLASLt will give; every other refusal stays in force."""
+    monkeypatch.setattr(type(gpu_stand_in.runtime), "check_cublas", lambda runtime: None)
+    return gpu_stand_in
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS) + [f"amp {name}" for name in sorted(AMP_SETUPS)])
+def test_with_products_capturable_a_graphed_mlp_step_trains_as_the_eager_one(
+        products_capturable, setup):
+    """What a graphed step needs besides capturable products is in place: the equality tests
+    of ``test_cuda_graphs.py`` pass on CUDA graphs over the stand-in."""
+    if setup.startswith("amp "):
+        test_cuda_graphs.test_a_graphed_amp_step_skips_and_scales_bit_for_bit_as_the_eager_step(
+            setup[4:])
+    else:
+        test_cuda_graphs.test_a_graphed_step_trains_bit_for_bit_as_the_eager_step(setup)
+
+
+@pytest.mark.parametrize("name, precision", GRAPHED_CASES,
+                         ids=[f"{n}-{p}" for n, p in GRAPHED_CASES])
+def test_with_products_capturable_a_graphed_model_step_trains_as_the_eager_one(
+        products_capturable, name, precision):
+    """The same for GPT-tiny and ResNet-20: their fused kernels, the embedding, batch norm
+    and amp captured and replayed, bit for bit as the eager step."""
+    results = []
+    for enabled in (False, True):
+        trainer = Trainer(name, precision)
+
+        def train_step(x, y):
+            loss = trainer.loss_fn(trainer.model(x), y)
+            loss.backward()
+            trainer.opt.step()
+            trainer.opt.clear_grad()
+            return loss
+        step = fleet.graphed_step(train_step, (trainer.x, trainer.y), warmup_steps=1,
+                                  enabled=enabled)
+        losses = [host(step(trainer.x, trainer.y).data) for _ in range(3)]
+        results.append((losses, trainer.parameters(), step.graph))
+        release_communicators()
+    (eager, eager_parameters, _), (graphed, parameters, graph) = results
+    assert isinstance(graph, CUDAGraph)
+    np.testing.assert_array_equal(graphed, eager)
+    for a, b in zip(parameters, eager_parameters):
+        np.testing.assert_array_equal(a, b)
 
 
 # -- what one eager step asks of the device ------------------------------------------------------

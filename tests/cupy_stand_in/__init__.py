@@ -22,16 +22,18 @@ What it models (one device, one process):
 * a capture records each operation and a graph's launch runs them again, on what the arrays
   hold then, as a GPU replays kernels;
 * counts (``Runtime.counting()``, a ``runtime.Counts``): kernel launches, library calls
-  (cuBLAS through CuPy, NCCL; ``Runtime.library_call`` is the hook for stand-ins of cuBLASLt
-  and cuDNN), graph launches, allocations, memory taken from the device, host waits and copies
+  (cuBLAS through CuPy, NCCL; ``library_call`` is the hook for stand-ins of cuBLASLt and
+  cuDNN), graph launches, allocations, memory taken from the device, host waits and copies
   from the host.
 
 What it does not model: timing and concurrency (work runs in the order it is queued, at
-once), more than one device or process (NCCL for one rank only, ``nccl.py``), CuPy's kernel fusion and its own kernel
-counts inside one function (a NumPy function is one kernel here), the pool's splitting of
-blocks and its per-stream free lists, values a GPU computes differently (float32 sums in
-another order, so results match the NumPy backend to float tolerance; transcendental
-functions), and CuPy's random streams (``generator.py``).
+once), more than one device or process (NCCL for one rank only, ``nccl.py``), CuPy's kernel
+fusion and its own kernel counts inside one function (a NumPy function is one kernel here),
+the pool's splitting of blocks and its per-stream free lists, values a GPU computes
+differently (float32 sums in another order, so results match the NumPy backend to float
+tolerance; transcendental functions), CuPy's random streams (``generator.py``), and which of
+CuPy's operations refuse ml_dtypes' bfloat16 (the H200 run's bfloat16 amp failed with
+"data type 'E' not understood"; here bfloat16 computes as NumPy's).
 """
 import contextlib
 import sys
@@ -129,6 +131,19 @@ def _cuda_namespace(runtime):
         MemoryPointer=cuda.MemoryPointer, alloc=runtime.alloc,
         get_allocator=runtime.get_allocator, set_allocator=runtime.set_allocator,
         using_allocator=using_allocator, nccl=nccl)
+
+
+def library_call(library, name, run):
+    """The hook for stand-ins of the libraries that queue their own kernels on CuPy's current
+    stream (the cuBLASLt of ``tests/cublaslt_stand_in.py``, cuDNN's frontend): where this
+    stand-in is installed, ``run()`` (the library's work) is queued as one call of
+    ``library`` (counted in ``Counts.library_calls``, recorded by a capture, replayed by its
+    graph); elsewhere it runs now."""
+    runtime = arrays.current_runtime()
+    if runtime is None:
+        run()
+    else:
+        runtime.library_call(library, name, run)
 
 
 def install(monkeypatch):
