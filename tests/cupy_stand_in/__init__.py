@@ -35,7 +35,6 @@ tolerance; transcendental functions), CuPy's random streams (``generator.py``), 
 CuPy's operations refuse ml_dtypes' bfloat16 (the H200 run's bfloat16 amp failed with
 "data type 'E' not understood"; here bfloat16 computes as NumPy's).
 """
-import contextlib
 import sys
 import types
 
@@ -52,7 +51,7 @@ _OWN = {name: getattr(functions, name) for name in (
     "empty_like", "zeros", "zeros_like", "full", "full_like", "ones", "ones_like", "array",
     "asarray", "ascontiguousarray", "asnumpy", "copyto")}
 _OWN.update({name: getattr(products, name) for name in (
-    "matmul", "dot", "tensordot", "inner", "vdot", "einsum")})
+    "matmul", "dot", "tensordot", "einsum")})
 _OWN["empty"] = arrays.empty
 
 
@@ -106,22 +105,14 @@ def _cuda_namespace(runtime):
     def stream(null=False, non_blocking=False, ptds=False):
         return runtime.null if null else cuda.Stream(runtime, non_blocking=non_blocking)
     stream.null = runtime.null
-
-    @contextlib.contextmanager
-    def using_allocator(allocator=None):
-        previous, runtime.in_using_allocator = runtime.in_using_allocator, True
-        try:
-            yield
-        finally:
-            runtime.in_using_allocator = previous
     device_runtime = types.SimpleNamespace(
         is_hip=False, streamCaptureModeGlobal=0, streamCaptureModeThreadLocal=1,
         streamCaptureModeRelaxed=2, CUDARuntimeError=cuda.CUDARuntimeError,
-        getDeviceCount=lambda: 1, getDevice=lambda: runtime.device,
-        deviceSynchronize=lambda: cuda.Device(runtime).synchronize(),
-        memGetInfo=lambda: (16 << 30, 16 << 30),
+        getDeviceCount=lambda: 1,
+        memGetInfo=lambda: (cuda.DEVICE_MEMORY - runtime.default_pool.used_bytes(),
+                            cuda.DEVICE_MEMORY),
         getDeviceProperties=lambda device: {"name": b"CuPy stand-in (NumPy)",
-                                            "totalGlobalMem": 16 << 30})
+                                            "totalGlobalMem": cuda.DEVICE_MEMORY})
     return types.SimpleNamespace(
         runtime=device_runtime, driver=types.SimpleNamespace(CUDADriverError=cuda.CUDADriverError),
         Device=lambda device=None: cuda.Device(runtime, device), Stream=stream,
@@ -129,8 +120,7 @@ def _cuda_namespace(runtime):
         get_current_stream=runtime.current_stream, get_elapsed_time=lambda start, end: 0.0,
         MemoryPool=lambda allocator=None: cuda.MemoryPool(runtime),
         MemoryPointer=cuda.MemoryPointer, alloc=runtime.alloc,
-        get_allocator=runtime.get_allocator, set_allocator=runtime.set_allocator,
-        using_allocator=using_allocator, nccl=nccl)
+        get_allocator=runtime.get_allocator, set_allocator=runtime.set_allocator, nccl=nccl)
 
 
 def library_call(library, name, run):

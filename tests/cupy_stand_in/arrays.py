@@ -154,7 +154,8 @@ def call(name, func, args=(), kwargs=None, library=None):
 
 
 class ufunc:
-    """A CuPy ufunc over NumPy's of the same name."""
+    """A CuPy ufunc over NumPy's of the same name (its ``reduce``, ``at``... are NumPy's,
+    which hand device arrays back to ``ndarray.__array_ufunc__``)."""
 
     def __init__(self, numpy_ufunc):
         self._ufunc = numpy_ufunc
@@ -168,15 +169,6 @@ class ufunc:
 
     def __call__(self, *inputs, **kwargs):
         return ufunc_call(self._ufunc, "__call__", inputs, kwargs)
-
-    def reduce(self, *inputs, **kwargs):
-        return ufunc_call(self._ufunc, "reduce", inputs, kwargs)
-
-    def accumulate(self, *inputs, **kwargs):
-        return ufunc_call(self._ufunc, "accumulate", inputs, kwargs)
-
-    def at(self, *inputs):
-        return ufunc_call(self._ufunc, "at", inputs, {})
 
 
 def ufunc_call(numpy_ufunc, method, inputs, kwargs):

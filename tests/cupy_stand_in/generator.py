@@ -35,38 +35,23 @@ class BitGenerator:
 
 
 class Generator:
-    """``cupy.random.Generator``: the draws the trainer makes (``random``,
-    ``standard_normal``, ``uniform``, ``integers``), each one kernel."""
+    """``cupy.random.Generator``: the draw the trainer makes (``random``, dropout's), one
+    kernel."""
 
     def __init__(self, bit_generator):
         self.bit_generator = bit_generator
 
-    def _draw(self, name, size, dtype, draw):
+    def random(self, size=None, dtype=np.float64, out=None):
         shape = () if size is None else size
         out = empty(shape, dtype)
         target, state = out._array, self.bit_generator._state._array
 
         def run():
             philox = self.bit_generator.philox()
-            target[...] = draw(np.random.Generator(philox), shape)
+            target[...] = np.random.Generator(philox).random(shape, dtype=dtype)
             state[2:] = philox.state["state"]["counter"]
-        arrays.current_runtime().enqueue(f"random.{name}", run)
+        arrays.current_runtime().enqueue("random", run)
         return out
-
-    def random(self, size=None, dtype=np.float64, out=None):
-        return self._draw("random", size, dtype,
-                          lambda g, shape: g.random(shape, dtype=dtype))
-
-    def standard_normal(self, size=None, dtype=np.float64, out=None):
-        return self._draw("standard_normal", size, dtype,
-                          lambda g, shape: g.standard_normal(shape, dtype=dtype))
-
-    def uniform(self, low=0.0, high=1.0, size=None, dtype=np.float64):
-        return self._draw("uniform", size, dtype, lambda g, shape: g.uniform(low, high, shape))
-
-    def integers(self, low, high=None, size=None, dtype=np.int64, endpoint=False):
-        return self._draw("integers", size, dtype, lambda g, shape: g.integers(
-            low, high, shape, dtype=dtype, endpoint=endpoint))
 
 
 def default_rng(seed=None):

@@ -1,5 +1,5 @@
 """Matrix products through CuPy's cuBLAS wrappers: ``matmul`` (and ``@``), ``dot``,
-``tensordot``, ``inner``, ``vdot`` and the ``einsum`` that contract two operands.
+``tensordot`` and the ``einsum`` that contract two operands.
 
 Each is one cuBLAS call (``library_calls["cublas"]``), refused while the current stream
 captures with CuPy 14's ``NotImplementedError`` (``Runtime.check_cublas``): the failure of
@@ -44,14 +44,6 @@ def dot(a, b, out=None):
 
 def tensordot(a, b, axes=2):
     return product("tensordot", np.tensordot, (a, b), {"axes": axes})
-
-
-def inner(a, b):
-    return product("inner", np.inner, (a, b), {})
-
-
-def vdot(a, b):
-    return product("vdot", np.vdot, (a, b), {})
 
 
 def _contracts(subscripts, count):

@@ -30,6 +30,7 @@ import weakref
 import numpy as np
 
 ROUND_SIZE = 512  # CuPy's MemoryPool allocation unit
+DEVICE_MEMORY = 16 << 30  # what the stand-in device says it has
 RELAXED = 2
 _CUDA_ERRORS = {
     400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
@@ -67,7 +68,8 @@ class Counts:
     ``launches``: kernels queued from the host (each elementwise operation, reduction, copy
     kernel, memset and RawKernel launch; ``kernels`` by name); ``library_calls``: calls into
     a library that queues its own kernels, by library (``cublas``: products through CuPy's
-    wrappers; ``cublasLt``, ``cudnn``, ``nccl``: through ``Runtime.library_call``);
+    wrappers; ``nccl``: the one-rank NCCL; ``cublasLt``, ``cudnn``: stand-ins of theirs
+    through ``cupy_stand_in.library_call``);
     ``graph_launches``: graphs launched (one host call each, whatever they hold);
     ``allocations`` and ``allocated_bytes``: requests to the current allocator;
     ``new_memory``: bytes a pool took from the device because it had no free block of the
@@ -83,13 +85,6 @@ class Counts:
     new_memory: int = 0
     syncs: int = 0
     host_to_device: int = 0
-
-    def summary(self):
-        """The counts as one flat dict (library calls as ``library_calls.<name>``)."""
-        flat = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                if field.name not in ("kernels", "library_calls")}
-        flat.update({f"library_calls.{name}": n for name, n in sorted(self.library_calls.items())})
-        return flat
 
 
 class Capture:
@@ -118,7 +113,10 @@ class Capture:
 class Runtime:
     """One device's state: the current stream of each thread, the allocator, the captures
     under way, the counts and a ``log`` of the calls a test of ``CUDAGraph`` checks
-    (device synchronize, set_allocator, begin_capture, end_capture, graph launch)."""
+    (device synchronize, set_allocator, begin_capture, end_capture, graph launch).
+    ``in_using_allocator``: a test's say that a thread-local allocator
+    (``cupy.cuda.using_allocator``) is in force, inside which CuPy refuses
+    ``set_allocator``."""
 
     def __init__(self, device=0):
         self.device = device
@@ -234,7 +232,6 @@ class Device:
     """``cupy.cuda.Device``: the stand-in has one device, 0."""
 
     pci_bus_id = "0000:00:00.0"
-    compute_capability = "90"
 
     def __init__(self, runtime, id=None):
         self._runtime = runtime
@@ -286,14 +283,6 @@ class Stream:
         assert stack.pop() is self, "streams left out of order"
         return False
 
-    def use(self):
-        self._runtime._stack()[-1:] = [self]
-        return self
-
-    @property
-    def mode(self):
-        return None if self.capture is None else self.capture.mode
-
     def is_capturing(self):
         if self.capture is not None and self.capture.invalidated:
             raise RuntimeError(INVALIDATED)
@@ -326,12 +315,6 @@ class Stream:
         if self.capture is not None:
             self.capture.refuse(900)
         self._runtime.synchronized()
-
-    @property
-    def done(self):
-        if self.capture is not None:
-            self.capture.refuse(900)
-        return True
 
     def record(self, event=None):
         event = Event(self._runtime) if event is None else event
@@ -376,11 +359,6 @@ class Event:
         self._refuse_captured()
         self._runtime.synchronized()
 
-    @property
-    def done(self):
-        self._refuse_captured()
-        return True
-
 
 class Graph:
     """``cupy.cuda.Graph``: ``launch`` runs the recorded work in order (recorded in turn when
@@ -422,12 +400,6 @@ class MemoryPointer:
         self.ptr = mem.ptr + offset
         self.device_id = mem.device_id
 
-    def __add__(self, offset):
-        return MemoryPointer(self.mem, self.offset + offset)
-
-    def __int__(self):
-        return self.ptr
-
 
 class MemoryPool:
     """``cupy.cuda.MemoryPool`` (module docstring: reuse by rounded size, no splitting)."""
@@ -464,21 +436,9 @@ class MemoryPool:
     def used_bytes(self):
         return self._used
 
-    def total_bytes(self):
-        return self._total
-
-    def free_bytes(self):
-        return self._total - self._used
-
-    def n_free_blocks(self):
-        return sum(len(free) for free in self._free.values())
-
     def free_all_blocks(self, stream=None):
-        self._total -= self.free_bytes()
+        self._total = self._used
         self._free.clear()
 
     def set_limit(self, size=None, fraction=None):
-        self._limit = int(size or 0)
-
-    def get_limit(self):
-        return self._limit
+        self._limit = int(size if fraction is None else fraction * DEVICE_MEMORY)
