@@ -19,19 +19,18 @@ Each operation is a kernel queued through ``Runtime.enqueue``:
 * a view (a slice, a reshape NumPy does without copying, a transpose) launches nothing and
   shares its base's memory; reductions and element indexing give 0-d arrays, as CuPy's do.
 """
-import numpy as np
 import weakref
+
+import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from .runtime import MemoryPointer
+from .runtime import Device, MemoryPointer
 
-_runtime = None  # the Runtime of the installed stand-in
+_runtime = None  # the Runtime of the installed stand-in (``install`` sets it)
+# NumPy's functions that CuPy runs in a library, not as a kernel: {function: route(args,
+# kwargs)}, filled by ``products`` (cuBLAS), and taken by the ufunc and function protocols.
+LIBRARY_ROUTES = {}
 _memories = weakref.WeakValueDictionary()  # id(buffer) -> the Memory living on it now
-
-
-def use(runtime):
-    global _runtime
-    _runtime = runtime
 
 
 def current_runtime():
@@ -83,10 +82,7 @@ def _owner(array):
 def empty(shape, dtype=float, order="C"):
     """A new device array from the current allocator (``cupy.empty``): no kernel, and its
     memory holds what the pool's block held."""
-    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
-    dtype = np.dtype(dtype)
-    memptr = _runtime.alloc(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    return ndarray(shape, dtype, memptr=memptr, order=order)
+    return ndarray(shape, dtype, order=order)
 
 
 def _view(array, memory):
@@ -172,12 +168,10 @@ class ufunc:
 
 
 def ufunc_call(numpy_ufunc, method, inputs, kwargs):
-    """NumPy's ufunc protocol on device arrays: a kernel (a matrix product goes to
-    ``products``)."""
-    if numpy_ufunc is np.matmul and method == "__call__":
-        from .products import product
-
-        return product("matmul", np.matmul, inputs, kwargs)
+    """NumPy's ufunc protocol on device arrays: a kernel (a matrix product: its
+    ``LIBRARY_ROUTES`` entry)."""
+    if numpy_ufunc in LIBRARY_ROUTES and method == "__call__":
+        return LIBRARY_ROUTES[numpy_ufunc](inputs, kwargs)
     func = numpy_ufunc if method == "__call__" else getattr(numpy_ufunc, method)
     name = numpy_ufunc.__name__ if method == "__call__" else f"{numpy_ufunc.__name__}.{method}"
     if method == "at":
@@ -224,8 +218,6 @@ class ndarray(NDArrayOperatorsMixin):
 
     @property
     def device(self):
-        from .runtime import Device
-
         return Device(_runtime, self._memory.device_id)
 
     def __repr__(self):  # CuPy's repr copies to the host; this one reads nothing
@@ -239,6 +231,8 @@ class ndarray(NDArrayOperatorsMixin):
         return ufunc_call(numpy_ufunc, method, inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
+        if func in LIBRARY_ROUTES:
+            return LIBRARY_ROUTES[func](args, kwargs)
         return call(func.__name__, func, args, kwargs)
 
     def __getattr__(self, name):
@@ -263,11 +257,6 @@ class ndarray(NDArrayOperatorsMixin):
             return np.array(self._array, order=order)
         out[...] = self._array
         return out
-
-    def set(self, arr, stream=None):
-        from .functions import host_to_device
-
-        host_to_device(self._array, np.asarray(arr))
 
     def item(self):
         if self.size != 1:
@@ -315,11 +304,7 @@ class ndarray(NDArrayOperatorsMixin):
 
     def __setitem__(self, key, value):
         np_key = index_key(key)
-        if isinstance(value, np.ndarray):
-            from .functions import asarray
-
-            value = asarray(value)
-        np_value = unwrap(value)
+        np_value = unwrap(from_host(value) if isinstance(value, np.ndarray) else value)
 
         def run():
             self._array[np_key] = np_value
@@ -337,9 +322,7 @@ class ndarray(NDArrayOperatorsMixin):
         return call("astype", lambda: self._array.astype(dtype, order=order))
 
     def dot(self, b, out=None):
-        from .products import product
-
-        return product("dot", np.dot, (self, b), {} if out is None else {"out": out})
+        return LIBRARY_ROUTES[np.dot]((self, b), {} if out is None else {"out": out})
 
     def __copy__(self):
         return self.copy()
@@ -348,14 +331,34 @@ class ndarray(NDArrayOperatorsMixin):
         return self.copy()
 
 
+def host_to_device(target, host):
+    """Copy the host array ``host`` into ``target`` (a NumPy array in device memory): a 0-d
+    value is a fill kernel, which a capture records; anything else is CuPy's asynchronous
+    copy from the host, refused while the current stream captures (``core.pyx``'s
+    ``_array_default``)."""
+    if host.ndim == 0:
+        value = host[()]
+        _runtime.enqueue("fill", lambda: target.fill(value))
+        return
+    _runtime.check_transfer("H2D")
+    _runtime.count("host_to_device")
+    target[...] = host
+
+
+def from_host(obj, dtype=None, ndmin=0, order="C"):
+    """A new device array holding host data ``obj`` (``host_to_device``)."""
+    host = np.array(obj, dtype=dtype, ndmin=ndmin)
+    out = empty(host.shape, host.dtype, order)
+    host_to_device(out._array, host)
+    return out
+
+
 def index_key(key):
     """``key`` with device arrays unwrapped; NumPy arrays and lists in it are copied to the
     device first, as CuPy's indexing does (``_prepare_slice_list``)."""
-    from .functions import asarray
-
     parts = key if isinstance(key, tuple) else (key,)
-    parts = tuple(unwrap(asarray(part)) if isinstance(part, (np.ndarray, list)) else unwrap(part)
-                  for part in parts)
+    parts = tuple(unwrap(from_host(part)) if isinstance(part, (np.ndarray, list))
+                  else unwrap(part) for part in parts)
     return parts if isinstance(key, tuple) else parts[0]
 
 

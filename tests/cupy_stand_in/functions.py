@@ -5,7 +5,7 @@ creation (what launches a kernel and what only allocates), copies between host a
 import numpy as np
 
 from . import arrays
-from .arrays import call, empty, ndarray, unsupported
+from .arrays import call, empty, from_host, ndarray, unsupported
 
 
 def _runtime():
@@ -52,21 +52,6 @@ def ones_like(a, dtype=None, order="K", subok=None, shape=None):
     return full_like(a, 1, dtype, order, shape=shape)
 
 
-def host_to_device(target, host):
-    """Copy the host array ``host`` into ``target`` (a NumPy array in device memory): a 0-d
-    value is a fill kernel, which a capture records; anything else is CuPy's asynchronous
-    copy from the host, refused while the current stream captures (``core.pyx``'s
-    ``_array_default``)."""
-    runtime = _runtime()
-    if host.ndim == 0:
-        value = host[()]
-        runtime.enqueue("fill", lambda: target.fill(value))
-        return
-    runtime.check_transfer("H2D")
-    runtime.count("host_to_device")
-    target[...] = host
-
-
 def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=False):
     """``obj`` on the device: a device array copied (or itself, where ``copy`` allows), host
     data copied from the host."""
@@ -75,9 +60,7 @@ def array(obj, dtype=None, copy=True, order="K", subok=False, ndmin=0, blocking=
             return call("copy", lambda: np.array(obj._array, dtype=dtype, order=order,
                                                   ndmin=ndmin))
         return obj
-    host = np.array(obj, dtype=dtype, ndmin=ndmin)
-    out = empty(host.shape, host.dtype, "F" if order == "F" else "C")
-    host_to_device(out._array, host)
+    out = from_host(obj, dtype, ndmin, "F" if order == "F" else "C")
     if blocking:
         _runtime().current_stream().synchronize()
     return out

@@ -34,8 +34,7 @@ def product(name, func, operands, kwargs):
 
 
 def matmul(a, b, out=None, **kwargs):
-    return product("matmul", np.matmul, (a, b), dict(kwargs, out=out) if out is not None
-                   else kwargs)
+    return product("matmul", np.matmul, (a, b), kwargs if out is None else dict(kwargs, out=out))
 
 
 def dot(a, b, out=None):
@@ -66,3 +65,10 @@ def einsum(subscripts, *operands, **kwargs):
                        operands, kwargs)
     return arrays.call("einsum", lambda *ops, **kw: np.einsum(subscripts, *ops, **kw),
                        operands, kwargs)
+
+
+# ``a @ b``, ``a.dot(b)`` and NumPy's functions on device arrays come here, as CuPy's do.
+arrays.LIBRARY_ROUTES.update({
+    numpy_function: lambda args, kwargs, function=function: function(*args, **kwargs)
+    for numpy_function, function in ((np.matmul, matmul), (np.dot, dot),
+                                     (np.tensordot, tensordot), (np.einsum, einsum))})
