@@ -168,9 +168,9 @@ class Runtime:
             self.count("library_calls", key=library)
 
     def library_call(self, library, name, run):
-        """The hook for stand-ins of the libraries that queue their own kernels
-        (``"cublasLt"``, ``"cudnn"``, ``"nccl"``): ``run()`` queued as ``library``'s call
-        ``name`` on the current stream, counted as one call of it."""
+        """What ``cupy_stand_in.library_call`` does for stand-ins of the libraries that queue
+        their own kernels (``"cublasLt"``, ``"cudnn"``): ``run()`` queued as ``library``'s
+        call ``name`` on the current stream, counted as one call of it."""
         self.enqueue(name, run, library=library)
 
     def check_cublas(self):
