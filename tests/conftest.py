@@ -4,7 +4,7 @@ import logging
 import pytest
 
 import fleetmpi as fleet
-from fleetmpi.core import backend
+from fleetmpi.core import backend, cuda_source
 from fleetmpi import nn
 from fleetmpi.autograd import engine
 from fleetmpi.comm import hybrid_topology, release_communicators
@@ -46,3 +46,15 @@ def fleetmpi_warnings(caplog, monkeypatch):
     caplog.set_level(logging.WARNING, logger="fleetmpi")
     return lambda: [r.getMessage() for r in caplog.records
                     if r.name.startswith("fleetmpi") and r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def gpu_stand_in(monkeypatch):
+    """The NumPy-backed CuPy stand-in (``tests/cupy_stand_in``) installed as the backend's
+    array module and as ``cupy``: the trainer takes its GPU branches, its kernels run compiled
+    for the host, cuDNN is absent. The fixture's value is the stand-in (``counting()``,
+    ``runtime``)."""
+    from cupy_stand_in import install
+
+    yield install(monkeypatch)
+    cuda_source._module.cache_clear()

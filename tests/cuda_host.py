@@ -78,16 +78,20 @@ def cuda_include_dir():
     return match.group(1) if match and os.path.isdir(match.group(1)) else None
 
 
-def _includes_toolkit_headers(cu_path):
-    """Whether ``cu_path``, or a header it includes with quotes from beside it, includes one of
-    the toolkit's ``cuda_*.h`` headers."""
+def _includes_toolkit_headers(cu_path, include_dirs=()):
+    """Whether ``cu_path``, or a header it includes with quotes (found beside it or in
+    ``include_dirs``), includes one of the toolkit's ``cuda_*.h`` headers."""
     with open(cu_path) as f:
         text = f.read()
     if re.search(r"#include\s*<cuda_\w+\.h>", text):
         return True
-    local = re.findall(r'#include\s*"([^"]+)"', text)
-    return any(_includes_toolkit_headers(os.path.join(os.path.dirname(cu_path), name))
-               for name in local)
+    for name in re.findall(r'#include\s*"([^"]+)"', text):
+        found = [path for path in (os.path.join(folder, name) for folder in
+                                   (os.path.dirname(cu_path), *include_dirs))
+                 if os.path.isfile(path)]
+        if found and _includes_toolkit_headers(found[0], include_dirs):
+            return True
+    return False
 
 
 def _run(cmd, what):
@@ -96,9 +100,9 @@ def _run(cmd, what):
         pytest.fail(f"{what} failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
 
 
-def _build_path(cu_path, suffix):
+def _build_path(cu_path, suffix, extra=""):
     with open(cu_path, "rb") as f:
-        digest = hashlib.sha256(f.read() + suffix.encode()).hexdigest()[:16]
+        digest = hashlib.sha256(f.read() + (suffix + extra).encode()).hexdigest()[:16]
     return os.path.join(_BUILD, f"{os.path.basename(cu_path)}.{digest}{suffix}")
 
 
@@ -144,21 +148,32 @@ class HostKernels:
                 kernel(*converted)
 
 
-def load_on_host(cu_path, compiler=None):
-    """Compile ``cu_path``'s kernels as host code (g++ by default) and load them."""
+def load_on_host(cu_path, compiler=None, include_dirs=()):
+    """Compile ``cu_path``'s kernels as host code (g++ by default) and load them; headers it
+    includes with quotes are found beside it, then in ``include_dirs``."""
     compiler = compiler or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         pytest.skip("no host C++ compiler on PATH")
     include = cuda_include_dir()
-    if include is None and _includes_toolkit_headers(cu_path):
+    if include is None and _includes_toolkit_headers(cu_path, include_dirs):
         pytest.skip(f"nvcc is not on PATH: the host build of {os.path.basename(cu_path)} takes "
                     "cuda_fp16.h from the CUDA toolkit")
-    library = _build_path(cu_path, ".so")
+    library = _build_path(cu_path, ".so", "".join(f" -I{d}" for d in include_dirs))
     if not os.path.exists(library):
         wrapper = library + ".cpp"
         with open(wrapper, "w") as f:
             f.write(f'#include "{SHIM}"\n#include "{os.path.abspath(cu_path)}"\n')
         _run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", "-Wall",
-              *(["-I", include] if include else []), "-o", library, wrapper],
-             f"host build of {os.path.basename(cu_path)}")
+              *(["-I", include] if include else []), *(f"-I{d}" for d in include_dirs),
+              "-o", library, wrapper], f"host build of {os.path.basename(cu_path)}")
     return HostKernels(library)
+
+
+def load_source_on_host(code, include_dirs=()):
+    """``load_on_host`` of kernel source text (what ``cupy.RawModule(code=...)`` is given)."""
+    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+    path = os.path.join(_BUILD, f"source_{digest}.cu")
+    if not os.path.exists(path):
+        with open(path, "w") as f:
+            f.write(code)
+    return load_on_host(path, include_dirs=include_dirs)

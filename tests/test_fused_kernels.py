@@ -112,6 +112,30 @@ def test_softmax_cross_entropy_matches_the_reference(gpu_path, shape, per_row, d
     assert gpu_path == ["softmax_cross_entropy_forward", "softmax_cross_entropy_backward"]
 
 
+@pytest.mark.parametrize("gpu_path", [None], indirect=True)
+@pytest.mark.parametrize("dtype, tolerance", DTYPES)
+def test_a_label_outside_the_classes_gives_its_row_nan_on_the_device(gpu_path, dtype,
+                                                                    tolerance):
+    """Labels on a device are not checked on the host (``loss._labels_2d``): the kernels give
+    the row of a label outside the classes a NaN loss and NaN gradients, and compute the
+    other rows as the reference does."""
+    rng = np.random.default_rng(11)
+    logits = random(rng, (4, 5), dtype, 2.0)
+    labels, good, bad = np.array([1, -1, 5, 4]), [0, 3], [1, 2]
+    loss, _, row_max, row_logsum = kernels.softmax_cross_entropy_forward(logits, labels)
+    want = reference.softmax_cross_entropy_forward(logits[good], labels[good], np)
+    assert np.isnan(loss[bad]).all()
+    close(loss[good], want[0], tolerance * 10)
+    scale = np.ones((), row_max.dtype)
+    grad = kernels.softmax_cross_entropy_backward(logits, labels, None, row_max, row_logsum,
+                                                  scale, logits.dtype)
+    want_grad = reference.softmax_cross_entropy_backward(
+        reference.log_probs(logits[good], want[2], want[3]), labels[good], scale, logits.dtype,
+        np)
+    assert np.isnan(grad[bad]).all()
+    close(grad[good], want_grad, tolerance)
+
+
 @gpu_geometries
 @pytest.mark.parametrize("x_dtype, residual_dtype", DROPOUT_DTYPES)
 @pytest.mark.parametrize("shape", DROPOUT_SHAPES, ids=str)

@@ -112,7 +112,7 @@ class GradScaler:
         self._scaling = self._new_scaling(self._settings["init_loss_scaling"])
         self._states = {}
         self._hooks = {}
-        self._found = None
+        self._found = self._skipped = None
         self.distributed = False
         self._communicator = None
 
@@ -174,8 +174,15 @@ class GradScaler:
         inner.settle_grads()
         grads = [grad for _, grad in inner.flat_runs()]
         found, skipped = check_step(self._scaling, grads, communicator)
-        self._found = found
+        self._found, self._skipped = found, skipped
         return found, skipped
+
+    def _skips(self):
+        """Whether the checked step is skipped: what its check read on the host, once (inside
+        a CUDA graph capture it read nothing, and the read here is refused, naming it)."""
+        if self._skipped is None:
+            return bool(backend.to_numpy(self._found)[0])
+        return self._skipped
 
     def _state(self, optimizer):
         if not isinstance(optimizer, (Optimizer, DistributedOptimizer)):
@@ -229,7 +236,7 @@ class GradScaler:
         else:
             if state == INIT:
                 self._check(optimizer, self._agreement(optimizer))
-            if not bool(backend.to_numpy(self._found)[0]):
+            if not self._skips():
                 optimizer.step()
         self._states[id(optimizer)] = STEPPED
         if not self._scaling.dynamic:
@@ -242,7 +249,7 @@ class GradScaler:
             return
         if self._found is not None:
             self._scaling.update_loss_scaling(self._found)
-            self._found = None
+            self._found = self._skipped = None
         self._states.clear()
 
     def minimize(self, optimizer, *args, **kwargs):

@@ -31,6 +31,9 @@ __device__ inline double to_compute(double v) { return v; }
 // functions define it.
 template <typename C> __device__ inline C negative_infinity() { return log((C)0); }
 
+// A quiet NaN in the compute type C: sqrt(-1), as C's and CUDA's math functions define it.
+template <typename C> __device__ inline C quiet_nan() { return sqrt((C)-1); }
+
 template <typename T> __device__ inline T round_to(typename Compute<T>::type v) { return v; }
 template <> __device__ inline __half round_to<__half>(float v) { return __float2half_rn(v); }
 

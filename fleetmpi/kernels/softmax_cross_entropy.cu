@@ -12,6 +12,11 @@
 // from L1), and only `rows` threads run; a block per row reducing in shared memory would read
 // coalesced and fill the GPU. Backward, which writes the whole (rows, classes) gradient, is
 // elementwise and uses every thread.
+//
+// Labels that live on the device are not checked on the host (reading them back would make
+// the host wait at every step, and a CUDA graph cannot capture that): a label outside
+// [0, classes) gives its row a NaN loss and NaN gradients, which the non-finite check of a
+// step reports, where reading logits[label] would read out of bounds.
 
 #include "precision.cuh"
 
@@ -26,7 +31,8 @@ __device__ void row_loss(const T* logits, long long label, W* loss, W* row_max, 
     W sum = 0;
     for (long long j = 0; j < classes; ++j) sum += exp(to_compute(logits[j]) - m);
     W logsum = log(sum);
-    *loss = logsum - (to_compute(logits[label]) - m);
+    *loss = label >= 0 && label < classes ? logsum - (to_compute(logits[label]) - m)
+                                          : quiet_nan<W>();
     *row_max = m;
     *row_logsum = logsum;
 }
@@ -51,7 +57,8 @@ extern "C" __global__ void softmax_cross_entropy_backward_##SUFFIX(             
          i += (long long)blockDim.x * gridDim.x) {                                        \
         long long r = i / classes;                                                        \
         W g = exp((to_compute(logits[i]) - row_max[r]) - row_logsum[r]);                  \
-        if (i - r * classes == labels[r]) g -= (W)1;                                      \
+        if (labels[r] < 0 || labels[r] >= classes) g = quiet_nan<W>();                    \
+        else if (i - r * classes == labels[r]) g -= (W)1;                                 \
         dlogits[i] = round_to<T>(g * scale[r * scale_stride]);                            \
     }                                                                                     \
 }

@@ -1,5 +1,7 @@
 """Linear (plain and with a fused bias+activation), dropout (plain and fused with a residual
 add) and embedding."""
+import numpy as np
+
 from ...core import backend
 from ... import kernels
 from ...kernels.products import matmul_arrays
@@ -144,11 +146,29 @@ def dropout_add(x, residual, p=0.5, training=True):
 
 
 def check_indices(ids, num_embeddings, what="Embedding"):
+    """A ValueError for indices that are not integers or, where they are host arrays, not in
+    ``[0, num_embeddings)``. Indices on a device are not read back, which would make the host
+    wait for the device at every call (and cannot be captured in a CUDA graph): there
+    ``Embedding`` gives the rows of indices out of range NaN values (``gather_rows``), which a
+    step's non-finite check reports; the tensor-parallel embedding gives them zeros."""
     if ids.dtype.kind not in "iu":
         raise ValueError(f"{what} expects integer indices, got dtype {ids.dtype}")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
+    if isinstance(ids, np.ndarray) and ids.size and (
+            int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
         raise ValueError(f"{what} indices must lie in [0, {num_embeddings}), got values in "
                          f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+def gather_rows(weight, ids):
+    """``(weight[ids], the indices used)``. On a device, where ``check_indices`` reads
+    nothing, an index outside the rows picks row 0 and its row of the result is NaN, rather
+    than the row CuPy's indexing would wrap it to."""
+    if isinstance(ids, np.ndarray):
+        return weight[ids], ids
+    xp = backend.array_module()
+    inside = (ids >= 0) & (ids < weight.shape[0])
+    ids = xp.where(inside, ids, 0)
+    return xp.where(inside[..., None], weight[ids], weight.dtype.type(np.nan)), ids
 
 
 class Embedding(Function):
@@ -159,8 +179,9 @@ class Embedding(Function):
 
     def forward(self, ids, weight):
         check_indices(ids, weight.shape[0])
-        self.ids, self.shape = backend.array_module().asarray(ids), weight.shape
-        return weight[self.ids]
+        rows, self.ids = gather_rows(weight, backend.array_module().asarray(ids))
+        self.shape = weight.shape
+        return rows
 
     def backward(self, dy):
         xp = backend.array_module()

@@ -9,7 +9,11 @@ from ...autograd.autocast import autocast, input_dtype
 
 def _labels_2d(logits, labels):
     """The labels as a vector of class indices, one per row of the 2-d logits: Paddle's
-    ``(N, 1)`` and PyTorch's ``(N,)`` both accepted."""
+    ``(N, 1)`` and PyTorch's ``(N,)`` both accepted. Their range is checked where they are
+    host arrays; labels on a device are not read back, which would make the host wait for
+    the device at every step (and cannot be captured in a CUDA graph): there the kernels
+    give a label outside the classes a NaN loss and NaN gradients
+    (``softmax_cross_entropy.cu``), which a step's non-finite check reports."""
     n = logits.shape[0]
     if labels.ndim == 2 and labels.shape[1] == 1:
         labels = labels.reshape(-1)
@@ -20,7 +24,8 @@ def _labels_2d(logits, labels):
         raise ValueError(f"cross_entropy expects integer class labels, got dtype "
                          f"{labels.dtype}")
     classes = logits.shape[1]
-    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+    if isinstance(labels, np.ndarray) and labels.size and (
+            int(labels.min()) < 0 or int(labels.max()) >= classes):
         raise ValueError(f"labels must lie in [0, {classes}), got values in "
                          f"[{int(labels.min())}, {int(labels.max())}]")
     return labels

@@ -38,14 +38,16 @@ def batch_statistics(x, axes, communicator):
     mean, then the sums of squared deviations from that mean give the variance. This is
     NumPy's ``mean``/``var`` arithmetic (the same bits alone; the global batch's values to
     rounding across ranks), without the cancellation of a one-pass ``E[x^2] - E[x]^2``.
-    Reading the global count back to the host costs one device synchronisation."""
+    Reading the global count back to the host costs one device synchronisation; without a
+    communicator the count is this process's, known on the host, and nothing is read (a
+    wait for the device per batch norm of a step, which a CUDA graph could not capture)."""
     xp = backend.array_module()
     accumulate = np.result_type(x.dtype, np.float32)
     channels = x.shape[1]
     local_count = x.size // channels if channels else 0
     packed = sum_over_ranks(communicator, xp.full(1, local_count, xp.float64),
                             x.sum(axis=axes, dtype=accumulate))
-    count = int(packed[0])
+    count = local_count if communicator is None else int(packed[0])
     if count == 0:
         where = "on every rank" if communicator is not None else "here"
         raise ValueError(f"BatchNorm in training needs at least one value per channel; the "
