@@ -52,9 +52,13 @@ def fleetmpi_warnings(caplog, monkeypatch):
 def gpu_stand_in(monkeypatch):
     """The NumPy-backed CuPy stand-in (``tests/cupy_stand_in``) installed as the backend's
     array module and as ``cupy``: the trainer takes its GPU branches, its kernels run compiled
-    for the host, cuDNN is absent. The fixture's value is the stand-in (``counting()``,
+    for the host, its products run through the cuBLASLt stand-in
+    (``tests/cublaslt_stand_in.py``), cuDNN is absent. The fixture's value is the stand-in (``counting()``,
     ``runtime``)."""
+    from cublaslt_stand_in import install_on_cupy_stand_in
     from cupy_stand_in import install
 
-    yield install(monkeypatch)
+    stand_in = install(monkeypatch)
+    install_on_cupy_stand_in(monkeypatch)
+    yield stand_in
     cuda_source._module.cache_clear()

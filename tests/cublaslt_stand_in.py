@@ -390,3 +390,38 @@ def install(monkeypatch, library=None):
                         ("_workspaces", {})):
         monkeypatch.setattr(cublaslt, name, value)
     return library
+
+
+def install_on_cupy_stand_in(monkeypatch, library=None):
+    """Route ``fleetmpi/kernels/cublaslt.py`` to ``library`` (a new ``StandIn`` by default)
+    where the CuPy stand-in (``tests/cupy_stand_in``) is the array module: the module's own
+    seams then read the stand-in's device addresses, current stream and device, and take the
+    workspace from its pool; each ``cublasLtMatmul`` is queued on the current stream
+    (``cupy_stand_in.library_call``) with its descriptor's attributes as they were at the call,
+    so that a capture records it and its graph replays it, as a GPU does. Returns the
+    library."""
+    from cupy_stand_in import library_call
+    from fleetmpi.kernels import cublaslt
+
+    library = StandIn() if library is None else library
+    module = library.module()
+    run = module.matmul
+
+    def queued(*args):
+        # cuBLASLt reads the descriptor's attributes (the bias pointer) when it is called: a
+        # capture keeps them, whatever later calls set on the descriptor of the same plan
+        desc = library._get("desc", args[1])
+        values = dict(desc.values)
+
+        def run_as_called():
+            current, desc.values = desc.values, values
+            try:
+                run(*args)
+            finally:
+                desc.values = current
+        library_call("cublasLt", "matmul", run_as_called)
+    module.matmul = queued
+    for name, value in (("_binding", lambda: module), ("_plans", {}), ("_handles", {}),
+                        ("_workspaces", {})):
+        monkeypatch.setattr(cublaslt, name, value)
+    return library

@@ -464,14 +464,6 @@ def test_cuda_graph_needs_a_gpu():
 
 # -- CUDAGraph's bookkeeping, against the CuPy stand-in (tests/cupy_stand_in) ---------------
 
-CUBLAS_IN_CAPTURE = (
-    "CuPy 14's cuBLAS wrapper refuses a capturing stream, so the capture of a step with a "
-    "product fails (the H200 run, benchmarks/results/gpu/2026-11-27-h200-b.json) until the "
-    "trainer's products go through cuBLASLt (fleetmpi/kernels/cublaslt.py, branch lt)")
-fails_at_cublas = pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                                    reason=CUBLAS_IN_CAPTURE)
-
-
 @pytest.fixture
 def stand_in(gpu_stand_in):
     """The CuPy stand-in's device (``cupy_stand_in.runtime.Runtime``): its streams, allocator,
@@ -639,7 +631,6 @@ def test_memory_freed_during_the_capture_is_not_handed_to_eager_work(device_cupy
     assert all(float(g[0]) == -1 for g in garbage)
 
 
-@fails_at_cublas
 def test_replays_of_a_graphed_step_run_no_python(device_cupy):
     _, _, train_step = build()
     python_calls = []

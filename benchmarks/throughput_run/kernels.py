@@ -53,8 +53,12 @@ def _failure(exc):
 
 def _captured(step):
     """``(CUDA graph, None)`` of one call of ``step`` captured on a stream of its own, or
-    ``(None, the exception)`` where it could not be."""
+    ``(None, the exception)`` where it could not be. The trainer is told a capture is under
+    way (``fleetmpi.core.capture_checks``), so that it keeps its verdicts on the device as in
+    ``fleet.graphed_step`` rather than reading them back, which CuPy refuses."""
     import cupy
+
+    from fleetmpi.core import capture_checks
 
     stream = cupy.cuda.Stream(non_blocking=True)
     failure = graph = None
@@ -64,7 +68,8 @@ def _captured(step):
         except Exception as exc:  # noqa: BLE001 - no capture here (HIP, an old driver)
             return None, exc
         try:
-            step()
+            with capture_checks.capturing(stream):
+                step()
         except Exception as exc:  # noqa: BLE001 - a step that cannot be captured is reported
             failure = exc
         try:

@@ -200,10 +200,14 @@ class Parameter(Tensor):
         self._bind(buffer, offset)
 
     def _bind(self, buffer, offset):
+        """Take ``buffer``'s values and its gradient memory, which holds zeros, at ``offset``:
+        the first backward writes into it as every later one does (a graphed step's warm-up
+        then plans the products its captured steps make)."""
         stop = offset + self.size
         self.settle_gradient()
         self.data = buffer.data[offset:stop].reshape(self.shape)
         self.grad = buffer.grad[offset:stop].reshape(self.shape)
+        self._grad_is_zero = True
         self._grad_home = None
         self.buffer = buffer
         self.offset = offset

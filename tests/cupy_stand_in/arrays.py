@@ -30,7 +30,7 @@ _runtime = None  # the Runtime of the installed stand-in (``install`` sets it)
 # NumPy's functions that CuPy runs in a library, not as a kernel: {function: route(args,
 # kwargs)}, filled by ``products`` (cuBLAS), and taken by the ufunc and function protocols.
 LIBRARY_ROUTES = {}
-_memories = weakref.WeakValueDictionary()  # id(buffer) -> the Memory living on it now
+_memories = weakref.WeakValueDictionary()  # id(owning array) -> the Memory living on it now
 
 
 def current_runtime():
@@ -68,12 +68,20 @@ def device_arrays(value):
     return []
 
 
+def _owning(array):
+    """The NumPy array that owns ``array``'s memory: NumPy points every view's ``base`` there
+    (a pool block is itself a view, aligned within a larger allocation)."""
+    while array.base is not None:
+        array = array.base
+    return array
+
+
 def _owner(array):
     """The ``Memory`` that ``array`` (a NumPy array) is a view of, or None for fresh memory."""
     base = array
     while base is not None:
         memory = _memories.get(id(base))
-        if memory is not None and memory.buffer is base:
+        if memory is not None and _owning(memory.buffer) is base:
             return memory
         base = getattr(base, "base", None)
     return None
@@ -198,7 +206,7 @@ class ndarray(NDArrayOperatorsMixin):
         self._array = np.ndarray(shape, dtype, buffer=buffer, offset=memptr.offset,
                                  strides=strides, order=order)
         self._memory = memptr.mem
-        _memories[id(buffer)] = memptr.mem
+        _memories[id(_owning(buffer))] = memptr.mem
 
     # -- what CuPy's arrays have -------------------------------------------------------------
     shape = property(lambda self: self._array.shape)

@@ -401,6 +401,16 @@ class MemoryPointer:
         self.device_id = mem.device_id
 
 
+def _aligned(nbytes):
+    """``nbytes`` of zeroed host memory at an address that is a multiple of ``ROUND_SIZE``, as
+    the device memory CuPy's pool hands out is (cudaMalloc's blocks are 256-byte aligned, the
+    pool's chunks 512): an address's alignment is part of a cuBLASLt plan's key, so memory
+    aligned as NumPy's allocator happens to leave it would make plans a GPU never makes."""
+    raw = np.zeros(nbytes + ROUND_SIZE, np.uint8)
+    start = -raw.ctypes.data % ROUND_SIZE
+    return raw[start:start + nbytes]
+
+
 class MemoryPool:
     """``cupy.cuda.MemoryPool`` (module docstring: reuse by rounded size, no splitting)."""
 
@@ -421,7 +431,7 @@ class MemoryPool:
             if self._limit and self._total + rounded > self._limit:
                 raise MemoryError(f"Out of memory allocating {rounded:,} bytes (the pool's "
                                   f"limit is {self._limit:,} bytes)")
-            buffer = np.zeros(rounded, np.uint8)
+            buffer = _aligned(rounded)
             self._total += rounded
             self._runtime.count("new_memory", rounded)
         self._used += rounded
