@@ -1,23 +1,23 @@
 """Train a small GPT as a character-level language model on the Python standard library's own
 source code, data parallel.
 
-    mpiexec -n 2 python examples/train_gpt.py [--amp] [--recompute] [--gradient_merge K]
+    mpiexec -n 2 python examples/train_gpt.py [--amp] [--recompute] [--gradient-merge K]
 
 The text is every top-level module (``*.py``) of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``), so nothing is downloaded; the files are split into
-training and validation by file (every ``--val_every``-th file in name order is held out). The
-vocabulary is the bytes that occur at least ``--min_count`` times in the training files, plus
+training and validation by file (every ``--val-every``-th file in name order is held out). The
+vocabulary is the bytes that occur at least ``--min-count`` times in the training files, plus
 one symbol for every other byte (the few non-ASCII ones).
 
 The model is ``nn.GPT`` (token and position embeddings, pre-norm blocks of causal
 self-attention and MLP, tied output embedding), trained with AdamW in Paddle dygraph's idiom
 (``loss.backward(); opt.step(); opt.clear_grad()``). Each rank trains on its own random windows
 of the training text and gradients are averaged over the ranks every step. An epoch is
-``--steps_per_epoch`` steps; after each one rank 0 prints the validation loss next to the
+``--steps-per-epoch`` steps; after each one rank 0 prints the validation loss next to the
 unigram baseline: the cross entropy of the validation text under the training text's byte
 frequencies (add-one smoothed), which is what a model that ignores context reaches at best.
 ``--amp`` trains in mixed precision, ``--recompute`` recomputes every block in backward,
-``--gradient_merge K`` updates once every K steps with the averaged gradients of K batches.
+``--gradient-merge K`` updates once every K steps with the averaged gradients of K batches.
 """
 import argparse
 import glob

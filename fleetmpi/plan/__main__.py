@@ -53,13 +53,15 @@ def parse_args(argv):
     parser.add_argument("--sparsity", type=float, default=0.999, help="dgc's final sparsity")
     parser.add_argument("--max-ranks", type=int, default=4096)
     parser.add_argument("--png", default="plan.png")
-    parser.add_argument("--gpt", help="hybrid layouts of a GPT: LAYERS,WIDTH,HEADS,VOCAB,SEQ")
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--layout", help="the layout to predict: dp=..,pp=..,sharding=..,mp=..")
-    parser.add_argument("--tflops", type=float, default=100.0,
+    parser.add_argument("--gpt", metavar="LAYERS,WIDTH,HEADS,VOCAB,SEQ",
+                        help="hybrid layouts of a GPT")
+    parser.add_argument("--global-batch", type=int, default=64, metavar="B")
+    parser.add_argument("--ranks", type=int, default=8, metavar="N")
+    parser.add_argument("--layout", metavar="dp=..,pp=..,sharding=..,mp=..",
+                        help="the layout to predict")
+    parser.add_argument("--tflops", type=float, default=100.0, metavar="T",
                         help="sustained TFLOPS of one device (default 100)")
-    parser.add_argument("--memory-GB", type=float, help="memory per device")
+    parser.add_argument("--memory-GB", type=float, metavar="M", help="memory per device")
     parser.add_argument("--micro-batches", type=int,
                         help="pipeline micro-batches (default: pp_degree)")
     parser.add_argument("--value-bytes", type=int, default=2,
