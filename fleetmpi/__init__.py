@@ -31,15 +31,18 @@ if _started_as_launcher(_sys.argv, getattr(_sys, "orig_argv", None)):
     # process of its own, whose transport listens on the network (docs/launch.md, "Network")
     _mpi4py.rc.initialize = _mpi4py.rc.finalize = False
 
-NO_MPI_LIBRARY = (
-    "fleetmpi needs an MPI library, and mpi4py found none ({}). Install one: "
-    "pip install 'fleetmpi[mpi]' (MPICH from PyPI), or load your site's MPI (module load ...) "
-    "with mpi4py built against it (pip install --no-binary mpi4py mpi4py).")
+from .core import extras as _extras
+
+_extras.install()  # a missing optional package ends a script with one line, not a traceback
 
 try:
     from mpi4py import MPI as _MPI  # noqa: F401 - the first load of the MPI library
 except RuntimeError as _error:
-    raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
+    raise _extras.MissingExtra(
+        "fleetmpi", f"an MPI library (mpi4py: {str(_error).splitlines()[0]})", "mpi",
+        " (MPICH from PyPI; the examples' 'fleetmpi[examples]' has it too), or load your "
+        "site's MPI with mpi4py built against it (pip install --no-binary mpi4py mpi4py)"
+    ) from None
 
 from . import autograd, device, framework, io, metric, nn, optimizer, utils
 from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, gather,

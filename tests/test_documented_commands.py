@@ -93,3 +93,15 @@ def test_a_drifted_command_is_refused_with_the_programs_own_message():
     assert "no such file" in verdicts[3]["message"]
     assert "--bogus" in verdicts[4]["message"]
     assert "no-such-extra" in verdicts[9]["message"]
+
+
+def test_the_slurm_example_shows_the_same_job_without_slurm():
+    """A reader without Slurm finds, in the sbatch script's comments, a fleetmpirun or
+    mpiexec line that runs what its srun line runs."""
+    commands = [c for c in documented_commands() if c.source == "examples/slurm/train.sbatch"]
+    [srun] = [c for c in commands if c.argv[0] == "srun"]
+    ran = program_calls(srun.argv)
+    without = [c for c in commands if c.argv[0] in ("fleetmpirun", "mpiexec")]
+    assert without, "no fleetmpirun or mpiexec line in examples/slurm/train.sbatch"
+    for command in without:
+        assert ran[0] in program_calls(command.argv), str(command)
