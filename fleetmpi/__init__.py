@@ -40,8 +40,8 @@ try:
 except RuntimeError as _error:
     raise _extras.MissingExtra(
         "fleetmpi", f"an MPI library (mpi4py: {str(_error).splitlines()[0]})", "mpi",
-        " (MPICH from PyPI; the examples' 'fleetmpi[examples]' has it too), or load your "
-        "site's MPI with mpi4py built against it (pip install --no-binary mpi4py mpi4py)"
+        " ('fleetmpi[examples]' for the examples), or on a cluster mpi4py built against its "
+        "MPI (pip install --no-binary mpi4py mpi4py)"
     ) from None
 
 from . import autograd, device, framework, io, metric, nn, optimizer, utils

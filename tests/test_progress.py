@@ -256,16 +256,26 @@ def run_in_terminal(command, env):
     return process.wait(timeout=60), shown.decode(errors="replace")
 
 
-@pytest.mark.parametrize("progress, in_terminal, bar", [
-    (None, True, True), (None, False, False), ("lines", True, False), ("bar", False, True)])
-def test_the_main_job_under_mpiexec_shows_a_bar_in_a_terminal_and_lines_elsewhere(
-        progress, in_terminal, bar):
+def launched(launcher, program):
+    """``program`` on 2 ranks, started by ``mpiexec`` or by ``fleetmpirun``."""
     from fleetmpi.launch.mpi_command import local_command
 
+    if launcher == "mpiexec":
+        return local_command(2, [sys.executable, *program])
+    script = os.path.join(os.path.dirname(sys.executable), "fleetmpirun")
+    start = [script] if os.path.exists(script) else [sys.executable, "-m", "fleetmpi.launch"]
+    return start + ["--np", "2", *program]
+
+
+@pytest.mark.parametrize("launcher, progress, in_terminal, bar", [
+    ("mpiexec", None, True, True), ("mpiexec", None, False, False),
+    ("mpiexec", "lines", True, False), ("mpiexec", "bar", False, True),
+    ("fleetmpirun", None, True, True), ("fleetmpirun", None, False, False)])
+def test_the_main_job_shows_a_bar_in_a_terminal_and_lines_elsewhere(launcher, progress,
+                                                                     in_terminal, bar):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    command = local_command(2, [sys.executable, os.path.join(root, "examples",
-                                                             "train_digits.py"),
-                                "--epochs", "2"])
+    command = launched(launcher, [os.path.join(root, "examples", "train_digits.py"),
+                                  "--epochs", "2"])
     env = {k: v for k, v in os.environ.items() if k != knobs.PROGRESS.name}
     env.update({knobs.PROGRESS.name: progress} if progress else {})
     if in_terminal:

@@ -3,7 +3,7 @@
 ``isatty`` says no under ``mpiexec`` in a terminal: an MPI launcher hands its ranks pipes and
 copies what comes through them to its own streams. So where the stream is a pipe, this follows
 it up the launcher's processes (Linux's ``/proc``): the rank's parent must be a launcher
-(``LAUNCHERS``, by process name) holding that pipe, and its own stream of the same number is
+(``LAUNCHERS``, by process name, or ``python -m fleetmpi.launch``) holding that pipe, and its own stream of the same number is
 followed in turn, until one is a terminal. MPICH's ``mpiexec`` (rank, ``hydra_pmi_proxy``,
 ``mpiexec``) and ``fleetmpirun`` (rank, ``mpiexec.gforker``, ``fleetmpirun``) so reach the
 terminal they run in; output redirected to a file or piped into another program (``| tee``), a
@@ -43,6 +43,16 @@ def _holds(pid, link):
     return any(_link(pid, fd) == link for fd in fds)
 
 
+def _is_launcher(pid):
+    """Whether the process ``pid`` is an MPI launcher of ``LAUNCHERS`` or ``python -m
+    fleetmpi.launch`` (fleetmpirun run through its module)."""
+    if _read(pid, "comm").strip() in LAUNCHERS:
+        return True
+    words = _read(pid, "cmdline").split("\0")
+    return any(word == "-m" and following == "fleetmpi.launch"
+               for word, following in zip(words, words[1:]))
+
+
 def _parent(pid):
     stat = _read(pid, "stat")
     return int(stat.rsplit(")", 1)[1].split()[1]) if ")" in stat else 0
@@ -60,7 +70,7 @@ def reaches_terminal(fd):
     link, pid = _link("self", fd), os.getppid()
     for _ in range(MOST_HOPS):
         if (link is None or not link.startswith("pipe:") or pid <= 1
-                or _read(pid, "comm").strip() not in LAUNCHERS or not _holds(pid, link)):
+                or not _is_launcher(pid) or not _holds(pid, link)):
             return False
         link = _link(pid, fd)
         if is_terminal_path(link):

@@ -164,11 +164,13 @@ class ProgressBar:
         if self.tqdm is None:
             from tqdm import tqdm
 
-            # through a launcher's pipe tqdm cannot ask the terminal its width
+            # Through a launcher's pipe tqdm cannot ask the terminal its width, and the bar
+            # keeps to ASCII: mpiexec.gforker (fleetmpirun's single-host launcher) stops
+            # forwarding a rank's output at its first non-ASCII byte.
             tty = getattr(self.stream, "isatty", lambda: False)()
             self.tqdm = tqdm(total=self.total_steps, initial=self.steps, desc=self._head(),
                              postfix=self._figures(self.loss), file=self.stream, mininterval=0,
-                             dynamic_ncols=tty, disable=False, leave=True,
+                             dynamic_ncols=tty, disable=False, leave=True, ascii=not tty,
                              ncols=None if tty else shutil.get_terminal_size().columns,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| "
                                         "{n_fmt}/{total_fmt}{postfix}")
