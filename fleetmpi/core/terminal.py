@@ -3,12 +3,13 @@
 ``isatty`` says no under ``mpiexec`` in a terminal: an MPI launcher hands its ranks pipes and
 copies what comes through them to its own streams. So where the stream is a pipe, this follows
 it up the launcher's processes (Linux's ``/proc``): the rank's parent must be a launcher
-(``LAUNCHERS``, by process name, or ``python -m fleetmpi.launch``) holding that pipe, and its own stream of the same number is
-followed in turn, until one is a terminal. MPICH's ``mpiexec`` (rank, ``hydra_pmi_proxy``,
-``mpiexec``) and ``fleetmpirun`` (rank, ``mpiexec.gforker``, ``fleetmpirun``) so reach the
-terminal they run in; output redirected to a file or piped into another program (``| tee``), a
-``fleetmpirun --log_dir`` log (the rank's own copier reads the pipe) and a Slurm job (its
-step daemon is no launcher of this list) do not. Elsewhere than Linux, ``isatty`` alone.
+(``LAUNCHERS``, by process name, or ``python -m fleetmpi.launch``) holding that pipe, and its
+own stream of the same number is followed in turn, until one is a terminal. MPICH's ``mpiexec``
+(rank, ``hydra_pmi_proxy``, ``mpiexec``) and ``fleetmpirun`` (rank, ``mpiexec.gforker``,
+``fleetmpirun``) so reach the terminal they run in; output redirected to a file or piped into
+another program (``| tee``), a ``fleetmpirun --log_dir`` log (the rank's own copier reads the
+pipe) and a Slurm job (its step daemon is no launcher of this list) do not. Elsewhere than
+Linux, ``isatty`` alone.
 """
 import os
 

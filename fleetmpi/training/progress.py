@@ -8,19 +8,18 @@
         bar.end_epoch(loss=mean_loss)
     bar.close()
 
-It writes to standard error, as tqdm does (to standard output where both reach a terminal:
-an MPI launcher forwards the two through separate pipes, and a bar on standard error could
-then land after the results printed below it). When it reaches a terminal (the stream is
-one, or ``mpiexec`` or ``fleetmpirun`` running in one forwards it there:
-``fleetmpi.core.terminal``)
+It writes to standard error, as tqdm does (to standard output where both reach a terminal: an
+MPI launcher forwards the two through separate pipes, and a bar on standard error could then
+land after the results printed below it). When it reaches a terminal (the stream is one, or
+``mpiexec`` or ``fleetmpirun`` running in one forwards it there: ``fleetmpi.core.terminal``)
 the bar is redrawn in place, at most every ``min_interval`` seconds, showing the loss of the
-latest step, the samples per second since the start and the estimated time left. tqdm draws
-it when it is installed (``pip install 'fleetmpi[progress]'``, which the examples' extra
-includes: the bar users know, fitted to the terminal's width); otherwise a plain bar of ``#``
-written with ``\\r``. Either way the figures and the redraw rate are this class's, so the loss
-is read only when a redraw shows it. When the output goes to a file or another program (a
-log of ``fleetmpirun --log_dir``, a Slurm output file, CI) carriage returns would pile up into
-one huge line, so the bar stays off and ``end_epoch`` writes one line per epoch instead. Ranks
+latest step, the samples per second since the start and the estimated time left. tqdm draws it
+when it is installed (``pip install 'fleetmpi[progress]'``, which the examples' extra includes:
+the bar users know, fitted to the terminal's width); otherwise a plain bar of ``#`` written
+with ``\\r``. Either way the figures and the redraw rate are this class's, so the loss is read
+only when a redraw shows it. When the output goes to a file or another program (a log of
+``fleetmpirun --log_dir``, a Slurm output file, CI) carriage returns would pile up into one
+huge line, so the bar stays off and ``end_epoch`` writes one line per epoch instead. Ranks
 other than 0 write nothing. The loss is read (``float``, a device synchronisation on a GPU)
 only when it is shown.
 
@@ -63,8 +62,8 @@ class ProgressBar:
     """Progress of ``total_steps`` training steps (``epochs`` of them when the run has epochs).
 
     ``stream``: where to write (default ``sys.stderr``, or ``sys.stdout`` where both reach a
-    terminal); ``rank``: this process's rank (default
-    the fleet world's, 0 before ``fleet.init``); ``mode``: see the module docstring (default
+    terminal); ``rank``: this process's rank (default the fleet world's, 0 before
+    ``fleet.init``); ``mode``: see the module docstring (default
     ``FLEETMPI_PROGRESS``, else ``auto``); ``clock``: a seconds counter (tests pass a fake one);
     ``use_tqdm``: draw the terminal bar with tqdm (default: when it is installed; ``True``
     without it raises ImportError naming the extra).
