@@ -169,7 +169,8 @@ class ProgressBar:
             tty = getattr(self.stream, "isatty", lambda: False)()
             self.tqdm = tqdm(total=self.total_steps, initial=self.steps, desc=self._head(),
                              postfix=self._figures(self.loss), file=self.stream, mininterval=0,
-                             dynamic_ncols=tty, disable=False, leave=True, ascii=None if tty else True,
+                             dynamic_ncols=tty, disable=False, leave=True,
+                             ascii=None if tty else True,
                              ncols=None if tty else shutil.get_terminal_size().columns,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| "
                                         "{n_fmt}/{total_fmt}{postfix}")
