@@ -9,8 +9,6 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 VERSION_KEYS = ("python", "numpy", "mpi4py", "mpi_library", "cupy", "cuda_runtime", "driver",

@@ -14,6 +14,7 @@ from fleetmpi.core import knobs, log
 from fleetmpi.training.progress import ProgressBar, format_duration
 
 from comm_support import ok
+from job_limits import HANG_SECONDS
 
 
 class Terminal(io.StringIO):
@@ -241,7 +242,7 @@ def run_in_terminal(command, env):
     os.close(follower)
     shown = b""
     while True:
-        ready, _, _ = select.select([leader], [], [], 300)
+        ready, _, _ = select.select([leader], [], [], HANG_SECONDS)
         if not ready:  # a hang: end it and fail on what was shown
             process.kill()
             break
@@ -281,7 +282,7 @@ def test_the_main_job_shows_a_bar_in_a_terminal_and_lines_elsewhere(launcher, pr
     if in_terminal:
         code, shown = run_in_terminal(command, env)
     else:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_SECONDS,
                               stdin=subprocess.DEVNULL)
         code, shown = done.returncode, done.stdout + done.stderr
     assert code == 0, shown
