@@ -20,7 +20,8 @@ that fails or runs out of time is recorded, and the next one runs):
 
 Writes ``gpu_check.json``, ``summary.md``, the JUnit XML files and every command's log into
 ``--out``, prints the summary, and exits 1 when a stage did not pass. ``--dry-run`` runs the
-same plan on the CPU (a couple of benchmark steps, PyTorch optional). ``--stages`` runs only
+same plan on the CPU (a sample of each test file, a couple of benchmark steps, PyTorch
+optional). ``--stages`` runs only
 the stages named (without install, the fleetmpi already importable is tested); ``--tests``
 replaces the plan's files of the gpu_tests stage. docs/gpu.md says how to carry the wheels.
 """

@@ -1,27 +1,29 @@
 """Train a small GPT as a character-level language model on the Python standard library's own
 source code, data parallel.
 
-    mpiexec -n 2 python examples/train_gpt.py [--amp] [--recompute] [--gradient_merge K]
+    mpiexec -n 2 python examples/train_gpt.py [--amp] [--recompute] [--gradient-merge K]
 
 The text is every top-level module (``*.py``) of the running interpreter's standard library
 (``sysconfig.get_paths()["stdlib"]``), so nothing is downloaded; the files are split into
-training and validation by file (every ``--val_every``-th file in name order is held out). The
-vocabulary is the bytes that occur at least ``--min_count`` times in the training files, plus
+training and validation by file (every ``--val-every``-th file in name order is held out). The
+vocabulary is the bytes that occur at least ``--min-count`` times in the training files, plus
 one symbol for every other byte (the few non-ASCII ones).
 
 The model is ``nn.GPT`` (token and position embeddings, pre-norm blocks of causal
 self-attention and MLP, tied output embedding), trained with AdamW in Paddle dygraph's idiom
 (``loss.backward(); opt.step(); opt.clear_grad()``). Each rank trains on its own random windows
 of the training text and gradients are averaged over the ranks every step. An epoch is
-``--steps_per_epoch`` steps; after each one rank 0 prints the validation loss next to the
+``--steps-per-epoch`` steps; after each one rank 0 prints the validation loss next to the
 unigram baseline: the cross entropy of the validation text under the training text's byte
-frequencies (add-one smoothed), which is what a model that ignores context reaches at best.
+frequencies (add-one smoothed), which is what a model that ignores context reaches at best;
+on a terminal a progress bar shows the steps in between.
 ``--amp`` trains in mixed precision, ``--recompute`` recomputes every block in backward,
-``--gradient_merge K`` updates once every K steps with the averaged gradients of K batches.
+``--gradient-merge K`` updates once every K steps with the averaged gradients of K batches.
 """
 import argparse
 import glob
 import os
+import sys
 import sysconfig
 import time
 
@@ -29,7 +31,7 @@ import numpy as np
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import backend, nn, optimizer
+from fleetmpi import backend, nn, optimizer, progress
 from fleetmpi.optimizer import lr
 
 
@@ -182,6 +184,7 @@ def main(argv=None):
 
     start = time.perf_counter()
     val_loss = None
+    bar = progress.ProgressBar(args.epochs * args.steps_per_epoch, epochs=args.epochs)
     for epoch in range(args.epochs):
         losses = []
         for step in range(args.steps_per_epoch):
@@ -191,15 +194,18 @@ def main(argv=None):
             opt.step()
             opt.clear_grad()
             losses.append(loss.item())
+            bar.step(args.batch_size * fleet.worker_num(), loss=losses[-1])
             if (epoch * args.steps_per_epoch + step + 1) % args.gradient_merge == 0:
                 schedule.step()
         val_loss = evaluate(model, val_x, val_y, args.batch_size)
         elapsed = time.perf_counter() - start
         tokens = (epoch + 1) * args.steps_per_epoch * args.batch_size * args.block_size \
             * fleet.worker_num()
-        report(f"epoch {epoch + 1}/{args.epochs}: train loss {np.mean(losses):.3f}, "
-               f"validation loss {val_loss:.3f} (unigram baseline {corpus.unigram_loss:.3f}), "
-               f"{tokens / elapsed:,.0f} tokens/s, {elapsed:.0f} s")
+        bar.end_epoch(summary=f"epoch {epoch + 1}/{args.epochs}: train loss "
+                              f"{np.mean(losses):.3f}, validation loss {val_loss:.3f} (unigram "
+                              f"baseline {corpus.unigram_loss:.3f}), {tokens / elapsed:,.0f} "
+                              f"tokens/s, {elapsed:.0f} s", file=sys.stdout)
+    bar.close()
     report(f"validation loss {val_loss:.3f} nats per byte, "
            f"{100 * (1 - val_loss / corpus.unigram_loss):.0f}% below the unigram baseline, "
            f"after {time.perf_counter() - start:.0f} s on {fleet.worker_num()} rank(s)")

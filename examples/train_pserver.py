@@ -9,15 +9,17 @@ gradients of every step and waits for the updated parameters, ``async`` does the
 waiting for the other workers, ``geo`` trains locally and pushes the change of its parameters
 every ``--k-steps`` steps. Roles come from the variables ``fleetmpirun`` exports, as Paddle's
 launcher exports them (``PaddleCloudRoleMaker``). At the end the workers' test accuracies are
-averaged with ``fleet.util.all_reduce`` and printed by worker 0. Needs scikit-learn
+averaged with ``fleet.util.all_reduce`` and printed by worker 0, which shows a progress bar on
+a terminal and a line per epoch. Needs scikit-learn
 (``pip install 'fleetmpi[examples]'``); nothing is downloaded.
 """
 import argparse
+import sys
 
 import numpy as np
 
 import fleetmpi as fleet
-from fleetmpi import backend, data, nn, optimizer
+from fleetmpi import backend, data, nn, optimizer, progress
 
 PARTS = 8
 
@@ -67,6 +69,8 @@ def main():
     features, labels = train.features[rows], train.labels[rows]
     rng = np.random.default_rng(fleet.worker_index())
     loss_fn = nn.CrossEntropyLoss()
+    steps = -(-len(rows) // args.batch_size)
+    bar = progress.ProgressBar(args.epochs * steps, epochs=args.epochs)  # worker 0's
     for epoch in range(args.epochs):
         order = rng.permutation(len(rows))
         losses = []
@@ -74,9 +78,10 @@ def main():
             batch = order[start:start + args.batch_size]
             loss = opt.minimize(model, loss_fn, backend.asarray(features[batch]), labels[batch])
             losses.append(float(loss))
-        if fleet.worker_index() == 0:
-            print(f"epoch {epoch + 1}/{args.epochs}: worker 0's mean loss "
-                  f"{np.mean(losses):.4f}", flush=True)
+            bar.step(len(batch), loss=losses[-1])
+        bar.end_epoch(summary=f"epoch {epoch + 1}/{args.epochs}: worker 0's mean loss "
+                              f"{np.mean(losses):.4f}", file=sys.stdout)
+    bar.close()
     fleet.stop_worker()
     model.eval()
     with fleet.no_grad():

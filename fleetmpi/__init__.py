@@ -41,16 +41,19 @@ else:
         _transport_env = {name: value for name, value
                           in _launcher_env.LOCAL_TRANSPORT_ENV.items() if name not in _os.environ}
 
-NO_MPI_LIBRARY = (
-    "fleetmpi needs an MPI library, and mpi4py found none ({}). Install one: "
-    "pip install 'fleetmpi[mpi]' (MPICH from PyPI), or load your site's MPI (module load ...) "
-    "with mpi4py built against it (pip install --no-binary mpi4py mpi4py).")
+from .core import extras as _extras
+
+_extras.install()  # a missing optional package ends a script with one line, not a traceback
 
 _os.environ.update(_transport_env)
 try:
     from mpi4py import MPI as _MPI  # noqa: F401 - the first load of the MPI library
 except RuntimeError as _error:
-    raise ImportError(NO_MPI_LIBRARY.format(str(_error).splitlines()[0])) from None
+    raise _extras.MissingExtra(
+        "fleetmpi", f"an MPI library (mpi4py: {str(_error).splitlines()[0]})", "mpi",
+        " ('fleetmpi[examples]' for the examples), or on a cluster mpi4py built against its "
+        "MPI (pip install --no-binary mpi4py mpi4py)"
+    ) from None
 finally:
     for _name in _transport_env:
         del _os.environ[_name]

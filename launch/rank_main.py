@@ -275,6 +275,14 @@ def _abort_started_mpi(rank, size):
     mpi.COMM_WORLD.Abort(1)
 
 
+def _missing_package(error):
+    """Whether ``error`` is fleetmpi's one-line report of a missing package
+    (``fleetmpi.core.extras.MissingExtra``): every rank lacks it alike and ends its script, no
+    abort (which could end the job before the first rank of a node has written the line)."""
+    extras = sys.modules.get("fleetmpi.core.extras")
+    return extras is not None and isinstance(error, extras.MissingExtra)
+
+
 def _leaves_alone():
     """Whether the script asked that an uncaught exception end this rank alone
     (``fleetmpi.core.failure.leave_instead``: an asynchronous parameter-server worker)."""
@@ -287,7 +295,8 @@ def run_script(script, args, rank=0, size=1):
 
     An uncaught exception is reported by ``sys.excepthook`` (see the module docstring); it
     ends the job, unless the script asked that it end this rank alone (status ``LEFT``, or
-    ``INTERRUPTED`` for a KeyboardInterrupt, which is no failure of the script's own)."""
+    ``INTERRUPTED`` for a KeyboardInterrupt, which is no failure of the script's own) or it
+    is a missing package, which ends each rank with status 1 (``_missing_package``)."""
     sys.argv = [script] + list(args)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -302,7 +311,8 @@ def run_script(script, args, rank=0, size=1):
         sys.excepthook(type(error), error, error.__traceback__)
         if _leaves_alone():
             return INTERRUPTED if isinstance(error, KeyboardInterrupt) else LEFT
-        _abort_started_mpi(rank, size)
+        if not _missing_package(error):
+            _abort_started_mpi(rank, size)
         return 128 + signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
     return 0
 

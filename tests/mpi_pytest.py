@@ -15,10 +15,37 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+
+import pytest
 
 from fleetmpi.launch.mpi_command import local_command
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class NameTheHang:
+    """pytest-timeout's thread method (the one that can end a rank blocked in MPI) ends the
+    rank with every thread's stack but not the test's name: this writes the name first."""
+
+    def __init__(self, rank, log):
+        self.rank, self.log, self.timer = rank, log, None  # the log past pytest's capture
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_set_timer(self, item, settings):
+        def say():
+            self.log.write(f"\n[rank {self.rank}] {item.nodeid} hangs: still running after "
+                           f"{settings.timeout:.0f} s, pytest-timeout ends this rank\n")
+            self.log.flush()
+        self.timer = threading.Timer(max(settings.timeout - 0.5, 0.0), say)
+        self.timer.daemon = True
+        self.timer.start()  # and pytest-timeout's own timer, after this one
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_cancel_timer(self, item):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def rank_main(log_dir, pytest_args, junit_dir=None):
@@ -32,14 +59,12 @@ def rank_main(log_dir, pytest_args, junit_dir=None):
     os.dup2(log.fileno(), 2)
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
-    import pytest
-
     if junit_dir:
         pytest_args = pytest_args + [f"--junitxml={os.path.join(junit_dir, f'rank-{rank}.xml')}"]
     code = pytest.main(["--with-mpi", "-m", "mpi", "-q", "-p", "no:cacheprovider",
                         "--instafail", "--timeout=300", "--timeout-method=thread",
                         f"--basetemp={os.path.join(log_dir, f'rank-{rank}-tmp')}", HERE]
-                       + pytest_args)
+                       + pytest_args, plugins=[NameTheHang(rank, log)])
     with open(os.path.join(log_dir, f"rank-{rank}.rc"), "w") as f:
         f.write(str(int(code)))
     return int(code)

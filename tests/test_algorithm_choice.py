@@ -8,6 +8,8 @@ from fleetmpi.comm.algorithm_choice import (CHOICES, NATIVE_BELOW_BYTES, TIMED, 
                                             choose, size_range)
 from fleetmpi.comm.topology import NODES, ONE_NODE, ONE_RANK, topology_of
 
+from job_limits import HANG_SECONDS
+
 TOPOLOGIES = (ONE_RANK, ONE_NODE, NODES)
 
 
@@ -71,7 +73,7 @@ def test_collectives_of_one_algorithm_take_it_whatever_the_call(collective):
 
 def test_python_m_fleetmpi_comm_prints_every_row_in_one_process():
     done = subprocess.run([sys.executable, "-m", "fleetmpi.comm"], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     for row in CHOICES:

@@ -17,6 +17,8 @@ from fleetmpi.training import checkpoint
 from fleetmpi import nn, optimizer
 from fleetmpi.optimizer import lr
 
+from job_limits import HANG_SECONDS
+
 STEPS = 6
 
 
@@ -331,7 +333,7 @@ def test_a_crash_while_saving_the_same_step_again_keeps_the_checkpoint(tmp_path,
     tests = os.path.dirname(os.path.abspath(__file__))
     crashed = subprocess.run([sys.executable, "-c", CRASHING_SAVE.format(tests=tests),
                               str(tmp_path), where], capture_output=True, text=True,
-                             timeout=120)     # on this process's device, as the reference
+                             timeout=HANG_SECONDS)     # on this process's device, as the reference
     assert crashed.returncode == 9, crashed.stdout + crashed.stderr
     left = sorted(os.listdir(tmp_path))
     assert left[0] == ".lock"       # the killed process's lock, which the kernel dropped

@@ -470,3 +470,20 @@ def test_describe_allowed_covers_every_field():
         for field in message_class()._message.DESCRIPTOR.fields:
             if field.message_type is None:
                 assert schema_view.describe_allowed(field)
+
+
+def test_a_mistyped_name_is_suggested_by_case_then_fewest_edits_at_most_three():
+    from fleetmpi.config.suggest import close_names
+
+    strategy = fleet.DistributedStrategy()
+    with pytest.raises(AttributeError) as refused:
+        strategy.fuse_grad_size_in_mb = 16
+    message = str(refused.value)
+    assert "(did you mean 'fuse_grad_size_in_MB'?)" in message  # case first, not _in_num
+    assert message.index("did you mean") < message.index("valid keys")
+    assert close_names("K_Steps", ["avg", "k_steps"]) == ["k_steps"]
+    # ties at the fewest edits, at most three; nothing where every name is far
+    assert close_names("ab", ["ax", "xb", "ay", "yb", "abcdef"]) == ["ax", "xb", "ay"]
+    assert close_names("recompute_config", ["recompute_configs", "recompute"]) == \
+        ["recompute_configs"]
+    assert close_names("zzzz", ["amp", "lars"]) == []

@@ -2,7 +2,7 @@
 of the shared-memory segments an aborted job leaves.
 
 The jobs run ``tests/elastic_job.py`` under ``fleetmpirun``; each is bounded by
-``JOB_SECONDS``, so a regression fails instead of hanging.
+``HANG_SECONDS``, so a regression fails instead of hanging.
 """
 import mmap
 import os
@@ -18,9 +18,10 @@ from fleetmpi.core import knobs
 from fleetmpi import nn
 from fleetmpi.launch import fleetmpirun, restart, shm, slurm
 
+from job_limits import HANG_SECONDS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "elastic_job.py")
-JOB_SECONDS = 180
 STEPS, COMMIT_EVERY, DIE_RANK, DIE_STEP = 10, 2, 2, 5
 
 
@@ -31,7 +32,7 @@ def launcher():
 def run(argv, cwd=HERE):
     env = dict(os.environ, FLEETMPI_DEVICE="cpu")
     return subprocess.run(launcher() + argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=JOB_SECONDS)
+                          timeout=HANG_SECONDS)
 
 
 def outputs(prefix, size):
@@ -162,7 +163,7 @@ def test_an_aborted_job_leaves_no_shared_memory_segment(tmp_path):
     mpiexec = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "2",
                sys.executable]
     plain = subprocess.run(mpiexec + job, cwd=HERE, capture_output=True, text=True,
-                           timeout=JOB_SECONDS, env=dict(os.environ, FLEETMPI_DEVICE="cpu"))
+                           timeout=HANG_SECONDS, env=dict(os.environ, FLEETMPI_DEVICE="cpu"))
     assert plain.returncode != 0
     left = segments_of(plain.stdout)
     assert left and all(os.path.exists(os.path.join(shm.SHM_DIR, name)) for name in left)

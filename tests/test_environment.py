@@ -16,6 +16,7 @@ from fleetmpi.launch.mpi_command import local_command
 from fleetmpi.world import topology
 
 from comm_support import ok, raises
+from job_limits import HANG_SECONDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "failure_jobs.py")
@@ -126,7 +127,7 @@ def test_check_knob_is_validated():
 def _init_in_subprocess(extra):
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", **extra)
     return subprocess.run([sys.executable, "-c", "import fleetmpi; fleetmpi.init()"],
-                          env=env, capture_output=True, text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 def test_init_refuses_variables_of_this_job_that_disagree():
@@ -156,7 +157,7 @@ def test_jobs_started_inside_another_job_pass(launcher):
     else:
         cmd = [sys.executable, "-m", "fleetmpi.launch", "--np", "2", JOB, "place"]
     result = subprocess.run(cmd, env=dict(os.environ, **outer), capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stdout + result.stderr
     places = sorted(re.findall(r"place rank \d+ of \d+", result.stdout))
     assert places == ["place rank 0 of 2", "place rank 1 of 2"], result.stdout

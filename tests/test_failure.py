@@ -13,18 +13,19 @@ import pytest
 from fleetmpi.core import failure, knobs
 from fleetmpi.launch.mpi_command import local_command
 
+from job_limits import HANG_SECONDS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "failure_jobs.py")
 FAILURE_TEXT = "RuntimeError: rank 1 fails on purpose"
 # The issue's bound: the job must be over within 30 s of starting.
-JOB_SECONDS = 30
 
 
 def run_job(cmd, env_extra=None, **kwargs):
     """Run a job that must end by itself; TimeoutExpired (a hang) fails the test."""
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", **(env_extra or {}))
     env.pop(knobs.ABORT_ON_ERROR.name, None)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_SECONDS,
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_SECONDS,
                           **kwargs)
 
 
@@ -188,13 +189,13 @@ def test_a_signal_to_fleetmpirun_ends_every_rank_and_sets_the_status(tmp_path, s
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            start_new_session=True)
     try:
-        deadline = time.monotonic() + JOB_SECONDS
+        deadline = time.monotonic() + HANG_SECONDS
         while len(list(tmp_path.glob("pid.*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         pids = [int(path.read_text()) for path in tmp_path.glob("pid.*")]
         assert len(pids) == 2, job.stdout.read() if job.poll() is not None else "no pids"
         job.send_signal(signum)
-        code = job.wait(timeout=JOB_SECONDS)
+        code = job.wait(timeout=HANG_SECONDS)
         ended = time.monotonic()
         while any(running(pid) for pid in pids) and time.monotonic() - ended < 1.0:
             time.sleep(0.02)

@@ -12,6 +12,8 @@ import fleetmpi as fleet
 from fleetmpi.core import files, timeline
 from fleetmpi.strategies.ps import shards
 
+from job_limits import HANG_SECONDS
+
 VICTIM_TEXT = "precious\n"
 
 
@@ -82,7 +84,7 @@ def test_fleetmpirun_refuses_a_rank_log_that_is_a_link(tmp_path, victim):
                if not name.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "FLEETMPI_"))}
     result = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "1", "--log_dir",
                              "log", str(script)], cwd=tmp_path, env=environ,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG_SECONDS)
     assert result.returncode != 0, result.stdout + result.stderr
     assert "workerlog.0" in result.stdout + result.stderr
     assert "symbolic link" in result.stdout + result.stderr

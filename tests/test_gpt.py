@@ -18,6 +18,7 @@ from fleetmpi import nn, optimizer
 from fleetmpi.nn.gradcheck import check_gradients
 from comm_support import close, equal
 from strategy_support import make_strategy, shard, train_step, world_gather
+from job_limits import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,11 +281,15 @@ def test_gpt_trains_under_amp_with_float32_master_weights():
 
 
 def test_gpt_example_beats_the_unigram_baseline_in_a_short_run():
+    """120 steps of 32-token windows (a third of the tokens the defaults' first epoch reads)
+    take the validation loss from far above the unigram baseline to 11% below it; the bar
+    asks for 10%. Bounded by steps: the time limit only catches a hang."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--epochs", "2",
-         "--steps-per-epoch", "100", "--n-layer", "2", "--n-embd", "64", "--eval-windows", "64",
+         "--steps-per-epoch", "60", "--block-size", "32", "--learning-rate", "6e-3",
+         "--n-layer", "2", "--n-embd", "64", "--eval-windows", "64",
          "--max-val-fraction", "0.9"],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=HANG_SECONDS,
         env=dict(os.environ, FLEETMPI_DEVICE="cpu"))
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()

@@ -9,8 +9,6 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMAND = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 VERSION_KEYS = ("python", "numpy", "mpi4py", "mpi_library", "cupy", "cuda_runtime", "driver",
@@ -57,7 +55,6 @@ def gpu_check(out, *args):
     return done, result, summary
 
 
-@pytest.mark.timeout(600)
 def test_dry_run_runs_every_stage_and_records_it(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
@@ -88,6 +85,12 @@ def test_dry_run_runs_every_stage_and_records_it(tmp_path):
     missing = [path for path, _ in plan.GPU_TEST_FILES
                if not os.path.exists(os.path.join(ROOT, path))]
     assert stages["gpu_tests"]["missing"] == missing
+    # a sample of each file: the whole list is the GPU run's
+    sample = plan.DRY_RUN_SAMPLE_PER_FILE
+    assert stages["gpu_tests"]["sample_per_file"] == sample
+    ran = sum(stages["gpu_tests"][key] for key in ("passed", "failed", "skipped"))
+    assert len(plan.GPU_TEST_FILES) - len(missing) <= ran <= sample * len(plan.GPU_TEST_FILES)
+    assert f"(a sample of {sample} of each file of the gpu_tests stage)" in summary
 
     rows = result["throughput"]
     assert [(row["model"], row["precision"]) for row in rows] == [
@@ -183,3 +186,9 @@ def test_a_command_past_its_time_gets_sigint_even_where_the_run_ignores_it(tmp_p
         signal.signal(signal.SIGINT, before)
     assert done.timed_out and done.returncode == 0
     assert "interrupted" in done.tail()
+
+
+def test_the_sample_spreads_over_each_file_and_keeps_short_files_whole():
+    sample = load_part("sample")
+    assert sample.spread(3, 10) == [0, 4, 9] and sample.spread(3, 2) == [0, 1]
+    assert sample.spread(1, 5) == [0] and sample.spread(3, 3) == [0, 1, 2]

@@ -44,6 +44,7 @@ from strategy_support import STAGES, by_stage, global_batch, make_strategy, trai
 from test_amp import FP16_ATOL, amp_strategy, mlp32, overflowing_batch
 from test_transport_choice import fake_cupy, install
 from test_user_model import assert_states_equal
+from job_limits import HANG_SECONDS
 
 xp = backend.array_module()
 ON_GPU = backend.on_gpu()
@@ -389,7 +390,7 @@ def test_device_gpu_without_a_usable_gpu_is_an_error_naming_the_variable():
     code = "from fleetmpi import backend; backend.array_module()"
     env = dict(os.environ, FLEETMPI_DEVICE="gpu", CUDA_VISIBLE_DEVICES="")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=HANG_SECONDS)
     assert result.returncode != 0
     assert re.search(r"RuntimeError: FLEETMPI_DEVICE=gpu but (no CUDA device is usable "
                      r"through CuPy|CuPy sees no CUDA device)", result.stderr), result.stderr

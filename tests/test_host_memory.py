@@ -9,6 +9,8 @@ import pytest
 
 from fleetmpi.core import host_memory
 
+from job_limits import HANG_SECONDS
+
 # Allocates, touches and frees 8 MiB arrays in turn, counting the minor page faults of the
 # last ten rounds after fleetmpi chose its backend (NumPy).
 FAULTS_SCRIPT = """
@@ -32,7 +34,7 @@ print(json.dumps({"faults": faults, "kept": host_memory.keep_freed_memory()}))
 def run_faults(keep):
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_KEEP_HOST_MEMORY=keep)
     out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+                         text=True, timeout=HANG_SECONDS, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from fleetmpi.launch import fleetmpirun, mpi_command, rank_main
 
-JOB_TIMEOUT = 120
+from job_limits import HANG_SECONDS
+
 PY = sys.executable
 WRAPPER = [PY, os.path.abspath(rank_main.__file__)]
 
@@ -466,18 +467,18 @@ def job_script(tmp_path):
 
 def launch(launcher, argv, cwd):
     """Run a launcher command to its end (the whole process group is killed past
-    ``JOB_TIMEOUT``, so no rank outlives a failed test); ``(code, stdout, stderr)``."""
+    ``HANG_SECONDS``, so no rank outlives a failed test); ``(code, stdout, stderr)``."""
     environ = {name: value for name, value in os.environ.items()
                if not name.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "FLEETMPI_"))}
     process = subprocess.Popen(launcher + argv, cwd=cwd, env=environ, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                start_new_session=True)
     try:
-        out, err = process.communicate(timeout=JOB_TIMEOUT)
+        out, err = process.communicate(timeout=HANG_SECONDS)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
-        pytest.fail(f"{launcher + argv} did not end within {JOB_TIMEOUT} s:\n{out}\n{err}")
+        pytest.fail(f"{launcher + argv} did not end within {HANG_SECONDS} s:\n{out}\n{err}")
     return process.returncode, out, err
 
 
@@ -753,7 +754,7 @@ def test_the_launcher_process_does_not_initialize_mpi(argv, orig_argv, launcher)
             "print(MPI.Is_initialized())")
     for name, initialized in (("/venv/bin/fleetmpirun", "False"), ("train.py", "True")):
         probe = subprocess.run([PY, "-c", code.format(name)], text=True, capture_output=True,
-                               timeout=JOB_TIMEOUT)
+                               timeout=HANG_SECONDS)
         assert probe.stdout.strip() == initialized, probe.stderr
 
 

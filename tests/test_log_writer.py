@@ -3,6 +3,7 @@ import csv
 import glob
 import os
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -82,3 +83,21 @@ def test_only_rank_0_writes(tmp_path_factory):
         rows = list(csv.DictReader(f))
     assert [(r["tag"], float(r["value"])) for r in rows] == [("loss", 0.0)]
     assert len(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))) == 1
+
+
+def test_without_tensorboardx_the_first_writer_says_once_where_it_writes(tmp_path, monkeypatch,
+                                                                         fleetmpi_warnings):
+    from fleetmpi.training import log_writer
+
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import tensorboardX fails
+    monkeypatch.setattr(log_writer, "_said_csv_only", False)
+    for run in ("a", "b"):
+        with fleet.LogWriter(tmp_path / run) as writer:
+            writer.add_scalar("loss", 1.0, 0)
+    said = [message for message in fleetmpi_warnings() if "LogWriter" in message]
+    assert len(said) == 1, said
+    assert os.path.join(str(tmp_path / "a"), "scalars.csv") in said[0]
+    assert "tensorboardX" in said[0] and "pip install 'fleetmpi[logging]'" in said[0]
+    assert not glob.glob(str(tmp_path / "a" / "events.out.tfevents.*"))
+    with pytest.raises(ImportError, match=r"pip install 'fleetmpi\[logging\]'"):
+        fleet.LogWriter(tmp_path / "c", tensorboard=True)

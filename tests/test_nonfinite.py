@@ -22,6 +22,7 @@ from fleetmpi.autograd import nan_inf
 from fleetmpi.core.log import RateLimited
 from comm_support import ok
 from strategy_support import global_batch, make_mlp, make_strategy, momentum, shard, train_step
+from job_limits import HANG_SECONDS
 
 BAD_STEP = 2
 STEPS = 4
@@ -265,7 +266,7 @@ def test_the_flag_is_read_from_the_environment():
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, FLAGS_check_nan_inf="1", PYTHONPATH=here)
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_SECONDS)
     assert 'FLAGS_check_nan_inf: the forward of operator matmul' in done.stdout, done
 
 

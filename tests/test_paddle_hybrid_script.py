@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from job_limits import HANG_SECONDS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,7 +43,7 @@ def test_the_fleetmpi_script_trains_on_two_ranks(tmp_path, pair):
     script.write_text(section_scripts()[2 * pair + 1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
     done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
-                          capture_output=True, text=True, env=env, timeout=240)
+                          capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     losses = {}

@@ -2,6 +2,10 @@
 lines that name their rank and node."""
 import io
 import logging
+import os
+import select
+import subprocess
+import sys
 
 import pytest
 
@@ -10,6 +14,7 @@ from fleetmpi.core import knobs, log
 from fleetmpi.training.progress import ProgressBar, format_duration
 
 from comm_support import ok
+from job_limits import HANG_SECONDS
 
 
 class Terminal(io.StringIO):
@@ -208,3 +213,80 @@ def test_log_lines_carry_rank_and_node(capsys, restored_logger, monkeypatch):
     log.logger.info("step %d done", 7)
     assert capsys.readouterr().err == "[fleetmpi rank 3/8 node 1] INFO step 7 done\n"
     assert log.logger.level == logging.INFO
+
+
+def test_an_epochs_own_summary_replaces_its_line_in_either_mode():
+    for stream in (Terminal(), io.StringIO()):
+        results = io.StringIO()
+        bar = ProgressBar(2, epochs=1, stream=stream, rank=0, use_tqdm=False)
+        bar.step(8, loss=0.5)
+        bar.step(8, loss=0.5)
+        bar.end_epoch(summary="epoch 1/1: validation loss 0.4", file=results)
+        bar.close()
+        assert results.getvalue() == "epoch 1/1: validation loss 0.4\n"
+        assert "samples/s" not in stream.getvalue().split("\n")[-1]
+
+
+def test_the_bar_goes_to_standard_error_by_default():
+    # under pytest neither standard stream reaches a terminal
+    assert ProgressBar(3, rank=0).stream is sys.stderr
+    assert ProgressBar(3, rank=0).terminal is False
+
+
+def run_in_terminal(command, env):
+    """``(exit status, what the terminal showed)`` of ``command`` run with a pseudo-terminal
+    as its standard streams, as in a user's shell."""
+    leader, follower = os.openpty()
+    process = subprocess.Popen(command, stdin=follower, stdout=follower, stderr=follower,
+                               env=env, start_new_session=True)
+    os.close(follower)
+    shown = b""
+    while True:
+        ready, _, _ = select.select([leader], [], [], HANG_SECONDS)
+        if not ready:  # a hang: end it and fail on what was shown
+            process.kill()
+            break
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # EIO: every writer has gone
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(leader)
+    return process.wait(timeout=60), shown.decode(errors="replace")
+
+
+def launched(launcher, program):
+    """``program`` on 2 ranks, started by ``mpiexec`` or by ``fleetmpirun``."""
+    from fleetmpi.launch.mpi_command import local_command
+
+    if launcher == "mpiexec":
+        return local_command(2, [sys.executable, *program])
+    script = os.path.join(os.path.dirname(sys.executable), "fleetmpirun")
+    start = [script] if os.path.exists(script) else [sys.executable, "-m", "fleetmpi.launch"]
+    return start + ["--np", "2", *program]
+
+
+@pytest.mark.parametrize("launcher, progress, in_terminal, bar", [
+    ("mpiexec", None, True, True), ("mpiexec", None, False, False),
+    ("mpiexec", "lines", True, False), ("mpiexec", "bar", False, True),
+    ("fleetmpirun", None, True, True), ("fleetmpirun", None, False, False)])
+def test_the_main_job_shows_a_bar_in_a_terminal_and_lines_elsewhere(launcher, progress,
+                                                                     in_terminal, bar):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    command = launched(launcher, [os.path.join(root, "examples", "train_digits.py"),
+                                  "--epochs", "2"])
+    env = {k: v for k, v in os.environ.items() if k != knobs.PROGRESS.name}
+    env.update({knobs.PROGRESS.name: progress} if progress else {})
+    if in_terminal:
+        code, shown = run_in_terminal(command, env)
+    else:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HANG_SECONDS,
+                              stdin=subprocess.DEVNULL)
+        code, shown = done.returncode, done.stdout + done.stderr
+    assert code == 0, shown
+    assert ("%|" in shown) == bar, shown  # tqdm's bar
+    assert ("epoch 1/2 loss" in shown) != bar, shown  # the plain line of an epoch
+    if in_terminal:  # one stream, in the order shown: the result below the bar
+        assert "test accuracy" in shown.split("%|")[-1]

@@ -12,13 +12,14 @@ import pytest
 
 from fleetmpi.launch.mpi_command import local_command
 
+from job_limits import HANG_SECONDS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "pserver_jobs.py")
-JOB_TIMEOUT = 120
 
 
 def run_job(ranks, servers, scenario, *args, env=None, fleetmpirun=False):
-    """``(exit code, output, seconds)`` of one job; a job that outlives JOB_TIMEOUT fails.
+    """``(exit code, output, seconds)`` of one job; a job that outlives HANG_SECONDS fails.
     ``fleetmpirun``: started by ``fleetmpirun --server_num --worker_num`` (roles from its
     variables) instead of ``mpiexec`` (roles from ``UserDefinedRoleMaker``)."""
     launcher = ([sys.executable, "-m", "fleetmpi.launch", "--server_num", str(servers),
@@ -27,7 +28,7 @@ def run_job(ranks, servers, scenario, *args, env=None, fleetmpirun=False):
     command = launcher + [JOB, scenario, "--servers", str(servers), *args]
     environ = dict(os.environ, **(env or {}))
     start = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT,
+    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_SECONDS,
                           env=environ)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
@@ -71,7 +72,7 @@ def test_the_parameter_server_example_trains_under_fleetmpirun(mode):
     example = os.path.join(os.path.dirname(HERE), "examples", "train_pserver.py")
     command = [sys.executable, "-m", "fleetmpi.launch", "--server_num", "2", "--worker_num",
                "2", example, "--mode", mode, "--epochs", "10", "--min-accuracy", "0.9"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=HANG_SECONDS)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert re.search(rf"{mode}: mean test accuracy 0\.9\d+ over 2 worker\(s\) and 2 "

@@ -12,6 +12,8 @@ import fleetmpi as fleet
 from fleetmpi.launch import fleetmpirun, rank_main
 from fleetmpi.config.role_maker import PaddleCloudRoleMaker, endpoint_labels
 
+from job_limits import HANG_SECONDS
+
 
 def test_user_defined_role_maker_as_paddle_writes_it():
     servers = ["10.0.0.1:6001", "10.0.0.2:6001"]
@@ -129,7 +131,7 @@ def test_collective_init_with_a_role_maker_in_a_fresh_process():
         "    print(type(exc).__name__, exc)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=120)
+                          env=env, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "1 0 ['127.0.0.1:6170'] [] 0 -1 True False 127.0.0.1:6170"
@@ -171,7 +173,7 @@ def test_fleetmpirun_gives_each_rank_paddles_collective_variables(tmp_path):
         "print(f'rank {fleet.worker_index()} is {ends[fleet.worker_index()]}', flush=True)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
     done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     for rank, endpoint in enumerate(endpoint_labels(2)):
@@ -216,7 +218,7 @@ def test_a_collective_role_maker_answers_before_init_on_every_rank_of_fleetmpiru
         "print(f'rank {late[1]} of {late[0]} answered early', flush=True)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
     done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     for rank in range(2):

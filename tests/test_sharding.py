@@ -20,6 +20,7 @@ from fleetmpi.launch.mpi_command import local_command
 from comm_support import close, equal, ok, raises
 from strategy_support import (global_batch, make_mlp, make_strategy, momentum, shard, train,
                               world_gather)
+from job_limits import HANG_SECONDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 4
@@ -386,7 +387,7 @@ def run_job(size, *arguments):
     command = local_command(size) + [sys.executable,
                                      os.path.join(HERE, "sharding_checkpoint_job.py"), *arguments]
     env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -14,6 +14,7 @@ import tempfile
 import pytest
 
 from fleetmpi.launch import fleetmpirun, slurm
+from job_limits import HANG_SECONDS
 from slurm_cluster import SlurmCluster, unavailable_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,6 @@ SRUN = "/usr/bin/srun"
 LIST_22 = ("MPI plugin types are...\n\tpmix\n\tnone\n\tcray_shasta\n\tpmi2\n"
            "specific pmix plugin versions available: pmix_v4\n")
 LIST_OLD = "srun: MPI types are...\nsrun: none\nsrun: pmi2\nsrun: pmix_v3\n"
-JOB_TIMEOUT = 60
 
 
 def command(argv, environ, flavour="mpich", plugins=("none", "pmi2", "pmix")):
@@ -200,7 +200,7 @@ def run_job(cluster, name, sbatch_args):
     output = cluster.path(f"{name}.out")
     job_id = cluster.submit([f"--output={output}", f"--chdir={REPO}"] + sbatch_args,
                             env=job_environment())
-    fields = cluster.wait(job_id, JOB_TIMEOUT)
+    fields = cluster.wait(job_id, HANG_SECONDS)
     with open(output) as f:
         return fields, f.read()
 

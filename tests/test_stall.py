@@ -17,10 +17,10 @@ from fleetmpi.comm import stall, stall_report, watchdog
 from fleetmpi.launch.mpi_command import local_command
 
 from comm_support import equal, ok, world
+from job_limits import HANG_SECONDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "failure_jobs.py")
-JOB_SECONDS = 30
 
 
 def stalled_job(n, late, collective, how="sleep", timeout="1", directory=""):
@@ -28,7 +28,7 @@ def stalled_job(n, late, collective, how="sleep", timeout="1", directory=""):
                FAILURE_JOB_DIR=str(directory))
     result = subprocess.run(local_command(n, [sys.executable, JOB, "stall", str(late),
                                               collective, how]),
-                            env=env, capture_output=True, text=True, timeout=JOB_SECONDS)
+                            env=env, capture_output=True, text=True, timeout=HANG_SECONDS)
     return result, result.stdout + result.stderr
 
 
@@ -69,7 +69,7 @@ def test_a_rank_that_alone_changes_a_repeated_call_is_reported():
     Both are at call #4 in different calls: each names the other's, and the job ends."""
     env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT="1")
     result = subprocess.run(local_command(2, [sys.executable, JOB, "diverge"]), env=env,
-                            capture_output=True, text=True, timeout=JOB_SECONDS)
+                            capture_output=True, text=True, timeout=HANG_SECONDS)
     text = result.stdout + result.stderr
     assert result.returncode != 0, text
     found = reports(text)
@@ -304,7 +304,7 @@ def test_the_report_comes_at_the_stall_time_and_the_end_one_linger_later():
         (time.time(), line) for line in job.stdout), daemon=True)
     reader.start()
     try:
-        job.wait(timeout=JOB_SECONDS)
+        job.wait(timeout=HANG_SECONDS)
     finally:
         job.kill()
     ended = time.time()

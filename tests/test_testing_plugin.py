@@ -5,13 +5,13 @@ import re
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from fleetmpi.launch.mpi_command import local_command
 
-JOB_TIMEOUT_S = 120
+from job_limits import HANG_SECONDS
+
 
 
 def run_pytest(tmp_path, source, ranks=2, stall_timeout=None):
@@ -21,16 +21,15 @@ def run_pytest(tmp_path, source, ranks=2, stall_timeout=None):
     env.pop("FLEETMPI_STALL_TIMEOUT", None)
     if stall_timeout is not None:
         env["FLEETMPI_STALL_TIMEOUT"] = str(stall_timeout)
-    start = time.monotonic()
     done = subprocess.run(local_command(ranks) + [
         sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
         "-p", "no:randomly", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=JOB_TIMEOUT_S)
-    return done, done.stdout + done.stderr, time.monotonic() - start
+        timeout=HANG_SECONDS)
+    return done, done.stdout + done.stderr
 
 
 def test_the_fixtures(tmp_path):
-    done, output, _ = run_pytest(tmp_path, """
+    done, output = run_pytest(tmp_path, """
         import os
         import numpy as np
         import pytest
@@ -55,7 +54,7 @@ def test_the_fixtures(tmp_path):
 
 
 def test_a_failure_on_one_rank_fails_the_test_on_every_rank(tmp_path):
-    done, output, _ = run_pytest(tmp_path, """
+    done, output = run_pytest(tmp_path, """
         def test_first(rank):
             assert rank != 1, "rank 1 disagrees"
 
@@ -71,7 +70,7 @@ def test_a_failure_on_one_rank_fails_the_test_on_every_rank(tmp_path):
 
 
 def test_a_rank_left_waiting_in_a_collective_ends_the_job_within_the_stall_timeout(tmp_path):
-    done, output, seconds = run_pytest(tmp_path, """
+    done, output = run_pytest(tmp_path, """
         import numpy as np
 
         def test_collective(rank, comm):
@@ -80,11 +79,10 @@ def test_a_rank_left_waiting_in_a_collective_ends_the_job_within_the_stall_timeo
         """, stall_timeout=3)
     assert done.returncode != 0
     assert "rank 1 fails before the allreduce" in output
-    assert seconds < 60, output
 
 
 def test_a_rank_stuck_outside_fleetmpi_is_named_by_the_others(tmp_path):
-    done, output, seconds = run_pytest(tmp_path, """
+    done, output = run_pytest(tmp_path, """
         import numpy as np
         from mpi4py import MPI
 
@@ -94,7 +92,6 @@ def test_a_rank_stuck_outside_fleetmpi_is_named_by_the_others(tmp_path):
         """, stall_timeout=3)
     assert done.returncode != 0
     assert "[rank 1] waited" in output and "for rank(s) 0" in output, output
-    assert seconds < 60, output
 
 
 def test_the_projects_own_multi_rank_tests_run_the_standard_way(tmp_path):
@@ -105,7 +102,7 @@ def test_the_projects_own_multi_rank_tests_run_the_standard_way(tmp_path):
         sys.executable, "-m", "pytest", "--with-mpi", "-m", "mpi", "-q", "-p",
         "no:cacheprovider", os.path.join(here, "test_checkpoint.py"),
         os.path.join(here, "test_io.py")], cwd=tmp_path, capture_output=True, text=True,
-        timeout=JOB_TIMEOUT_S * 3)
+        timeout=HANG_SECONDS * 3)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
     # one summary per rank; the two ranks' lines may come out joined

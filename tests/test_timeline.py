@@ -16,6 +16,7 @@ from fleetmpi.launch.mpi_command import local_command
 
 from comm_support import ok
 from strategy_support import make_strategy, train
+from job_limits import HANG_SECONDS
 
 STEPS = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,7 +179,7 @@ def run_job(tmp_path, n, env):
     environ = {k: v for k, v in os.environ.items() if k != knobs.TIMELINE.name}
     environ.update(env, FLEETMPI_DEVICE="cpu")
     return subprocess.run(local_command(n, [sys.executable, str(script)]), cwd=tmp_path,
-                          env=environ, capture_output=True, text=True, timeout=120)
+                          env=environ, capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 def test_job_with_the_variable_writes_one_file_at_exit(tmp_path):
@@ -249,7 +250,7 @@ def test_merge_aligns_other_machines_by_wall_clock(tmp_path):
 
 def _merge_command(path):
     return subprocess.run([sys.executable, "-m", "fleetmpi.core.timeline", "merge", str(path)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 def test_merge_of_a_finished_or_damaged_timeline_says_why_in_one_line(tmp_path):

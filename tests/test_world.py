@@ -12,6 +12,8 @@ from fleetmpi.core import job
 from fleetmpi import world
 from fleetmpi.comm.topology import Topology
 
+from job_limits import HANG_SECONDS
+
 
 def test_queries_before_init_say_to_call_init(monkeypatch):
     monkeypatch.setattr(job, "_topology", None)
@@ -59,7 +61,7 @@ def test_log_lines_carry_rank_and_node():
             "l.logger.warning('hello from a rank')")
     env = dict(os.environ, FLEETMPI_LOG_LEVEL="INFO")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=HANG_SECONDS)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert "[fleetmpi rank 0/1 node 0] WARNING hello from a rank" in lines
@@ -70,7 +72,7 @@ def test_bad_log_level_is_named():
     code = "import fleetmpi as f; f.init()"
     env = dict(os.environ, FLEETMPI_LOG_LEVEL="LOUD")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, timeout=60)
+                            text=True, timeout=HANG_SECONDS)
     assert result.returncode != 0
     assert "FLEETMPI_LOG_LEVEL='LOUD'" in result.stderr
 

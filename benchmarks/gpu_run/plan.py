@@ -45,8 +45,13 @@ GPU_TEST_FILES = (
     ("tests/test_sync_batch_norm.py", "batch statistics against CuPy's own reductions"),
     ("tests/test_tensor_places.py", "a host tensor moved to the GPU with to('gpu')"),
 )
-# Per-test limit inside the single-process stage (pytest-timeout).
-TEST_TIMEOUT_S = 120
+# Per-test limit inside the single-process stage (pytest-timeout): it catches a hang, and
+# names the test, without failing a slow test on a busy machine.
+TEST_TIMEOUT_S = 300
+# The dry run's gpu_tests stage runs this many tests of each file (gpu_run/sample.py): every
+# file imports, collects and runs on the CPU, and the stage records what ran, in a minute
+# rather than the whole list's twenty.
+DRY_RUN_SAMPLE_PER_FILE = 3
 
 # Data parallel at 2 ranks on the one GPU over the MPI transport equals one process on the
 # global batch: the data-parallel part of tests/run's 8-rank selection.

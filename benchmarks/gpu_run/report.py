@@ -176,8 +176,11 @@ def summary_markdown(result):
     lines += [f"| {label} | {_cell(versions.get(key, '-'))} |" for key, label in SHOWN_VERSIONS]
     lines += _install_lines(result["stages"]) + [_launcher_line(result["mpi"])]
     tests = result["tests"]
+    sampled = [s["sample_per_file"] for s in result["stages"] if s.get("sample_per_file")]
     lines += ["", f"Tests: {tests['passed']} passed, {tests['failed']} failed, "
-                  f"{tests['skipped']} skipped.", ""]
+                  f"{tests['skipped']} skipped" + (f" (a sample of {sampled[0]} of each file "
+                                                   "of the gpu_tests stage)" if sampled else "")
+              + ".", ""]
     lines += _stage_lines(result["stages"])
     lines += _problem_lines(result["stages"])
     if any(s["name"] == "throughput" for s in result["stages"]):

@@ -89,8 +89,8 @@ def run_install(ctx, timeout_s, args):
 
 
 def run_gpu_tests(ctx, timeout_s, args):
-    """pytest on the plan's single-process test files (or ``args.tests``), each file in a
-    process of its own, so that a CUDA error that poisons a context (an illegal address)
+    """pytest on the plan's single-process test files (or ``args.tests``; the dry run of the
+    plan's files runs a sample of each, ``_sample``), each file in a process of its own, so that a CUDA error that poisons a context (an illegal address)
     costs only its own file; planned files that do not exist are listed as missing, and
     files the stage's time did not reach as not run."""
     planned = args.tests or [path for path, _ in plan.GPU_TEST_FILES]
@@ -100,6 +100,7 @@ def run_gpu_tests(ctx, timeout_s, args):
     if not present:
         return {"name": "gpu_tests", "status": "failed", "seconds": 0.0, "missing": missing,
                 "timeout_s": round(timeout_s), "reason": "none of the test files exists"}
+    sample, env = _sample(ctx, args)
     start, runs, xmls = time.perf_counter(), [], []
     for path in present:
         left = timeout_s - _since(start)
@@ -108,11 +109,23 @@ def run_gpu_tests(ctx, timeout_s, args):
         name = "gpu_tests-" + os.path.splitext(os.path.basename(path))[0]
         xmls.append(os.path.join(ctx.out, "junit", name + ".xml"))
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "not mpi",
-               f"--timeout={plan.TEST_TIMEOUT_S}", f"--junitxml={xmls[-1]}", path]
-        runs.append(ctx.run(name, cmd, ctx.env(), left))
+               f"--timeout={plan.TEST_TIMEOUT_S}", f"--junitxml={xmls[-1]}", *sample, path]
+        runs.append(ctx.run(name, cmd, env, left))
     return _tests_record("gpu_tests", _together(runs, _since(start)), xmls, timeout_s,
                          missing=missing, not_run=[os.path.relpath(p, ctx.repo)
-                                                   for p in present[len(runs):]])
+                                                   for p in present[len(runs):]],
+                         sample_per_file=plan.DRY_RUN_SAMPLE_PER_FILE if sample else None)
+
+
+def _sample(ctx, args):
+    """``(pytest arguments, environment)`` of the gpu_tests stage: in the dry run of the plan's
+    files, a sample of each (``gpu_run/sample.py``, importable from ``benchmarks``)."""
+    if not ctx.dry_run or args.tests:
+        return [], ctx.env()
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = ctx.env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p)
+    return ["-p", "gpu_run.sample", "--sample-per-file", str(plan.DRY_RUN_SAMPLE_PER_FILE)], env
 
 
 def _together(runs, seconds):

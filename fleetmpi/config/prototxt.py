@@ -11,11 +11,11 @@ inside a number would otherwise parse as another strategy (amp lost, a ratio cha
 that opens with the header must close with the trailer; Paddle's files and hand-written ones,
 which have neither, load as they are.
 """
-import difflib
 
 from google.protobuf import text_format
 
 from .paddle_fields import PADDLE_ONLY
+from .suggest import did_you_mean
 
 _CLOSE = {"{": "}", "<": ">"}
 HEADER = "# fleetmpi DistributedStrategy\n"
@@ -82,11 +82,10 @@ def _scan(tokenizer, descriptor, prefix, kept):
             names = [prefix + n for n in descriptor.fields_by_name] + \
                 [path for path in PADDLE_ONLY if path.startswith(prefix)
                  and "." not in path[len(prefix):]]
-            close = difflib.get_close_matches(prefix + name, names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownFieldInFile(
                 f"{prefix}{name} is neither a field of fleetmpi's DistributedStrategy nor one "
-                f"of Paddle 2.0-2.2's{hint}", where.GetLine(), where.GetColumn())
+                f"of Paddle 2.0-2.2's{did_you_mean(prefix + name, names)}", where.GetLine(),
+                where.GetColumn())
         if field is not None and field.message_type is not None:
             tokenizer.TryConsume(":")
             opening = tokenizer.token

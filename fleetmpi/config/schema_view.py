@@ -9,7 +9,6 @@ assigned (or loaded), so a saved prototxt states what the user set and nothing e
 unset field gives its default (for a repeated field with a ``default_list``, that list).
 """
 import decimal
-import difflib
 import math
 import numbers
 from collections.abc import Mapping, MutableMapping
@@ -17,6 +16,8 @@ from collections.abc import Mapping, MutableMapping
 from google.protobuf.descriptor import FieldDescriptor
 
 from fleetmpi.proto import distributed_strategy_pb2 as schema
+
+from .suggest import did_you_mean
 
 _INT_BOUNDS = {
     FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1, "int32"),
@@ -233,12 +234,8 @@ def lookup_field(message, key, owner, extra_names=()):
     if isinstance(key, str) and key in fields:
         return fields[key]
     names = list(fields) + list(extra_names)
-    hint = ""
-    if isinstance(key, str):
-        close = difflib.get_close_matches(key, names, n=1)
-        if close:
-            hint = f" (did you mean {close[0]!r}?)"
-    raise UnknownKeyError(f"{owner} has no key {key!r}{hint}; valid keys: {', '.join(names)}")
+    raise UnknownKeyError(f"{owner} has no key {key!r}{did_you_mean(key, names)}; valid keys: "
+                          f"{', '.join(names)}")
 
 
 class ConfigView(MutableMapping):

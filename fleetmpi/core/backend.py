@@ -21,7 +21,7 @@ from . import job
 from .capture_checks import check_host_read
 from .host_memory import keep_freed_memory
 from .knobs import DEVICE, NUM_THREADS
-from .launcher_env import LOCAL_RANKS, RANKS_ON_NODE
+from .launcher_env import LOCAL_RANKS, RANKS_ON_NODE, launcher_number
 from .paddle_flags import memory_fraction
 
 _USER_THREAD_ENVS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -39,20 +39,10 @@ def requested_device():
     return DEVICE.value()
 
 
-def _from_launcher(names, least):
-    """The first of the launcher's variables ``names`` that holds a whole number of at least
-    ``least`` (what the launcher says before ``fleet.init()``), else ``least``."""
-    for name in names:
-        text = os.environ.get(name, "")
-        if text.isdigit() and int(text) >= least:
-            return int(text)
-    return least
-
-
 def _local_rank():
     """This rank's index on its node: the job's, or before ``fleet.init()`` the launcher's, so
     that ranks which choose the backend early still drive a device each."""
-    return job.local_rank() if job.joined() else _from_launcher(LOCAL_RANKS, 0)
+    return job.local_rank() if job.joined() else launcher_number(LOCAL_RANKS, 0)
 
 
 def _import_cupy(required):
@@ -76,7 +66,7 @@ def _import_cupy(required):
 
 
 def _ranks_on_node():
-    return job.local_size() if job.joined() else _from_launcher(RANKS_ON_NODE, 1)
+    return job.local_size() if job.joined() else launcher_number(RANKS_ON_NODE, 1)
 
 
 def cpu_threads():
@@ -97,11 +87,13 @@ def limit_cpu_threads():
         return None
     try:
         from threadpoolctl import threadpool_limits
-    except ImportError:
+    except ImportError:  # a dependency of fleetmpi, absent only where pip was told --no-deps
         from .log import logger
 
-        logger.warning("threadpoolctl is not installed, so BLAS threads are not limited to %d "
-                       "per rank; set OMP_NUM_THREADS or pip install threadpoolctl", threads)
+        if _local_rank() == 0:  # once per node: its ranks share their packages
+            logger.warning("threadpoolctl is not installed, so BLAS threads are not limited to "
+                           "%d per rank; set OMP_NUM_THREADS or pip install threadpoolctl",
+                           threads)
         return None
     _thread_limit = threadpool_limits(limits=threads, user_api="blas")
     return threads

@@ -7,9 +7,11 @@ thread or any other thread, writes ``rank r/N on node k failed:`` and the traceb
 flushes, and calls ``MPI.COMM_WORLD.Abort(1)``: the MPI launcher then ends every rank and exits
 non-zero, whichever launcher started the job.
 
-A hook is installed only where Python's default is still in place, so handlers someone else
-installed (pytest, which reports thread exceptions itself, IPython, the application) keep
-working. ``FLEETMPI_ABORT_ON_ERROR=0`` installs nothing.
+A hook is installed only where Python's default (or ``fleetmpi.core.extras``'s) is still in
+place, so handlers someone else installed (pytest, which reports thread exceptions itself,
+IPython, the application) keep working. ``FLEETMPI_ABORT_ON_ERROR=0`` installs nothing. A
+missing optional package (``extras.MissingExtra``) is the exception to aborting: it is written
+in one line by the first rank of each node, and each rank ends its script.
 
 A rank whose failure the others can train through (an asynchronous or GEO parameter-server
 worker) registers ``leave_instead(notify)``: an exception in its main thread then writes the
@@ -23,6 +25,7 @@ import threading
 import time
 import traceback
 
+from . import extras
 from .knobs import ABORT_ON_ERROR
 
 # Seconds between writing a report and aborting: Hydra's proxy forwards a rank's output
@@ -88,8 +91,11 @@ def install(rank, size, node):
     place = f"rank {rank}/{size} on node {node}"
     installed = []
 
-    if sys.excepthook is sys.__excepthook__:
+    if sys.excepthook in (sys.__excepthook__, extras.excepthook):
         def excepthook(exc_type, exc_value, exc_tb):
+            if isinstance(exc_value, extras.MissingExtra):
+                extras.report(exc_value)  # every rank lacks it alike: each ends its script
+                return
             report = _report(place, exc_type, exc_value, exc_tb)
             if _leave is None:
                 abort(report, linger=REPORT_LINGER)

@@ -247,7 +247,8 @@ TIMELINE = Knob(
 PROGRESS = Knob(
     "FLEETMPI_PROGRESS", "auto", names(*PROGRESS_MODES), "`auto`, `bar`, `lines`, `off`",
     "Rank 0's training progress (`fleetmpi.training.progress.ProgressBar`, whose `mode` argument "
-    "wins): `auto` draws a bar on a terminal and writes lines elsewhere.")
+    "wins): `auto` draws a bar where the output reaches a terminal (under `mpiexec` and "
+    "`fleetmpirun` too) and writes lines elsewhere; `bar` and `lines` override it.")
 PS_TIMEOUT = Knob(
     "FLEETMPI_PS_TIMEOUT", DEFAULT_PS_TIMEOUT, seconds(DEFAULT_PS_TIMEOUT), "seconds",
     "How long a synchronous parameter server waits for a worker's push, and an asynchronous "

@@ -6,9 +6,11 @@ before ``fleet.init`` (to share the node's cores between their BLAS threads) and
 rank there (to drive the rank's own GPU when the backend is chosen before ``fleet.init``), and
 ``fleetmpi.launcher_check`` checks every family against what MPI says.
 
-This module imports nothing: ``launch/rank_main.py``, which must not import fleetmpi before the
-rank's variables are in place, loads it by its file path.
+This module imports nothing of fleetmpi: ``launch/rank_main.py``, which must not import fleetmpi
+before the rank's variables are in place, loads it by its file path, and
+``fleetmpi.core.extras`` reads the local rank here where importing fleetmpi itself failed.
 """
+import os
 from dataclasses import dataclass
 
 
@@ -62,3 +64,13 @@ def started_alone(environ):
     """Whether no launcher started this process: ``python train.py``, a world of one."""
     return not any(family.size_variable(environ) for family in MPI_LAUNCHERS) and \
         not any(environ.get(name) for name in PROCESS_MANAGER)
+
+
+def launcher_number(names, least, environ=os.environ):
+    """The first of the launcher's variables ``names`` that holds a whole number of at least
+    ``least`` (what the launcher says before ``fleet.init()``), else ``least``."""
+    for name in names:
+        text = environ.get(name, "")
+        if text.isdigit() and int(text) >= least:
+            return int(text)
+    return least

@@ -9,7 +9,8 @@ measured by a one-rank job on this machine (minutes for an ImageNet model on a C
 ``--inter local`` (with ``--intra local``) is this machine as calibrated by a short two-rank
 job. Links are presets or explicit ``--intra-bandwidth``/``--intra-latency`` and
 ``--inter-bandwidth``/``--inter-latency`` (GB/s and microseconds). Prints one table per
-inter-node link and draws every curve into ``--png``.
+inter-node link and draws every curve into ``--png`` (``plan.png``); without matplotlib it
+says in one line how to get it instead.
 
 Hybrid layouts of a GPT (``fleetmpi.plan.hybrid``):
 
@@ -24,9 +25,12 @@ import argparse
 import sys
 
 from ..config.distributed_strategy import DistributedStrategy
+from ..core import extras
 from .buckets import gradient_buckets, model_from_spec
 from .links import LOCAL, PRESETS, Link, preset
 from .predict import ALGORITHMS, GPU, OVERLAPS, Cluster, Workload, powers_of_two, scaling
+
+DEFAULT_PNG = "plan.png"
 
 
 def parse_args(argv):
@@ -52,14 +56,17 @@ def parse_args(argv):
     parser.add_argument("--overlap", choices=OVERLAPS, default="none")
     parser.add_argument("--sparsity", type=float, default=0.999, help="dgc's final sparsity")
     parser.add_argument("--max-ranks", type=int, default=4096)
-    parser.add_argument("--png", default="plan.png")
-    parser.add_argument("--gpt", help="hybrid layouts of a GPT: LAYERS,WIDTH,HEADS,VOCAB,SEQ")
-    parser.add_argument("--global-batch", type=int, default=64)
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--layout", help="the layout to predict: dp=..,pp=..,sharding=..,mp=..")
-    parser.add_argument("--tflops", type=float, default=100.0,
+    parser.add_argument("--png", help=f"where to draw the curves (default {DEFAULT_PNG}; "
+                                      "needs matplotlib, pip install 'fleetmpi[plan]')")
+    parser.add_argument("--gpt", metavar="LAYERS,WIDTH,HEADS,VOCAB,SEQ",
+                        help="hybrid layouts of a GPT")
+    parser.add_argument("--global-batch", type=int, default=64, metavar="B")
+    parser.add_argument("--ranks", type=int, default=8, metavar="N")
+    parser.add_argument("--layout", metavar="dp=..,pp=..,sharding=..,mp=..",
+                        help="the layout to predict")
+    parser.add_argument("--tflops", type=float, default=100.0, metavar="T",
                         help="sustained TFLOPS of one device (default 100)")
-    parser.add_argument("--memory-GB", type=float, help="memory per device")
+    parser.add_argument("--memory-GB", type=float, metavar="M", help="memory per device")
     parser.add_argument("--micro-batches", type=int,
                         help="pipeline micro-batches (default: pp_degree)")
     parser.add_argument("--value-bytes", type=int, default=2,
@@ -206,11 +213,22 @@ def main(argv=None):
                 print(f"| {algorithm} | {p.ranks} | {p.nodes} | {p.step_s * 1e3:.2f} | "
                       f"{p.comm_s * 1e3:.2f} | {100 * p.comm_share:.1f}% | "
                       f"{100 * p.efficiency:.1f}% |")
+    return draw(curves, args, f"{args.model}, batch {args.batch} per rank, compute "
+                              f"{compute_s * 1e3:.1f} ms, overlap {args.overlap}")
+
+
+def draw(curves, args, title):
+    """The PNG of ``curves``; without matplotlib one line naming the extra instead, and exit
+    status 1 where ``--png`` was asked for (0 where it was only the default)."""
     from .plot import plot_scaling
 
-    plot_scaling(curves, args.png, f"{args.model}, batch {args.batch} per rank, "
-                                   f"compute {compute_s * 1e3:.1f} ms, overlap {args.overlap}")
-    print(f"\nscaling curves: {args.png}")
+    png = args.png or DEFAULT_PNG
+    try:
+        plot_scaling(curves, png, title)
+    except extras.MissingExtra as missing:
+        extras.report(missing)
+        return 1 if args.png else 0
+    print(f"\nscaling curves: {png}")
     return 0
 
 

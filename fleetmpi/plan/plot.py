@@ -1,5 +1,7 @@
 """The predicted scaling curves as a PNG: efficiency against ranks, one panel per inter-node
 link, one line per algorithm (matplotlib with the Agg backend, no display needed)."""
+from ..core.extras import MissingExtra
+
 
 
 def plot_scaling(curves, path, title):
@@ -7,8 +9,8 @@ def plot_scaling(curves, path, title):
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("drawing the scaling curves needs matplotlib: "
-                           "pip install 'fleetmpi[plan]'") from None
+        raise MissingExtra("--png (drawing the scaling curves)", "matplotlib",
+                           "plan") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from ..core import backend
+from ..core.extras import MissingExtra
 
 
 def _check_int(name, value, low):
@@ -112,8 +113,7 @@ def load_digits(dtype="float32", test_fraction=0.2, seed=0):
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError:
-        raise ImportError("the digits dataset needs scikit-learn: "
-                          "pip install 'fleetmpi[examples]'") from None
+        raise MissingExtra("the digits dataset", "scikit-learn", "examples") from None
     if not 0 < test_fraction < 1:
         raise ValueError(f"test_fraction must lie in (0, 1), not {test_fraction!r}")
     digits = sklearn_digits()

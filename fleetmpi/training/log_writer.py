@@ -6,7 +6,8 @@
 
 Two files: ``scalars.csv`` (``tag,step,value,wall_time``, always) and a TensorBoard event
 file, which TensorBoard reads (``tensorboard --logdir runs``), written through tensorboardX
-when it is installed (the ``logging`` extra). Other ranks write nothing, and their calls read
+when it is installed (the ``logging`` extra; without it the first LogWriter says once where
+the CSV goes and why there is no event file). Other ranks write nothing, and their calls read
 no value (no device synchronisation). The CSV is created without following a symbolic link
 planted at its name.
 """
@@ -15,6 +16,7 @@ import os
 import time
 
 from ..core import files
+from ..core.extras import MissingExtra
 from ..autograd.tensor import Tensor
 
 CSV_NAME = "scalars.csv"
@@ -96,7 +98,24 @@ def _event_writer(logdir, tensorboard):
         from tensorboardX import SummaryWriter
     except ImportError:
         if tensorboard:
-            raise ImportError("TensorBoard event files are written through tensorboardX: "
-                              "pip install 'fleetmpi[logging]'") from None
+            raise MissingExtra("LogWriter(tensorboard=True)", "tensorboardX",
+                               "logging") from None
+        _say_csv_only(logdir)
         return None
     return SummaryWriter(logdir=logdir)
+
+
+_said_csv_only = False
+
+
+def _say_csv_only(logdir):
+    """Once per process: where the scalars go, and why there is no TensorBoard file."""
+    global _said_csv_only
+    if _said_csv_only:
+        return
+    _said_csv_only = True
+    from ..core.log import logger
+
+    logger.warning("LogWriter writes %s only: TensorBoard's event file needs tensorboardX, "
+                   "pip install 'fleetmpi[logging]' (LogWriter(..., tensorboard=False) says "
+                   "nothing)", os.path.join(logdir, CSV_NAME))

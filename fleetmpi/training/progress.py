@@ -8,27 +8,32 @@
         bar.end_epoch(loss=mean_loss)
     bar.close()
 
-On a terminal (``stream.isatty()``) the bar is redrawn in place, at most every ``min_interval``
-seconds, showing the loss of the latest step, the samples per second since the start and the
-estimated time left. tqdm draws it when it is installed (``pip install 'fleetmpi[progress]'``:
-the bar users know, fitted to the terminal's width); otherwise a plain bar of ``#`` written with
-``\\r``. Either way the figures and the redraw rate are this class's, so the loss is read only
-when a redraw shows it. When the stream is a file or a pipe (a log of
-``fleetmpirun --log_dir``, a Slurm output file) carriage returns would pile up into one huge
-line, so the bar stays off and ``end_epoch`` writes one line per epoch instead. Ranks other than
-0 write nothing. The loss is read (``float``, a device synchronisation on a GPU) only when it is
-shown.
+It writes to standard error, as tqdm does (to standard output where both reach a terminal: an
+MPI launcher forwards the two through separate pipes, and a bar on standard error could then
+land after the results printed below it). When it reaches a terminal (the stream is one, or
+``mpiexec`` or ``fleetmpirun`` running in one forwards it there: ``fleetmpi.core.terminal``)
+the bar is redrawn in place, at most every ``min_interval`` seconds, showing the loss of the
+latest step, the samples per second since the start and the estimated time left. tqdm draws it
+when it is installed (``pip install 'fleetmpi[progress]'``, which the examples' extra includes:
+the bar users know, fitted to the terminal's width); otherwise a plain bar of ``#`` written
+with ``\\r``. Either way the figures and the redraw rate are this class's, so the loss is read
+only when a redraw shows it. When the output goes to a file or another program (a log of
+``fleetmpirun --log_dir``, a Slurm output file, CI) carriage returns would pile up into one
+huge line, so the bar stays off and ``end_epoch`` writes one line per epoch instead. Ranks
+other than 0 write nothing. The loss is read (``float``, a device synchronisation on a GPU)
+only when it is shown.
 
-``mode`` / ``FLEETMPI_PROGRESS``: ``auto`` (the default: the bar on a terminal, lines
-elsewhere), ``bar``, ``lines`` or ``off``. ``bar`` is for launchers that hand the ranks a pipe
-even when they run in a terminal (MPICH's ``mpiexec`` does): the pipe cannot tell.
+``mode`` / ``FLEETMPI_PROGRESS``: ``auto`` (the default: the bar where the output reaches a
+terminal, lines elsewhere), ``bar``, ``lines`` or ``off``, which override it either way.
 """
 import importlib.util
 import math
+import shutil
 import sys
 import time
 
 from ..core.knobs import PROGRESS
+from ..core.terminal import stream_reaches_terminal
 
 
 def format_duration(seconds):
@@ -40,6 +45,13 @@ def format_duration(seconds):
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def _default_stream(enabled):
+    """Standard error, or standard output where both reach a terminal (module docstring)."""
+    if enabled and stream_reaches_terminal(sys.stdout) and stream_reaches_terminal(sys.stderr):
+        return sys.stdout
+    return sys.stderr
+
+
 def _this_rank():
     from ..core import job
 
@@ -49,8 +61,9 @@ def _this_rank():
 class ProgressBar:
     """Progress of ``total_steps`` training steps (``epochs`` of them when the run has epochs).
 
-    ``stream``: where to write (default ``sys.stdout``); ``rank``: this process's rank (default
-    the fleet world's, 0 before ``fleet.init``); ``mode``: see the module docstring (default
+    ``stream``: where to write (default ``sys.stderr``, or ``sys.stdout`` where both reach a
+    terminal); ``rank``: this process's rank (default the fleet world's, 0 before
+    ``fleet.init``); ``mode``: see the module docstring (default
     ``FLEETMPI_PROGRESS``, else ``auto``); ``clock``: a seconds counter (tests pass a fake one);
     ``use_tqdm``: draw the terminal bar with tqdm (default: when it is installed; ``True``
     without it raises ImportError naming the extra).
@@ -66,10 +79,10 @@ class ProgressBar:
         self.total_steps = total_steps
         self.epochs = epochs
         mode = PROGRESS.value() if mode is None else PROGRESS.parse("mode", mode)
-        self.stream = sys.stdout if stream is None else stream
         self.enabled = mode != "off" and (_this_rank() if rank is None else rank) == 0
-        if mode == "auto":
-            mode = "bar" if getattr(self.stream, "isatty", lambda: False)() else "lines"
+        self.stream = stream if stream is not None else _default_stream(self.enabled)
+        if mode == "auto" and self.enabled:
+            mode = "bar" if stream_reaches_terminal(self.stream) else "lines"
         self.terminal = self.enabled and mode == "bar"
         self.width = width
         self.min_interval = min_interval
@@ -150,9 +163,15 @@ class ProgressBar:
         if self.tqdm is None:
             from tqdm import tqdm
 
+            # Through a launcher's pipe tqdm cannot ask the terminal its width, and the bar
+            # keeps to ASCII: mpiexec.gforker (fleetmpirun's single-host launcher) stops
+            # forwarding a rank's output at its first non-ASCII byte.
+            tty = getattr(self.stream, "isatty", lambda: False)()
             self.tqdm = tqdm(total=self.total_steps, initial=self.steps, desc=self._head(),
                              postfix=self._figures(self.loss), file=self.stream, mininterval=0,
-                             dynamic_ncols=True, disable=False, leave=True,
+                             dynamic_ncols=tty, disable=False, leave=True,
+                             ascii=None if tty else True,
+                             ncols=None if tty else shutil.get_terminal_size().columns,
                              bar_format="{desc}{percentage:3.0f}%|{bar}| "
                                         "{n_fmt}/{total_fmt}{postfix}")
             return
@@ -161,12 +180,16 @@ class ProgressBar:
         self.tqdm.set_postfix_str(self._figures(self.loss), refresh=False)
         self.tqdm.refresh()
 
-    def end_epoch(self, loss=None):
+    def end_epoch(self, loss=None, summary=None, file=None):
         """An epoch is over; off a terminal, write its line (``loss``: the epoch's, else the
-        latest step's)."""
+        latest step's). ``summary``: the caller's own line for the epoch instead, written in
+        either mode (below the bar on a terminal), to ``file`` (default: the bar's stream)."""
         if not self.enabled:
             return
         self.epoch += 1
+        if summary is not None:
+            self.write(summary, file)
+            return
         if self.terminal:
             return
         shown = self.loss if loss is None else loss
@@ -174,18 +197,21 @@ class ProgressBar:
         self.stream.write(f"epoch {self.epoch}{of} {self._figures(shown)}\n")
         self.stream.flush()
 
-    def write(self, line):
-        """Write ``line`` below the bar (the bar is redrawn by the next step)."""
+    def write(self, line, file=None):
+        """Write ``line`` below the bar, to ``file`` (default: the bar's stream; the results of
+        a run, to standard output, say) (the bar is redrawn by the next step)."""
         if not self.enabled:
             return
+        file = self.stream if file is None else file
         if self.tqdm is not None:
-            self.tqdm.write(line, file=self.stream)
+            self.tqdm.write(line, file=file)
             return
         if self.terminal and self.drawn_width:
             self.stream.write("\n")
+            self.stream.flush()
             self.drawn_width = 0
-        self.stream.write(line + "\n")
-        self.stream.flush()
+        file.write(line + "\n")
+        file.flush()
 
     def close(self):
         """End the bar's line on a terminal."""

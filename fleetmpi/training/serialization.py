@@ -17,6 +17,7 @@ import os
 import numpy as np
 
 from ..core import files
+from ..core.extras import MissingExtra
 from ..autograd.tensor import Tensor, to_tensor
 
 SEPARATOR = "/"
@@ -27,8 +28,8 @@ def _safetensors():
     try:
         import safetensors.numpy
     except ImportError:
-        raise ImportError("fleetmpi.save and fleetmpi.load write the safetensors format: "
-                          "pip install 'fleetmpi[safetensors]'") from None
+        raise MissingExtra("fleetmpi.save and fleetmpi.load (the safetensors format)",
+                           "safetensors", "safetensors") from None
     return safetensors
 
 
