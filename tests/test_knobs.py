@@ -146,12 +146,13 @@ def test_ranks_started_with_different_agreed_settings_are_refused_on_every_rank(
     import sys
 
     from fleetmpi.launch.mpi_command import local_command
+    from job_limits import HANG_SECONDS
 
     environ = {name: value for name, value in os.environ.items()
                if name not in {knob.name for knob in knobs.AGREED}}
     done = subprocess.run(local_command(2, [sys.executable, "-c", MISMATCHED_START,
                                             str(tmp_path)] + settings),
-                          capture_output=True, text=True, timeout=120, env=environ)
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=environ)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in (0, 1):
         text = (tmp_path / f"rank-{rank}").read_text()

@@ -786,7 +786,7 @@ def test_a_process_started_alone_listens_on_no_socket(tmp_path):
     launched = re.compile(r"(PMI|PMIX|OMPI|SLURM|MPI_LOCAL|UCX|FI)_")
     environ = {name: value for name, value in os.environ.items() if not launched.match(name)}
     done = subprocess.run([sys.executable, "-c", ALONE_JOB], capture_output=True, text=True,
-                          env=environ, timeout=JOB_TIMEOUT, cwd=tmp_path)
+                          env=environ, timeout=HANG_SECONDS, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     said = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert json.loads(said["LISTENERS"]) == [], done.stdout
