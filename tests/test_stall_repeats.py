@@ -87,8 +87,9 @@ def test_every_waiting_rank_of_three_reports(collective):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("idiom", ["minimize", "backward"])
 def test_a_rank_that_hangs_before_a_training_step_is_named(idiom, n):
-    """Rank 1 hangs before step 5: the others wait in step 5's gradient reduction, call #6 of
-    the world's communicator (#1 is distributed_model's broadcast of the parameters)."""
+    """Rank 1 hangs before step 5: the others wait in step 5's gradient reduction, call #7 of
+    the world's communicator (#1 and #2 are distributed_model's check that every rank built
+    the same model and its broadcast of the parameters)."""
     code, text = run_job(n, "train", idiom, 5)
     check_hang_reported(code, text, [r for r in range(n) if r != 1],
-                        "allreduce_many", 6)
+                        "allreduce_many", 7)

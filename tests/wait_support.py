@@ -38,7 +38,8 @@ class Job:
         return next((t for t, line in self.arrivals if line.startswith(prefix)), None)
 
     def fault(self):
-        return float(re.search(r"^FAULT (\S+)$", self.text, re.M).group(1))
+        # not anchored to a line: mpiexec may join two ranks' lines into one
+        return float(re.search(r"FAULT (\d+(?:\.\d+)?)", self.text).group(1))
 
     def reports(self):
         """{reporting rank: the rest of its stall line}."""
