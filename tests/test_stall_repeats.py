@@ -5,12 +5,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from fleetmpi.launch.mpi_command import local_command
 
 from job_limits import HANG_SECONDS
+from job_prefetch import start_the_next_job  # noqa: F401 (an autouse fixture)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "stall_jobs.py")
@@ -19,18 +21,48 @@ COLLECTIVES = ["allreduce", "allreduce_many", "broadcast", "broadcast_many", "ba
                "allreduce_async"]
 
 
-def run_job(n, *args, timeout="1"):
-    """``(return code, output)`` of ``stall_jobs.py args`` on ``n`` ranks, with
-    ``FLEETMPI_STALL_TIMEOUT=timeout`` (None: unset, the default). The non-finite check is
-    off, so that a training step makes one call (its gradient reduction), whose number the
-    reports give."""
-    env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=timeout or "",
-               FLEETMPI_NONFINITE="off")
-    if timeout is None:
-        del env["FLEETMPI_STALL_TIMEOUT"]
-    result = subprocess.run(local_command(n, [sys.executable, JOB, *map(str, args)]), env=env,
-                            capture_output=True, text=True, timeout=HANG_SECONDS)
-    return result.returncode, result.stdout + result.stderr
+class StallJob:
+    """``stall_jobs.py words`` on ``ranks`` ranks with ``FLEETMPI_STALL_TIMEOUT=timeout``
+    (None: unset, the default), its output in a file; started once, by its test or ahead of it
+    (tests/job_prefetch.py). The non-finite check is off, so that a training step makes one
+    call (its gradient reduction), whose number the reports give. ``named`` words are also
+    attributes (``job.calls``)."""
+
+    def __init__(self, ranks, *words, timeout="1", **named):
+        self.ranks, self.timeout = ranks, timeout
+        self.words = [str(w) for w in [*words, *named.values()]]
+        self.__dict__.update(named)
+        self.process = self.output = None
+
+    def __str__(self):
+        return "-".join(self.words[1:])
+
+    def start(self):
+        if self.process is not None:
+            return
+        env = dict(os.environ, FLEETMPI_DEVICE="cpu", FLEETMPI_STALL_TIMEOUT=self.timeout or "",
+                   FLEETMPI_NONFINITE="off")
+        if self.timeout is None:
+            del env["FLEETMPI_STALL_TIMEOUT"]
+        self.output = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            local_command(self.ranks, [sys.executable, JOB, *self.words]), env=env,
+            stdout=self.output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def result(self):
+        """``(return code, output)``; a job still running after ``HANG_SECONDS`` hangs."""
+        self.start()
+        try:
+            code = self.process.wait(timeout=HANG_SECONDS)
+        finally:
+            self.end()
+        self.output.seek(0)
+        return code, self.output.read()
+
+    def end(self):
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
 
 def reports(text):
@@ -60,36 +92,43 @@ def check_hang_reported(code, text, waiting, collective, call):
     assert "finished" not in text, text
 
 
-@pytest.mark.parametrize("calls", [2, 3, 10, 1000])
-@pytest.mark.parametrize("collective", COLLECTIVES)
-def test_a_rank_that_hangs_after_repeats_is_named(collective, calls):
+@pytest.mark.parametrize("job", [StallJob(2, "repeat", collective=collective, calls=calls)
+                                 for collective in COLLECTIVES for calls in (2, 3, 10, 1000)],
+                         ids=str)
+def test_a_rank_that_hangs_after_repeats_is_named(job):
     """``allreduce_async``: rank 1 starts its operations and never waits on them."""
-    code, text = run_job(2, "repeat", collective, calls)
-    name = "allreduce" if collective == "allreduce_async" else collective
-    check_hang_reported(code, text, [0], name, calls)
+    code, text = job.result()
+    name = "allreduce" if job.collective == "allreduce_async" else job.collective
+    check_hang_reported(code, text, [0], name, job.calls)
 
 
-@pytest.mark.parametrize("elements", [1000, 1000000])
-@pytest.mark.parametrize("algorithm", ["ring", "native", "hierarchical", "shm"])
-@pytest.mark.parametrize("collective", ["allreduce", "allreduce_many"])
-def test_every_algorithm_and_size_is_watched(collective, algorithm, elements):
-    code, text = run_job(2, "repeat", collective, 3, elements, algorithm)
-    check_hang_reported(code, text, [0], collective, 3)
+@pytest.mark.parametrize("job", [
+    StallJob(2, "repeat", collective=collective, calls=3, elements=elements,
+             algorithm=algorithm)
+    for collective in ("allreduce", "allreduce_many")
+    for algorithm in ("ring", "native", "hierarchical", "shm") for elements in (1000, 1000000)],
+    ids=str)
+def test_every_algorithm_and_size_is_watched(job):
+    code, text = job.result()
+    check_hang_reported(code, text, [0], job.collective, 3)
 
 
-@pytest.mark.parametrize("collective", ["allreduce", "broadcast", "allreduce_async"])
-def test_every_waiting_rank_of_three_reports(collective):
-    code, text = run_job(3, "repeat", collective, 10)
-    check_hang_reported(code, text, [0, 2], "allreduce" if collective ==
-                        "allreduce_async" else collective, 10)
+@pytest.mark.parametrize("job", [StallJob(3, "repeat", collective=collective, calls=10)
+                                 for collective in ("allreduce", "broadcast",
+                                                    "allreduce_async")], ids=str)
+def test_every_waiting_rank_of_three_reports(job):
+    code, text = job.result()
+    check_hang_reported(code, text, [0, 2], "allreduce" if job.collective ==
+                        "allreduce_async" else job.collective, 10)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("idiom", ["minimize", "backward"])
-def test_a_rank_that_hangs_before_a_training_step_is_named(idiom, n):
+@pytest.mark.parametrize("job", [StallJob(n, "train", idiom=idiom, steps=5)
+                                 for idiom in ("minimize", "backward") for n in (2, 3)],
+                         ids=lambda job: f"{job.idiom}-{job.ranks}")
+def test_a_rank_that_hangs_before_a_training_step_is_named(job):
     """Rank 1 hangs before step 5: the others wait in step 5's gradient reduction, call #7 of
     the world's communicator (#1 and #2 are distributed_model's check that every rank built
     the same model and its broadcast of the parameters)."""
-    code, text = run_job(n, "train", idiom, 5)
-    check_hang_reported(code, text, [r for r in range(n) if r != 1],
+    code, text = job.result()
+    check_hang_reported(code, text, [r for r in range(job.ranks) if r != 1],
                         "allreduce_many", 7)

@@ -4,15 +4,18 @@ after the default stall time (600 s), naming the rank and where it went."""
 import pytest
 
 from fleetmpi.core.knobs import DEFAULT_STALL_SECONDS
-from test_stall_repeats import reports, run_job, waited
+from job_prefetch import start_the_next_job  # noqa: F401 (an autouse fixture)
+from test_stall_repeats import StallJob, reports, waited
 
 
-@pytest.mark.parametrize("counts", ["3,5", "5,3", "4,6,6", "6,6,4"])
-@pytest.mark.parametrize("idiom", ["minimize", "backward"])
-def test_a_rank_whose_batches_run_out_first_is_reported_at_once(idiom, counts):
-    steps = [int(v) for v in counts.split(",")]
+@pytest.mark.parametrize("job", [
+    StallJob(counts.count(",") + 1, "uneven", idiom=idiom, counts=counts, timeout=None)
+    for idiom in ("minimize", "backward") for counts in ("3,5", "5,3", "4,6,6", "6,6,4")],
+    ids=str)
+def test_a_rank_whose_batches_run_out_first_is_reported_at_once(job):
+    steps = [int(v) for v in job.counts.split(",")]
     first = steps.index(min(steps))
-    code, text = run_job(len(steps), "uneven", idiom, counts, timeout=None)
+    code, text = job.result()
     assert code != 0, text
     found = reports(text)
     assert all(waited(line) < DEFAULT_STALL_SECONDS for line in found.values()), text
@@ -28,15 +31,17 @@ def test_a_rank_whose_batches_run_out_first_is_reported_at_once(idiom, counts):
     assert f"rank {first} finished" in text, text  # its script did end
 
 
-@pytest.mark.parametrize("where, call", [("barrier", "barrier_worker"),
-                                         ("checkpoint", "checkpoint.save"),
-                                         ("evaluate", "allreduce")])
-def test_a_rank_that_leaves_its_training_loop_is_reported_at_once(where, call):
+@pytest.mark.parametrize("job, call", [
+    (StallJob(2, "leave", where=where, timeout=None), call)
+    for where, call in [("barrier", "barrier_worker"), ("checkpoint", "checkpoint.save"),
+                        ("evaluate", "allreduce")]], ids=lambda value: str(value))
+def test_a_rank_that_leaves_its_training_loop_is_reported_at_once(job, call):
     """Rank 0 leaves after 2 steps for ``where`` while rank 1 trains a third step: each
     waits where the other will never come, which the first to ask sees. The evaluation's
     allreduce runs on the world's communicator, which training uses too: there the two wait
     in different calls of the same number."""
-    code, text = run_job(2, "leave", where, timeout=None)
+    where = job.where
+    code, text = job.result()
     assert code != 0, text
     found = reports(text)
     assert all(waited(line) < DEFAULT_STALL_SECONDS for line in found.values()), text
