@@ -65,19 +65,8 @@ def our_step(gpt, tokens, targets):
                                       fleet.DistributedStrategy())
     x, y = fleet.to_tensor(tokens), fleet.to_tensor(targets.reshape(-1))
     vocab = gpt["vocab_size"]
-
-    def step():
-        start = time.process_time()
-        loss = F.cross_entropy(model(x).reshape([-1, vocab]), y)
-        forward = time.process_time()
-        loss.backward()
-        backward = time.process_time()
-        opt.step()
-        stepped = time.process_time()
-        opt.clear_grad()
-        return forward - start, backward - forward, stepped - backward, \
-            time.process_time() - stepped
-    return step
+    return _timed(lambda: F.cross_entropy(model(x).reshape([-1, vocab]), y), opt.step,
+                  opt.clear_grad)
 
 
 def torch_step(torch, gpt, tokens, targets):
@@ -85,16 +74,22 @@ def torch_step(torch, gpt, tokens, targets):
     model = torch_gpt(**gpt)
     opt = torch_optimizer("adamw", model.parameters())
     x, y = torch.from_numpy(tokens), torch.from_numpy(targets.reshape(-1))
+    return _timed(lambda: torch.nn.functional.cross_entropy(model(x), y), opt.step,
+                  opt.zero_grad)
 
+
+def _timed(loss_of_forward, update, clear):
+    """A step (``loss_of_forward()``, its backward, ``update()``, ``clear()``) that returns
+    the CPU seconds of each of ``PARTS``."""
     def step():
         start = time.process_time()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = loss_of_forward()
         forward = time.process_time()
         loss.backward()
         backward = time.process_time()
-        opt.step()
+        update()
         stepped = time.process_time()
-        opt.zero_grad()
+        clear()
         return forward - start, backward - forward, stepped - backward, \
             time.process_time() - stepped
     return step
