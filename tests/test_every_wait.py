@@ -109,14 +109,15 @@ def test_a_worker_whose_server_hung_ends_the_job_naming_it(mode):
     """Server 0 hangs at its fourth push: the worker waiting for its answer raises
     ``ServerError`` after twice ``FLEETMPI_PS_TIMEOUT`` and, where an async or GEO worker
     that raises leaves alone, ends the job, naming the server; before, the job never
-    ended."""
-    ps_timeout = 1
+    ended. The timeout leaves a loaded machine's slow server time to reach its fourth push
+    before a worker gives up on it."""
+    ps_timeout = 4
     command = fleetmpirun() + ["--server_num", "1", "--worker_num", "2", "pserver_jobs.py",
                                "server-hang", "--servers", "1", "--mode", mode]
     job = run_job(command, FLEETMPI_PS_TIMEOUT=str(ps_timeout))
     said = re.findall(r"\[fleetmpi\] worker (\d) \(rank \d\) leaves because server 0 \(rank 2\) "
-                      r"did not answer within 2 s \(twice FLEETMPI_PS_TIMEOUT\); a hung server "
-                      r"would keep the job from ending: aborting the job", job.text)
+                      rf"did not answer within {2 * ps_timeout} s \(twice FLEETMPI_PS_TIMEOUT\); "
+                      r"a hung server would keep the job from ending: aborting the job", job.text)
     assert said, job.text
     assert "ServerError: server 0 (rank 2) did not answer worker" in job.text, job.text
     assert "ok leave" not in job.text, job.text

@@ -192,3 +192,15 @@ def test_the_sample_spreads_over_each_file_and_keeps_short_files_whole():
     sample = load_part("sample")
     assert sample.spread(3, 10) == [0, 4, 9] and sample.spread(3, 2) == [0, 1]
     assert sample.spread(1, 5) == [0] and sample.spread(3, 3) == [0, 1, 2]
+
+
+def test_the_launcher_probe_reads_ranks_whose_lines_mpiexec_joined():
+    """MPICH's gforker forwarded one rank's line and the other's before either newline (the
+    dry run in CI): both ranks still count; a world of one each, or a wrong sum, does not."""
+    probe = load_part("probe_mpi")
+    joined = "I am process 0 of 2: sum 1I am process 1 of 2: sum 1\n\n"
+    assert probe.saw_each_other(0, joined)
+    assert probe.saw_each_other(0, "I am process 1 of 2: sum 1\nI am process 0 of 2: sum 1\n")
+    assert not probe.saw_each_other(0, "I am process 0 of 1: sum 0\nI am process 0 of 1: sum 0\n")
+    assert not probe.saw_each_other(0, "I am process 0 of 2: sum 2\nI am process 1 of 2: sum 2\n")
+    assert not probe.saw_each_other(1, joined)

@@ -31,6 +31,13 @@ RANK_PROGRAM = (
     " print(f'I am process {rank} of {size}: sum {total[0]:g}', flush=True)")
 
 
+def saw_each_other(returncode, stdout):
+    """Whether every rank said it is one of ``RANKS`` and that the allreduce summed the ranks.
+    ``mpiexec`` may join two ranks' lines (one's text, the other's, then both newlines)."""
+    said = re.findall(r"I am process \d+ of (\d+): sum (\d+)", stdout)
+    return returncode == 0 and said == [(str(RANKS), f"{sum(range(RANKS)):g}")] * RANKS
+
+
 def library():
     import mpi4py
 
@@ -55,8 +62,7 @@ def hello(seconds):
         except subprocess.TimeoutExpired:
             found["output"] += f"[{variables or 'as is'}: no answer in {seconds / 2:.0f} s] "
             continue
-        said = re.findall(r"I am process \d+ of (\d+): sum (\S+)", done.stdout)
-        if done.returncode == 0 and said == [(str(RANKS), f"{sum(range(RANKS)):g}")] * RANKS:
+        if saw_each_other(done.returncode, done.stdout):
             return {"command": cmd, "ok": True, "variables": variables}
         found["output"] += f"[{variables or 'as is'}: {(done.stdout + done.stderr)[-400:]}] "
     return found
