@@ -120,7 +120,9 @@ def test_a_worker_whose_server_hung_ends_the_job_naming_it(mode):
                       r"a hung server would keep the job from ending: aborting the job", job.text)
     assert said, job.text
     assert "ServerError: server 0 (rank 2) did not answer worker" in job.text, job.text
-    assert "ok leave" not in job.text, job.text
+    # a worker whose pushes all came before the hang may finish; none that waited does
+    finished = re.findall(r"ok leave \w+ worker (\d)", job.text)
+    assert not set(said) & set(finished), job.text
     bound = 2 * ps_timeout + REPORT_MARGIN_SECONDS
     assert job.reported_within("[fleetmpi] worker") <= bound, job.text
     check_ended_cleanly(job)
