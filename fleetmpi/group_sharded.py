@@ -29,9 +29,9 @@ Paddle's does, so the parameters are whole after the save too.
 ``save_group_sharded_model`` writes ``model.pdmodel`` (the model's whole ``state_dict``) and
 ``model.pdopt`` (the optimizer's state, gathered whole from the shards) into a folder, from
 rank 0, with ``fleetmpi.save`` (in Paddle's pickle format, as it writes those names). As in
-Paddle, load them into the model and a plain optimizer
-(``set_state_dict``) before ``group_sharded_parallel``; unlike Paddle, ``model.pdopt`` holds
-every shard's state, so it loads at any number of ranks.
+Paddle, load them into the model and a plain optimizer (``set_state_dict``) before
+``group_sharded_parallel``; unlike Paddle, ``model.pdopt`` holds every shard's state, so it
+loads at any number of ranks.
 """
 import math
 import os
