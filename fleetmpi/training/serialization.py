@@ -8,11 +8,11 @@ file's first bytes, whatever its name (a ``.pdparams`` an older fleetmpi wrote i
 safetensors), reads Paddle's through a restricted unpickler that runs nothing from the file,
 and refuses a file that is neither, naming the format its name calls for.
 
-What is saved in the safetensors format: a dict whose values are Tensors or arrays (the tensors of the file, under their
-keys: a model's ``state_dict()`` keeps Paddle's names, ``Linear`` weights in Paddle's
-``(in, out)`` layout), numbers, strings, None, or dicts of these (an optimizer's
-``state_dict()``: its ``step_count`` and schedule); nested dicts of tensors are stored with
-their keys joined by ``/``. Everything that is not a tensor travels as JSON in the file's
+What is saved in the safetensors format: a dict whose values are Tensors or arrays (the
+tensors of the file, under their keys: a model's ``state_dict()`` keeps Paddle's names,
+``Linear`` weights in Paddle's ``(in, out)`` layout), numbers, strings, None, or dicts of these
+(an optimizer's ``state_dict()``: its ``step_count`` and schedule); nested dicts of tensors are
+stored with their keys joined by ``/``. Everything that is not a tensor travels as JSON in the file's
 metadata, under ``fleetmpi.values``. The file is written beside its name and renamed into
 place (``fleetmpi.core.files``): never through a symbolic link, never half written.
 """
