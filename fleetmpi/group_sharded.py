@@ -20,11 +20,18 @@ Paddle's arguments and what they do here:
   is ``strategy.amp``), ``offload`` (no host offload), ``group``, ``dp_group`` (groups other
   than the world are ``sharding_configs``' ``hybrid_dp``) and ``exclude_layer``.
 
+Under ``"p_g_os"`` the model's parameters hold only this rank's shard between the operations
+that use them; the returned model's ``get_all_parameters()`` (Paddle's
+``GroupShardedStage3`` method, a collective) gathers them whole, where they stay until the next
+update, so that they read as the trained values. ``save_group_sharded_model`` calls it, as
+Paddle's does, so the parameters are whole after the save too.
+
 ``save_group_sharded_model`` writes ``model.pdmodel`` (the model's whole ``state_dict``) and
 ``model.pdopt`` (the optimizer's state, gathered whole from the shards) into a folder, from
-rank 0, with ``fleetmpi.save``. As in Paddle, load them into the model and a plain optimizer
-(``set_state_dict``) before ``group_sharded_parallel``; unlike Paddle, ``model.pdopt`` holds
-every shard's state, so it loads at any number of ranks.
+rank 0, with ``fleetmpi.save`` (in Paddle's pickle format, as it writes those names). As in
+Paddle, load them into the model and a plain optimizer (``set_state_dict``) before
+``group_sharded_parallel``; unlike Paddle, ``model.pdopt`` holds every shard's state, so it
+loads at any number of ranks.
 """
 import math
 import os
@@ -123,7 +130,24 @@ def group_sharded_parallel(model, optimizer, level, scaler=None, group=None, off
     model = distributed_model(model)
     if sync_buffers:
         model.register_forward_pre_hook(_sync_buffers_hook)
-    return model, distributed_optimizer(optimizer, strategy), scaler
+    optimizer = distributed_optimizer(optimizer, strategy)
+    if stage == 3:
+        model.get_all_parameters = _AllParameters(optimizer.strategies["sharding"].gatherer)
+    return model, optimizer, scaler
+
+
+class _AllParameters:
+    """``get_all_parameters(convert2cpu=False)`` of a stage-3 model (module docstring)."""
+
+    def __init__(self, gatherer):
+        self._gatherer = gatherer
+
+    def __call__(self, convert2cpu=False):
+        if convert2cpu:
+            raise ValueError("get_all_parameters: convert2cpu=True is Paddle's offload, which "
+                             "fleetmpi does not have; the whole parameters stay on the device "
+                             "the model trains on (call it with convert2cpu=False)")
+        self._gatherer.gather_all()
 
 
 def _whole_optimizer_state(optimizer):
@@ -150,7 +174,8 @@ def _whole_optimizer_state(optimizer):
 def save_group_sharded_model(model, output, optimizer=None):
     """Write ``output/model.pdmodel`` and, given the optimizer ``group_sharded_parallel``
     returned, ``output/model.pdopt`` (module docstring). Every rank calls it: the
-    parameters and the optimizer state are gathered from the shards; rank 0 writes."""
+    parameters (left whole under ``"p_g_os"``) and the optimizer state are gathered from the
+    shards; rank 0 writes."""
     if os.path.isfile(output):
         raise ValueError(f"save_group_sharded_model: output {output!r} is a file; it must be "
                          f"a folder (made if missing)")
@@ -158,6 +183,9 @@ def save_group_sharded_model(model, output, optimizer=None):
                                       and "sharding" in optimizer.strategies):
         raise TypeError(f"save_group_sharded_model: optimizer must be the one "
                         f"group_sharded_parallel returned, not a {type(optimizer).__name__}")
+    gather = getattr(model, "get_all_parameters", None)
+    if isinstance(gather, _AllParameters):
+        gather()
     model_state = model.state_dict()
     optimizer_state = None if optimizer is None else _whole_optimizer_state(optimizer)
     if world.worker_index() == 0:

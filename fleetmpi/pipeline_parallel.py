@@ -11,7 +11,8 @@ over those stages, and its other strategies average the gradients over the data-
 replicas and update; then ``lr_scheduler.step()``. It returns the loss on every stage, as
 Paddle's: the mean over the micro-batches of this replica's batch, computed by the last stage
 and broadcast to the others. ``x`` matters on the first stage and ``y`` on the last; every
-rank passes both.
+rank passes both. Either may be a tuple (or list) of tensors, cut into micro-batches item by
+item, and a stage may hand a tuple of tensors on to the next (``strategies.pipeline_run``).
 
 ``eval_batch([x, y], compute_loss=False)`` runs the forwards alone (nothing recorded, the
 layers in eval mode), in the micro-batches of the strategy given to ``fleet.init`` (Paddle
@@ -38,18 +39,22 @@ from .strategies.pipeline import split_micro_batches
 from .strategies.pipeline_run import StageLayout, StageSchedule, final_loss
 
 
+def _arrays(value):
+    """``value`` as an array, or a tuple of arrays for a tuple or list of tensors."""
+    if isinstance(value, (list, tuple)):
+        return tuple(as_array(item) for item in value)
+    return as_array(value)
+
+
 def _batch(data, where):
-    """``(x, y)`` of Paddle's ``[x, y]`` as arrays (``y`` may be None for eval_batch without
-    a loss)."""
+    """``(x, y)`` of Paddle's ``[x, y]`` as arrays, or tuples of arrays where Paddle's
+    are tuples of tensors (the first stage gets the tuple); ``y`` may be None for
+    eval_batch without a loss."""
     if not isinstance(data, (list, tuple)) or len(data) != 2:
         raise ValueError(f"{where} takes data as [inputs, labels], a list of two, not "
                          f"{type(data).__name__} {data!r:.60}")
     x, y = data
-    if isinstance(x, (list, tuple)):
-        raise ValueError(f"{where}: the inputs are a {type(x).__name__} of {len(x)}; a "
-                         "pipeline stage passes one tensor to the next here, so give the "
-                         "inputs as one tensor")
-    return as_array(x), None if y is None else as_array(y)
+    return _arrays(x), None if y is None else _arrays(y)
 
 
 class PipelineParallel:

@@ -60,9 +60,12 @@ from .recompute import HostCheckpoints, checkpoint_forwards
 def split_micro_batches(array, count, size, what):
     """``array`` cut along its first axis into ``count`` micro-batches: of ``size`` samples
     each, the batch holding exactly ``count`` x ``size`` (as Paddle checks), or with ``size``
-    left at 1, of an equal share each."""
+    left at 1, of an equal share each. A tuple (or list) of arrays is cut item by item into
+    a tuple per micro-batch."""
     if array is None:
         return None
+    if isinstance(array, (tuple, list)):
+        return list(zip(*(split_micro_batches(item, count, size, what) for item in array)))
     batch = array.shape[0]
     if size > 1 and batch != count * size:
         raise ValueError(f"pipeline: a batch of {batch} samples ({what}) is not "

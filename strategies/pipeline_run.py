@@ -1,8 +1,15 @@
 """The pipeline's machinery, shared by the ``pipeline`` strategy (``opt.minimize``) and
 ``PipelineParallel.train_batch``/``eval_batch``: where a rank sits (``StageLayout``), the
-activations and gradients between neighbouring stages (``send_array``/``recv_array``), the
+activations and gradients between neighbouring stages (``send_value``/``recv_value``), the
 passes of one step on one stage (``StageSchedule``) and the loss every stage returns
 (``final_loss``). ``pipeline``'s docstring says what a step computes.
+
+What a stage hands on is a tensor or a tuple of tensors (Paddle's ``PipelineLayer`` models hand
+``(hidden, mask)`` on), each with a header of its dtype, shape, the tuple's length and whether
+it travels with a gradient: a floating tensor that requires one. The next stage receives such
+a tensor as a leaf that requires a gradient and, in backward, sends back the gradients of
+those alone, in order (none at all when no item has one); the others (a mask, token ids)
+arrive with ``stop_gradient=True``.
 """
 import contextlib
 import time
@@ -13,8 +20,13 @@ from fleetmpi.core import backend
 from fleetmpi.autograd import Tensor, as_array, no_grad, run_backward
 from .pipeline_schedule import FORWARD, compute_order
 
-_HEADER = 34
-_FLOAT_DTYPES = {np.dtype(t).num: np.dtype(t) for t in ("float16", "float32", "float64")}
+# dtype code, ndim, tuple length (LONE: not a tuple), gradient flag; then the shape
+_HEADER = 36
+_FIELDS = 4
+LONE = -1
+# The dtypes that travel between stages, by their index in this tuple.
+WIRE_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64",
+                                          "bool"))
 
 
 class StageLayout:
@@ -46,24 +58,59 @@ class StageLayout:
 
 # -- point to point between neighbouring stages ---------------------------------------------------
 
-def send_array(communicator, array, dest):
-    """Send ``array`` with a header of its dtype and shape, so the receiver can allocate it."""
-    xp = backend.array_module()
-    array = xp.ascontiguousarray(array)
-    header = np.zeros(_HEADER, dtype=np.int64)
-    header[:2] = (array.dtype.num, array.ndim)
-    header[2:2 + array.ndim] = array.shape
-    communicator.send(xp.asarray(header), dest)
-    communicator.send(array, dest)
+def _items(value):
+    """``(arrays, gradient flags, tuple length or LONE)`` of a stage's output ``value``: a
+    Tensor, an array, or a tuple of them (module docstring)."""
+    items = value if isinstance(value, tuple) else (value,)
+    if not items:
+        raise ValueError("pipeline: a stage hands on an empty tuple; it may hand on a tensor "
+                         "or a tuple of tensors")
+    arrays, needs = [], []
+    for item in items:
+        array = as_array(item)
+        if not hasattr(array, "dtype") or array.dtype not in WIRE_DTYPES:
+            raise TypeError(f"pipeline: a stage hands on a {type(item).__name__}"
+                            f"{' of ' + str(array.dtype) if hasattr(array, 'dtype') else ''}; "
+                            f"it may hand on a tensor or a tuple of tensors of "
+                            f"{', '.join(d.name for d in WIRE_DTYPES)}")
+        arrays.append(array)
+        needs.append(isinstance(item, Tensor) and not item.stop_gradient
+                     and array.dtype.kind == "f")
+    return arrays, needs, len(items) if isinstance(value, tuple) else LONE
 
 
-def recv_array(communicator, source):
-    """The array ``send_array`` sent from ``source``."""
+def _gradient_roots(value):
+    """The items of ``value`` (a stage's output) that travel with a gradient."""
+    items = value if isinstance(value, tuple) else (value,)
+    return [item for item, need in zip(items, _items(value)[1]) if need]
+
+
+def send_value(communicator, value, dest):
+    """Send ``value`` (a stage's output: ``_items``) to ``dest``, each array after its
+    header."""
     xp = backend.array_module()
-    header = xp.empty(_HEADER, dtype=np.int64)
-    header = backend.to_numpy(communicator.recv(header, source))
-    dtype, ndim = _FLOAT_DTYPES[int(header[0])], int(header[1])
-    return communicator.recv(xp.empty(tuple(int(n) for n in header[2:2 + ndim]), dtype), source)
+    arrays, needs, length = _items(value)
+    for array, need in zip(arrays, needs):
+        array = xp.ascontiguousarray(array)
+        header = np.zeros(_HEADER, dtype=np.int64)
+        header[:_FIELDS] = (WIRE_DTYPES.index(array.dtype), array.ndim, length, need)
+        header[_FIELDS:_FIELDS + array.ndim] = array.shape
+        communicator.send(xp.asarray(header), dest)
+        communicator.send(array, dest)
+
+
+def recv_value(communicator, source):
+    """What ``send_value`` sent from ``source``: ``(arrays, gradient flags, tuple length or
+    LONE)``."""
+    xp = backend.array_module()
+    arrays, needs, length = [], [], LONE
+    while not arrays or len(arrays) < length:
+        header = backend.to_numpy(communicator.recv(xp.empty(_HEADER, dtype=np.int64), source))
+        code, ndim, length, need = (int(n) for n in header[:_FIELDS])
+        shape = tuple(int(n) for n in header[_FIELDS:_FIELDS + ndim])
+        arrays.append(communicator.recv(xp.empty(shape, WIRE_DTYPES[code]), source))
+        needs.append(bool(need))
+    return arrays, needs, length
 
 
 def elapsed(started):
@@ -78,8 +125,9 @@ class StageSchedule:
     """Every micro-batch's forward (and, when ``train``, backward) of this rank's stage in the
     order of ``schedule_mode``, with the messages to the neighbouring stages over
     ``communicator`` (the stages of this replica). Per micro-batch in flight it keeps the
-    received input (a leaf whose gradient goes back), the root of its recorded graph (the
-    stage's output, or the loss) and that root's gradient, until its backward frees them.
+    received inputs that travel with a gradient (leaves whose gradients go back), the roots of
+    its recorded graph (the stage's outputs that travel with a gradient, or the loss) and
+    their gradients, until its backward frees them.
 
     The messages with the next stage follow that stage's order (``pipeline_schedule``): the
     sends of finished forwards as soon as it allows, the receive of a gradient when a backward
@@ -122,25 +170,30 @@ class StageSchedule:
         if layout.first:
             x = xs[k]
         else:
-            x = Tensor(recv_array(self.comm, layout.stage - 1), stop_gradient=not self.train)
+            arrays, needs, length = recv_value(self.comm, layout.stage - 1)
+            received = [Tensor(a, stop_gradient=not (self.train and need))
+                        for a, need in zip(arrays, needs)]
+            x = received[0] if length == LONE else tuple(received)
             if self.train:
-                self.inputs[k] = x
+                self.inputs[k] = [t for t in received if not t.stop_gradient]
         started = time.perf_counter()
         y = x
         for module in modules:
             y = module(y)
-        root = y
         if layout.last and loss_fn is not None:
-            root = loss_fn(y, ys[k])
-            self.losses.append(as_array(root))
+            loss = loss_fn(y, ys[k])
+            self.losses.append(as_array(loss))
+            roots = [loss]
             if self.train:
-                self.grads[k] = seed(root)
-        elif loss_fn is None:
-            self.outputs.append(y)
+                self.grads[k] = [seed(loss)]
+        else:
+            if loss_fn is None:
+                self.outputs.append(y)
+            roots = [] if layout.last else _gradient_roots(y)
         if not layout.last:
-            self.unsent[k] = y.data
+            self.unsent[k] = y
         if self.train:
-            self.roots[k] = root
+            self.roots[k] = roots
         self.busy += elapsed(started)
         self.forwarded.add(k)
         self._flush()
@@ -150,13 +203,16 @@ class StageSchedule:
         if not layout.last and k not in self.grads:
             self._flush(until=k)
         started = time.perf_counter()
-        run_backward([self.roots.pop(k)], [self.grads.pop(k)])
+        roots, grads = self.roots.pop(k), self.grads.pop(k)
+        if roots:
+            run_backward(roots, grads)
         self.busy += elapsed(started)
-        if not layout.first:
-            received = self.inputs.pop(k)
-            dx = received.grad if received.grad is not None else \
-                backend.array_module().zeros_like(received.data)
-            send_array(self.comm, dx, layout.stage - 1)
+        received = self.inputs.pop(k, [])
+        if received:
+            xp = backend.array_module()
+            send_value(self.comm, tuple(xp.zeros_like(t.data) if t.grad is None
+                                        else as_array(t.grad) for t in received),
+                       layout.stage - 1)
         self._flush()
 
     def _flush(self, until=None):
@@ -171,11 +227,13 @@ class StageSchedule:
                         raise RuntimeError(f"pipeline schedule: stage {self.layout.stage} "
                                            f"needs gradient {until} before its forward {k}")
                     return
-                send_array(self.comm, self.unsent.pop(k), following)
+                send_value(self.comm, self.unsent.pop(k), following)
             elif until is None:
                 return
             else:
-                self.grads[k] = recv_array(self.comm, following)
+                # the gradients of the outputs that travelled with one, if any did
+                self.grads[k] = (recv_value(self.comm, following)[0] if self.roots.get(k)
+                                 else [])
                 if k == until:
                     until = None
             self.position += 1
@@ -190,8 +248,8 @@ def final_loss(layout, communicator, losses):
         return loss
     message = xp.zeros(2, dtype=np.float64)
     if layout.last:
-        message[0], message[1] = loss, loss.dtype.num
+        message[0], message[1] = loss, WIRE_DTYPES.index(loss.dtype)
     message = backend.to_numpy(communicator.broadcast(message, root=layout.stages - 1))
     if layout.last:
         return loss
-    return xp.asarray(message[0], dtype=_FLOAT_DTYPES[int(message[1])])
+    return xp.asarray(message[0], dtype=WIRE_DTYPES[int(message[1])])

@@ -18,6 +18,12 @@ next unit is gathered; the operation's backward gathers the unit again and rebui
 The values do not change between forward and backward, so an array that is not packed (held
 somewhere else) still holds the right values, only its memory stays.
 
+Whole parameters on request (``gather_all``, Paddle's ``get_all_parameters``): every unit is
+gathered and stays whole, so the model's parameters read as the trained values (Paddle's tests
+compare them after ``save_group_sharded_model``, which gathers them so). They stay whole until
+the next update or ``assign`` makes them stale, and operations meanwhile use them without
+gathering.
+
 Every rank of a group must therefore run the same operations on the same parameters in the
 same order, as with FSDP or ZeRO-3; a unit gathered on one rank only is a collective that the
 others do not enter, reported by the comm layer's checks.
@@ -256,18 +262,22 @@ class ParameterGatherer:
         """``unit``'s values, all-gathered (or taken from the prefetched ones) unless it is
         the current unit; the unit gathered before is released, and the next units expected
         are started ahead."""
-        if self.current is unit:
+        if unit.values is not None:
             return unit.values
         self.forget()
         values = self._take(unit)
         self.sequence.append(unit.index)
+        self._bind(unit, values)
+        self.current = unit
+        self._prefetch()
+        return values
+
+    def _bind(self, unit, values):
+        """Make ``values`` (the unit's gathered array) its parameters' values."""
         unit.values = values
         for p in unit.parameters:
             begin = self._position[id(p)] - unit.start
             p.bind_data(values[begin:begin + p.size].reshape(p.shape))
-        self.current = unit
-        self._prefetch()
-        return values
 
     def _piece(self, unit):
         start, stop = self.shard
@@ -328,12 +338,24 @@ class ParameterGatherer:
         self._cursor = 0
 
     def forget(self):
-        """Release the unit gathered last."""
-        unit, self.current = self.current, None
-        if unit is not None:
-            unit.values = None
-            for p in unit.parameters:
-                p.release_data()
+        """Release the unit gathered last, and every unit ``gather_all`` left whole."""
+        self.current = None
+        for unit in self.units:
+            if unit.values is not None:
+                unit.values = None
+                for p in unit.parameters:
+                    p.release_data()
+
+    def gather_all(self):
+        """Gather every unit and leave it whole (module docstring); a collective over the
+        group."""
+        self.settle()
+        self.forget()
+        for unit in self.units:
+            self.gathers += 1
+            values = (self._piece(unit).copy() if self.group is None
+                      else self.group.allgatherv(self._piece(unit), unit.counts))
+            self._bind(unit, values)
 
     def assign(self, parameter, values):
         """Write the part of ``values`` (``parameter``'s whole values) in this rank's shard."""

@@ -60,6 +60,35 @@ def test_each_level_is_its_sharding_stage_bit_for_bit(level):
         equal(value, reference[name], err_msg=name)
 
 
+def released(parameter):
+    """Whether ``parameter`` holds stage 3's placeholder instead of values."""
+    return parameter.data.strides == (0,) * parameter.data.ndim
+
+
+@pytest.mark.mpi(min_size=2)
+def test_stage_3_parameters_are_whole_after_get_all_parameters_and_after_the_save(
+        tmp_path_factory):
+    """As Paddle's stage-3 test reads them: after training and ``get_all_parameters``, and
+    after ``save_group_sharded_model``, the parameters are stage 1's; the next update releases
+    them again."""
+    from mpi4py import MPI
+
+    folder = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("saved"))
+                                  if MPI.COMM_WORLD.rank == 0 else None)
+    model, opt = build("p_g_os")
+    expected, expected_opt = build("os")
+    for steps, read in ((range(STEPS), model.get_all_parameters),
+                        (range(STEPS, STEPS + 1),
+                         lambda: fleet.save_group_sharded_model(model, folder, opt))):
+        train_from(model, opt, steps)
+        ok(all(released(p) for p in model.parameters()), "the update left whole parameters")
+        train_from(expected, expected_opt, steps)
+        read()
+        reference = expected.parameters()
+        for p, q in zip(model.parameters(), reference, strict=True):
+            equal(p.numpy(), q.numpy(), err_msg=p.name)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_buffer_max_size_sets_the_gradient_buckets():
     _, opt = build("os_g", buffer_max_size=2 ** 17)

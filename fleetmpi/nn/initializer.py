@@ -122,3 +122,23 @@ class Assign:
             raise ValueError(f"Assign holds a value of shape {tuple(self.value.shape)}, but the "
                              f"parameter has shape {tuple(shape)}")
         return self.value.copy()
+
+
+def part_values(init, full_shape, index):
+    """The initial values of the part ``index`` (an index into the whole parameter) that a rank
+    of a model-parallel group holds of a parameter of ``full_shape``. An ``Assign`` is applied
+    to the part, as Paddle's tensor-parallel layers apply their ``weight_attr``: it holds the
+    rank's part (the whole parameter, which is cut, is taken too). Any other initializer draws
+    the whole parameter, the serial layer's draws, and the part is cut from them: the ranks'
+    parts differ as the per-rank seeds make them differ in Paddle, and a model built from a
+    seed starts as the serial model does."""
+    full_shape = tuple(full_shape)
+    if isinstance(init, Assign):
+        shape = np.broadcast_to(np.int8(0), full_shape)[index].shape
+        if init.value.shape == shape:
+            return init(shape)
+        if init.value.shape != full_shape:
+            raise ValueError(f"Assign holds a value of shape {init.value.shape}, but this "
+                             f"rank's part of the parameter has shape {shape} (of the whole "
+                             f"{full_shape}); give the rank's part, as Paddle takes it")
+    return init(full_shape)[index]

@@ -261,19 +261,28 @@ class PipelineLayer(Layer):
         for start in range(0, len(functions), self.recompute_interval):
             piece = functions[start:start + self.recompute_interval]
             layers = [layer for f in piece for layer in layers_of(f)[0]]
-            if isinstance(x, Tensor) and not x.stop_gradient and layer_parameters(layers):
+            inputs = x if isinstance(x, tuple) else (x,)
+            if layer_parameters(layers) and any(isinstance(t, Tensor) and not t.stop_gradient
+                                                for t in inputs):
                 # Paddle's rule: a run is recomputed when it holds parameters and its input
-                # needs a gradient
-                x = run_recomputed(functools.partial(_run_entries, piece), (x,), layers=layers)
+                # (an item of it, for a tuple) needs a gradient
+                x = run_recomputed(functools.partial(_run_unpacked, piece), inputs,
+                                   layers=layers)
             else:
                 x = _run_entries(piece, x)
         return x
 
 
 def _run_entries(functions, x):
+    """Each entry on the one before's output: ``x`` a tensor or a tuple, given whole."""
     for function in functions:
         x = function(x)
     return x
+
+
+def _run_unpacked(functions, *inputs):
+    """``_run_entries`` on the tuple ``inputs``, or on the one tensor it holds."""
+    return _run_entries(functions, inputs[0] if len(inputs) == 1 else inputs)
 
 
 def _checked_entries(layers):

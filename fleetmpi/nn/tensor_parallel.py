@@ -11,8 +11,10 @@ from ``hybrid_configs``, or no group at all (one rank: the serial layer).
 A part starts as the same part of the serial layer's initial weight: the layer draws the whole
 weight from the shared generator (as the serial layer does, the same draws in the same order)
 and keeps its own slice, so a tensor-parallel model built from a seed starts from the weights
-of the serial model built from that seed. ``full_weight_shape`` and ``weight_part`` say which
-slice a rank holds (``initialize_weight`` uses them to re-initialise a layer the same way).
+of the serial model built from that seed. An ``Assign`` initializer in ``weight_attr`` holds
+the rank's part, as in Paddle (``initializer.part_values``). ``full_weight_shape`` and
+``weight_part`` say which slice a rank holds (``initialize_weight`` uses them to re-initialise
+a layer the same way).
 """
 import dataclasses
 
@@ -47,9 +49,9 @@ def _split(what, value, group):
 
 
 def initialize_weight(layer, init):
-    """Set ``layer.weight`` to ``init(full shape)`` (an initializer), the layer's own part of
-    it for a tensor-parallel layer: the values the serial layer would get from the same
-    draws."""
+    """Set ``layer.weight`` from the initializer ``init``: for a tensor-parallel layer its
+    own part (``initializer.part_values``), the values the serial layer would get from the
+    same draws."""
     weight = layer.weight
     part = getattr(layer, "weight_part", ...)
     if not weight.materialized and part is ...:
@@ -58,7 +60,7 @@ def initialize_weight(layer, init):
         weight.defer(init, weight.deferred_init.layer)
         return
     shape = getattr(layer, "full_weight_shape", weight.shape)
-    weight.set_value(init(tuple(shape))[part])
+    weight.set_value(initializer.part_values(init, shape, part))
 
 
 def _check_fuse_matmul_bias(value):
@@ -78,13 +80,14 @@ class TensorParallelLayer(Layer):
 
     def _part_parameter(self, full_shape, part, attr=None, default_initializer=None,
                         is_bias=False):
-        """A parameter holding ``part`` of a ``full_shape`` weight drawn whole (from the
-        initializer of ``attr``, the ``weight_attr``, when it has one)."""
+        """A parameter holding ``part`` of a ``full_shape`` weight, its values from the
+        initializer of ``attr`` (the ``weight_attr``) when it has one
+        (``initializer.part_values``)."""
         attr = needed(attr, "weight_attr")
         init = attr.initializer or default_initializer
         if init is None:
             init = initializer.Constant(0.0) if is_bias else initializer.XavierUniform()
-        values = init(tuple(full_shape))[part]
+        values = initializer.part_values(init, full_shape, part)
         parameter = self.create_parameter(values.shape,
                                           dataclasses.replace(attr, initializer=None),
                                           default_initializer=values)
