@@ -154,7 +154,7 @@ class StageSchedule:
         self.busy += elapsed(started)
         if not layout.first:
             received = self.inputs.pop(k)
-            dx = received.grad if received.grad is not None else \
+            dx = received.grad.data if received.grad is not None else \
                 backend.array_module().zeros_like(received.data)
             send_array(self.comm, dx, layout.stage - 1)
         self._flush()

@@ -120,7 +120,7 @@ def run(fields, fuse=False, make_model=model_with_dropout_and_batch_norm, batch=
     state afterwards and the optimizer."""
     model, opt, losses = train(strategy(fuse, **fields), steps=STEPS, make_model=make_model,
                                batch=batch, local=local)
-    grads = {p.name: backend.to_numpy(p.grad).copy() for p in model.parameters()}
+    grads = {p.name: p.grad.numpy().copy() for p in model.parameters()}
     return model.state_dict(), grads, losses, backend.rng_state(), opt
 
 
@@ -147,7 +147,7 @@ def run_user(fields, idiom="minimize", fuse=False, make_model=UserModel, local=T
             loss.backward()
             opt.step()
             losses.append(loss.item())
-        grads = {p.name: backend.to_numpy(p.grad).copy() for p in model.parameters()}
+        grads = {p.name: p.grad.numpy().copy() for p in model.parameters()}
         if idiom != "minimize":
             opt.clear_grad()
     return model.state_dict(), grads, losses, backend.rng_state(), opt
@@ -406,7 +406,7 @@ def test_fleet_utils_recompute_of_every_layer_kind_is_the_plain_call(float64_lay
             held = held_activation_bytes(layer, y)
             y.backward(np.ones(y.shape))
             results.append((y.numpy(), [a.grad for a in args],
-                            [p.grad.copy() for p in layer.parameters()], layer.state_dict(),
+                            [p.grad.numpy().copy() for p in layer.parameters()], layer.state_dict(),
                             held, backend.rng_state()))
         (y0, dx0, dp0, state0, _, rng0), (y1, dx1, dp1, state1, held1, rng1) = results
         np.testing.assert_array_equal(y1, y0, err_msg=name)
@@ -511,7 +511,7 @@ def test_recompute_of_a_function_of_several_tensors_and_keywords():
         layer.clear_gradients()
         first, second = call(a, b, scale=3.0)
         (first.sum() + (second * second).sum()).backward()
-        results.append([a.grad, b.grad, layer.weight.grad.copy(), layer.bias.grad.copy(),
+        results.append([a.grad, b.grad, layer.weight.grad.numpy().copy(), layer.bias.grad.numpy().copy(),
                         first.numpy()])
     for got, expected in zip(results[1], results[0]):
         equal(got, expected)
@@ -531,7 +531,7 @@ def test_dropout_inside_a_recomputed_segment_replays_its_mask():
         layer.clear_gradients()
         backend.manual_seed(7)
         call(x).sum().backward()
-        results.append(([p.grad.copy() for p in layer.parameters()], backend.rng_state()))
+        results.append(([p.grad.numpy().copy() for p in layer.parameters()], backend.rng_state()))
     plain, replayed, redrawn = results
     for got, expected in zip(replayed[0], plain[0]):
         equal(got, expected)

@@ -58,6 +58,8 @@ class Function:
     # What a tensor's keeper packed of this call's saved arrays (``Tensor._keeper``): the
     # record its ``after_forward`` returned, unpacked by the engine before ``backward``.
     _packed = None
+    # Gradient hooks of its outputs, ``{output index: [hook]}`` (``Tensor.register_hook``).
+    _hooks = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -8,7 +8,8 @@ from .gpt import gpt_pipeline
 from .layer import Layer, get_default_dtype, set_default_dtype
 from .basic_layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear, ReLU, Sigmoid,
                            Softmax, Tanh)
-from .loss import CrossEntropyLoss, MSELoss
+from .loss import (BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss,
+                   SmoothL1Loss)
 from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
 from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm
 from .parameter import Parameter
@@ -16,11 +17,12 @@ from .tensor_parallel import (ColumnParallelLinear, ParallelCrossEntropy, RowPar
                               VocabParallelEmbedding)
 
 __all__ = [
-    "Activation", "AdaptiveAvgPool2D", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
+    "Activation", "AdaptiveAvgPool2D", "BCEWithLogitsLoss", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
     "ColumnParallelLinear", "Conv2D", "creation", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
-    "Flatten", "GELU", "GPT", "GlobalAvgPool", "Layer", "LayerDict", "LayerList", "LayerNorm",
-    "Linear", "MLP", "MSELoss", "MaxPool2D", "ParallelCrossEntropy", "Parameter", "ReLU",
-    "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "Softmax", "Tanh",
+    "Flatten", "GELU", "GPT", "GlobalAvgPool", "L1Loss", "Layer", "LayerDict", "LayerList",
+    "LayerNorm", "Linear", "MLP", "MSELoss", "MaxPool2D", "NLLLoss", "ParallelCrossEntropy", "Parameter", "ReLU",
+    "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax",
+    "Tanh",
     "VocabParallelEmbedding", "basic_block", "bottleneck_block", "flatten", "functional",
     "get_default_dtype", "gpt_pipeline", "initializer", "lazy", "resnet101", "resnet20", "resnet50",
     "set_default_dtype"

@@ -299,7 +299,7 @@ class Optimizer:
         if self._shard is None:
             parameters = [p for run in runs for p in run.parameters]
             factors = dict(zip(map(id, parameters),
-                               self.grad_clip.scales([p.grad for p in parameters])))
+                               self.grad_clip.scales([p.grad.data for p in parameters])))
         else:
             factors = self._shard_clip_factors()
         flats = []
