@@ -63,6 +63,7 @@ from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, ga
                        is_grad_enabled, matmul, no_grad, reshape, split, stack, to_tensor,
                        transpose)
 from .core.backend import manual_seed as seed
+from .device import get_device, set_device
 from .core.capture_checks import CaptureError
 from .training.log_writer import LogWriter
 from .nn.creation import create_parameter, rand, randn
@@ -122,14 +123,14 @@ __all__ = [
     "concat", "ConfigError", "create_parameter", "DataParallel", "device", "device_guard",
     "distributed", "distributed_model", "distributed_optimizer", "distributed_scaler",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
-    "gather", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
+    "gather", "get_device", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
     "group_sharded_parallel", "init", "init_server", "init_worker", "io", "is_first_worker",
     "is_grad_enabled", "is_server", "is_worker", "Join", "LazyGuard", "load", "local_rank",
     "local_size", "LogWriter", "matmul", "meta_parallel", "metric", "ModeError", "nn",
     "no_grad", "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker",
     "ParamAttr", "rand", "randn", "reshape", "Role", "run_server", "save",
     "save_group_sharded_model", "save_persistables", "seed", "server_endpoints",
-    "server_index", "server_num", "split", "split_stages", "stack", "stop_worker", "summary",
-    "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
+    "server_index", "server_num", "set_device", "split", "split_stages", "stack", "stop_worker",
+    "summary", "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
     "worker_endpoints", "worker_index", "worker_num",
 ]

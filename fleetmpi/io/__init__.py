@@ -5,11 +5,14 @@ reads its own batches of one shared order, every rank the same number of them.
 """
 from .collate import default_collate_fn
 from .dataloader import DataLoader
-from .dataset import Dataset, IterableDataset, TensorDataset
+from .dataset import (ChainDataset, ComposeDataset, Dataset, IterableDataset, Subset,
+                      TensorDataset, random_split)
 from .sampler import (BatchSampler, DistributedBatchSampler, RandomSampler, Sampler,
-                      SequenceSampler)
+                      SequenceSampler, SubsetRandomSampler, WeightedRandomSampler)
 from .workers import WorkerError, WorkerInfo, get_worker_info
 
-__all__ = ["BatchSampler", "DataLoader", "Dataset", "DistributedBatchSampler",
-           "IterableDataset", "RandomSampler", "Sampler", "SequenceSampler", "TensorDataset",
-           "WorkerError", "WorkerInfo", "default_collate_fn", "get_worker_info"]
+__all__ = ["BatchSampler", "ChainDataset", "ComposeDataset", "DataLoader", "Dataset",
+           "DistributedBatchSampler", "IterableDataset", "RandomSampler", "Sampler",
+           "SequenceSampler", "Subset", "SubsetRandomSampler", "TensorDataset",
+           "WeightedRandomSampler", "WorkerError", "WorkerInfo", "default_collate_fn",
+           "get_worker_info", "random_split"]

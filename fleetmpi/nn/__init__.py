@@ -1,6 +1,7 @@
 """``fleetmpi.nn``: ``Layer`` (models as Paddle dygraph users write them), the built-in layers
 over ``fleetmpi.nn.functional``, parameters held in flat buffers, and ready-made models."""
 from . import creation, functional, initializer, lazy
+from ..optimizer.clip import ClipGradByGlobalNorm, ClipGradByNorm
 from .containers import LayerDict, LayerList, ResidualBlock, Sequential
 from .conv import AdaptiveAvgPool2D, AvgPool2D, Conv2D, GlobalAvgPool, MaxPool2D
 from .flat import FlatBuffer, flatten
@@ -18,7 +19,7 @@ from .tensor_parallel import (ColumnParallelLinear, ParallelCrossEntropy, RowPar
 
 __all__ = [
     "Activation", "AdaptiveAvgPool2D", "BCEWithLogitsLoss", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
-    "ColumnParallelLinear", "Conv2D", "creation", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
+    "ClipGradByGlobalNorm", "ClipGradByNorm", "ColumnParallelLinear", "Conv2D", "creation", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
     "Flatten", "GELU", "GPT", "GlobalAvgPool", "L1Loss", "Layer", "LayerDict", "LayerList",
     "LayerNorm", "Linear", "MLP", "MSELoss", "MaxPool2D", "NLLLoss", "ParallelCrossEntropy", "Parameter", "ReLU",
     "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax",
