@@ -31,6 +31,10 @@ class IterableDataset(Dataset):
         raise TypeError(f"{type(self).__name__} is an IterableDataset: iterate it, it has no "
                         f"samples by index")
 
+    def __len__(self):
+        # a TypeError, as for any object without a length: list(dataset) then just iterates
+        raise TypeError(f"{type(self).__name__} is an IterableDataset: it has no length")
+
 
 def _host(value):
     return value.numpy() if isinstance(value, Tensor) else np.asarray(value)
