@@ -59,14 +59,16 @@ finally:
         del _os.environ[_name]
 
 from . import autograd, device, framework, io, metric, nn, optimizer, utils
-from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, gather,
-                       is_grad_enabled, matmul, no_grad, reshape, split, stack, to_tensor,
-                       transpose)
+from .autograd import (Function, NonFiniteError, Tensor, abs, add, cast, concat, divide,
+                       enable_grad, exp, gather, is_grad_enabled, log, matmul, max, mean,
+                       multiply, no_grad, reshape, sigmoid, split, sqrt, stack, subtract, sum,
+                       tanh, to_tensor, transpose)
 from .core.backend import manual_seed as seed
 from .device import get_device, set_device
 from .core.capture_checks import CaptureError
 from .training.log_writer import LogWriter
-from .nn.creation import create_parameter, rand, randn
+from .nn.creation import (arange, create_parameter, full, full_like, ones, ones_like, rand,
+                          randn, zeros, zeros_like)
 from .nn.lazy import LazyGuard
 from .nn.param_attr import ParamAttr
 from .nn.summary import summary
@@ -119,7 +121,9 @@ _keep_first_names()
 __version__ = "0.1.0"
 
 __all__ = [
-    "amp", "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError",
+    "abs", "add", "amp", "arange", "cast", "divide", "exp", "full", "full_like", "log", "max",
+    "mean", "multiply", "ones", "ones_like", "sigmoid", "sqrt", "subtract", "sum", "tanh",
+    "zeros", "zeros_like", "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError",
     "concat", "ConfigError", "create_parameter", "DataParallel", "device", "device_guard",
     "distributed", "distributed_model", "distributed_optimizer", "distributed_scaler",
     "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
@@ -134,3 +138,8 @@ __all__ = [
     "summary", "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
     "worker_endpoints", "worker_index", "worker_num",
 ]
+
+
+from .core.paddle_names import module_getattr as _module_getattr
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle", globals())

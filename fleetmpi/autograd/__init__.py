@@ -1,6 +1,7 @@
 """Define-by-run autograd over the backend's arrays: ``Tensor``, ``Function``, ``PyLayer``
 (Paddle's ``paddle.autograd.PyLayer``), ``no_grad``, the elementary operations, and
 ``recompute``."""
+from ..core.paddle_names import module_getattr as _module_getattr
 from . import operations
 from .autocast import autocast
 from .engine import run_backward
@@ -19,3 +20,7 @@ __all__ = [
     "no_grad", "operations", "reshape", "run_backward", "sigmoid", "split", "sqrt", "stack",
     "subtract", "sum", "tanh", "to_tensor", "transpose",
 ]
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.autograd", globals())

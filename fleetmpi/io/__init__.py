@@ -3,6 +3,7 @@
 A distributed script gives its ``DataLoader`` a ``DistributedBatchSampler``: each rank then
 reads its own batches of one shared order, every rank the same number of them.
 """
+from ..core.paddle_names import module_getattr as _module_getattr
 from .collate import default_collate_fn
 from .dataloader import DataLoader
 from .dataset import (ChainDataset, ComposeDataset, Dataset, IterableDataset, Subset,
@@ -16,3 +17,7 @@ __all__ = ["BatchSampler", "ChainDataset", "ComposeDataset", "DataLoader", "Data
            "SequenceSampler", "Subset", "SubsetRandomSampler", "TensorDataset",
            "WeightedRandomSampler", "WorkerError", "WorkerInfo", "default_collate_fn",
            "get_worker_info", "random_split"]
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.io", globals())

@@ -1,5 +1,6 @@
 """``fleetmpi.nn``: ``Layer`` (models as Paddle dygraph users write them), the built-in layers
 over ``fleetmpi.nn.functional``, parameters held in flat buffers, and ready-made models."""
+from ..core.paddle_names import module_getattr as _module_getattr
 from . import creation, functional, initializer, lazy
 from ..optimizer.clip import ClipGradByGlobalNorm, ClipGradByNorm
 from .containers import LayerDict, LayerList, ResidualBlock, Sequential
@@ -28,3 +29,7 @@ __all__ = [
     "get_default_dtype", "gpt_pipeline", "initializer", "lazy", "resnet101", "resnet20", "resnet50",
     "set_default_dtype"
 ]
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.nn", globals())

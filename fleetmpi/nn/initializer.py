@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..core.paddle_names import module_getattr as _module_getattr
 from ..core import backend
 
 # The most elements ``skip`` draws at once where it cannot jump (normal draws reject some
@@ -122,3 +123,7 @@ class Assign:
             raise ValueError(f"Assign holds a value of shape {tuple(self.value.shape)}, but the "
                              f"parameter has shape {tuple(shape)}")
         return self.value.copy()
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.nn.initializer", globals())

@@ -4,6 +4,8 @@ A scheduler is passed as ``learning_rate`` to an optimizer; ``scheduler.step()``
 (per epoch or per iteration, the caller's choice) and ``scheduler()`` is the current rate."""
 import math
 
+from ..core.paddle_names import module_getattr as _module_getattr
+
 
 def _check_number(name, value, low=None, positive=False):
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -401,3 +403,7 @@ class ReduceOnPlateau(LRScheduler):
         self.last_lr, self.best = float(state["last_lr"]), state["best"]
         self.num_bad_epochs = int(state["num_bad_epochs"])
         self.cooldown_counter = int(state["cooldown_counter"])
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.optimizer.lr", globals())

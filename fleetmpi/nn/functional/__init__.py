@@ -1,6 +1,7 @@
 """``fleetmpi.nn.functional``: the differentiable operations layers are built from (Paddle's
 ``paddle.nn.functional``). Each takes Tensors or plain NumPy/CuPy arrays and returns a Tensor.
 """
+from ...core.paddle_names import module_getattr as _module_getattr
 from ...autograd.operations import sigmoid, tanh
 from .activation import activation, gelu, log_softmax, relu, softmax
 from .attention import scaled_dot_product_attention
@@ -20,3 +21,7 @@ __all__ = [
     "log_softmax", "mse_loss", "nll_loss", "smooth_l1_loss", "parallel_cross_entropy", "reduce_from_model_parallel", "relu",
     "scaled_dot_product_attention", "scatter_to_model_parallel", "sigmoid", "softmax", "tanh",
 ]
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.nn.functional", globals())
