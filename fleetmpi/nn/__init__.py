@@ -15,13 +15,14 @@ from .loss import (BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss
 from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
 from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm
 from .parameter import Parameter
+from .rnn import GRU, LSTM
 from .tensor_parallel import (ColumnParallelLinear, ParallelCrossEntropy, RowParallelLinear,
                               VocabParallelEmbedding)
 
 __all__ = [
     "Activation", "AdaptiveAvgPool2D", "BCEWithLogitsLoss", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
     "ClipGradByGlobalNorm", "ClipGradByNorm", "ColumnParallelLinear", "Conv2D", "creation", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
-    "Flatten", "GELU", "GPT", "GlobalAvgPool", "L1Loss", "Layer", "LayerDict", "LayerList",
+    "Flatten", "GELU", "GPT", "GRU", "GlobalAvgPool", "L1Loss", "LSTM", "Layer", "LayerDict", "LayerList",
     "LayerNorm", "Linear", "MLP", "MSELoss", "MaxPool2D", "NLLLoss", "ParallelCrossEntropy", "Parameter", "ReLU",
     "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax",
     "Tanh",
