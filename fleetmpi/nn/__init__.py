@@ -13,22 +13,25 @@ from .basic_layers import (GELU, Activation, Dropout, Embedding, Flatten, Linear
 from .loss import (BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss,
                    SmoothL1Loss)
 from .models import GPT, MLP, basic_block, bottleneck_block, resnet20, resnet50, resnet101
-from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, LayerNorm
+from .norm import BatchNorm, BatchNorm1D, BatchNorm2D, BatchNorm3D, LayerNorm
 from .parameter import Parameter
 from .rnn import GRU, LSTM
+from .transformer import MultiHeadAttention, TransformerEncoder, TransformerEncoderLayer
 from .tensor_parallel import (ColumnParallelLinear, ParallelCrossEntropy, RowParallelLinear,
                               VocabParallelEmbedding)
 
 __all__ = [
-    "Activation", "AdaptiveAvgPool2D", "BCEWithLogitsLoss", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
-    "ClipGradByGlobalNorm", "ClipGradByNorm", "ColumnParallelLinear", "Conv2D", "creation", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
-    "Flatten", "GELU", "GPT", "GRU", "GlobalAvgPool", "L1Loss", "LSTM", "Layer", "LayerDict", "LayerList",
-    "LayerNorm", "Linear", "MLP", "MSELoss", "MaxPool2D", "NLLLoss", "ParallelCrossEntropy", "Parameter", "ReLU",
+    "Activation", "AdaptiveAvgPool2D", "AvgPool2D", "BatchNorm", "BatchNorm1D", "BatchNorm2D",
+    "BatchNorm3D", "BCEWithLogitsLoss", "ClipGradByGlobalNorm", "ClipGradByNorm",
+    "ColumnParallelLinear", "Conv2D", "CrossEntropyLoss", "Dropout", "Embedding", "FlatBuffer",
+    "Flatten", "GELU", "GlobalAvgPool", "GPT", "GRU", "L1Loss", "Layer", "LayerDict",
+    "LayerList", "LayerNorm", "Linear", "LSTM", "MaxPool2D", "MLP", "MSELoss",
+    "MultiHeadAttention", "NLLLoss", "ParallelCrossEntropy", "Parameter", "ReLU",
     "ResidualBlock", "RowParallelLinear", "Sequential", "Sigmoid", "SmoothL1Loss", "Softmax",
-    "Tanh",
-    "VocabParallelEmbedding", "basic_block", "bottleneck_block", "flatten", "functional",
-    "get_default_dtype", "gpt_pipeline", "initializer", "lazy", "resnet101", "resnet20", "resnet50",
-    "set_default_dtype"
+    "Tanh", "TransformerEncoder", "TransformerEncoderLayer", "VocabParallelEmbedding",
+    "basic_block", "bottleneck_block", "creation", "flatten", "functional",
+    "get_default_dtype", "gpt_pipeline", "initializer", "lazy", "resnet101", "resnet20",
+    "resnet50", "set_default_dtype",
 ]
 
 
