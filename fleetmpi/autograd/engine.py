@@ -62,7 +62,7 @@ def _array(value):
 
 def _conformed(grad, like):
     """``grad`` in the shape and dtype of ``like`` (a tensor, or a call's ``Edge`` to one)."""
-    grad = sum_to_shape(grad, like.shape)
+    grad = sum_to_shape(grad, tuple(like.shape))
     return grad if grad.dtype == like.dtype else grad.astype(like.dtype)
 
 
