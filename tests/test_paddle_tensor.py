@@ -34,6 +34,14 @@ def test_a_parameters_grad_is_a_view_of_the_flat_gradient_buffer():
     buffer = model.flat_buffers()[0]
     layer.weight.grad[...] = 7.0
     assert (buffer.grad[layer.weight.offset:layer.weight.offset + 6] == 7.0).all()
+    layer.weight.grad += 1.0  # the sum is written back into the buffer
+    layer.weight.grad *= 2.0
+    assert (buffer.grad[layer.weight.offset:layer.weight.offset + 6] == 16.0).all()
+    with pytest.raises(ValueError, match=r"grad = a value of shape \(2,\): the gradient "
+                                         r"storage has shape \(3, 2\)"):
+        layer.weight.grad = np.zeros(2)
+    layer.weight.grad = None
+    assert not layer.weight.grad.numpy().any()
 
 
 def test_clone_copies_the_values_and_passes_the_gradient_back():

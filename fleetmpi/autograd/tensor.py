@@ -172,10 +172,13 @@ class Tensor:
 
     @grad.setter
     def grad(self, value):
-        self._grad = as_array(value)
+        self._set_gradient(None if value is None else backend.asarray(as_array(value)))
 
     def _gradient_array(self):
         return self._grad
+
+    def _set_gradient(self, array):
+        self._grad = array
 
     def gradient(self):
         """The gradient as a host NumPy array (Paddle's ``gradient()``), None if there is

@@ -1,7 +1,7 @@
 """``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers.
 
-The interface strategies use, besides a tensor's ``data``, ``grad``, ``name``, ``shape``,
-``size`` and ``dtype``:
+The interface strategies use, besides a tensor's ``data``, ``grad`` (``grad.data`` is the
+gradient array), ``name``, ``shape``, ``size`` and ``dtype``:
 
 * ``buffer``, ``offset``: the flat buffer (``nn.flat.FlatBuffer``) the parameter lives in and
   where; read only.
@@ -77,6 +77,19 @@ class Parameter(Tensor):
             _own_zeros(self)
         self.settle_gradient()
         return self._grad
+
+    def _set_gradient(self, array):
+        """``p.grad = value`` writes the values into the gradient storage, so that a view of
+        the flat buffer stays one (``p.grad += g`` adds into the buffer); None zeroes it."""
+        if array is None:
+            self.clear_gradient()
+            return
+        current = self._gradient_array()
+        if current is None or tuple(current.shape) != tuple(array.shape):
+            shape = None if current is None else tuple(current.shape)
+            raise ValueError(f"{self.name}.grad = a value of shape {tuple(array.shape)}: the "
+                             f"gradient storage has shape {shape}")
+        current[...] = array
 
     def settle_gradient(self):
         """Write the zeros ``clear_gradient`` promised, if no gradient came since."""
