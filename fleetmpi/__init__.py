@@ -121,22 +121,22 @@ _keep_first_names()
 __version__ = "0.1.0"
 
 __all__ = [
-    "abs", "add", "amp", "arange", "cast", "divide", "exp", "full", "full_like", "log", "max",
-    "mean", "multiply", "ones", "ones_like", "sigmoid", "sqrt", "subtract", "sum", "tanh",
-    "zeros", "zeros_like", "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError",
-    "concat", "ConfigError", "create_parameter", "DataParallel", "device", "device_guard",
-    "distributed", "distributed_model", "distributed_optimizer", "distributed_scaler",
-    "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
+    "abs", "add", "amp", "applied_strategy", "arange", "autograd", "barrier_worker",
+    "BuildStrategy", "CaptureError", "cast", "concat", "ConfigError", "create_parameter",
+    "DataParallel", "device", "device_guard", "distributed", "distributed_model",
+    "distributed_optimizer", "distributed_scaler", "DistributedStrategy", "divide",
+    "enable_grad", "ExecutionStrategy", "exp", "framework", "full", "full_like", "Function",
     "gather", "get_device", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
     "group_sharded_parallel", "init", "init_server", "init_worker", "io", "is_first_worker",
     "is_grad_enabled", "is_server", "is_worker", "Join", "LazyGuard", "load", "local_rank",
-    "local_size", "LogWriter", "matmul", "meta_parallel", "metric", "ModeError", "nn",
-    "no_grad", "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker",
-    "ParamAttr", "rand", "randn", "reshape", "Role", "run_server", "save",
-    "save_group_sharded_model", "save_persistables", "seed", "server_endpoints",
-    "server_index", "server_num", "set_device", "split", "split_stages", "stack", "stop_worker",
-    "summary", "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
-    "worker_endpoints", "worker_index", "worker_num",
+    "local_size", "log", "LogWriter", "matmul", "max", "mean", "meta_parallel", "metric",
+    "ModeError", "multiply", "nn", "no_grad", "node_index", "node_num", "NonFiniteError",
+    "ones", "ones_like", "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "rand", "randn",
+    "reshape", "Role", "run_server", "save", "save_group_sharded_model", "save_persistables",
+    "seed", "server_endpoints", "server_index", "server_num", "set_device", "sigmoid", "split",
+    "split_stages", "sqrt", "stack", "stop_worker", "subtract", "sum", "summary", "tanh",
+    "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
+    "worker_endpoints", "worker_index", "worker_num", "zeros", "zeros_like",
 ]
 
 

@@ -226,7 +226,8 @@ def test_cross_entropy_values_equal_the_picked_log_softmax(reduction):
     softmax = np.exp(logits - logits.max(axis=1, keepdims=True))
     softmax /= softmax.sum(axis=1, keepdims=True)
     softmax[np.arange(7), labels] -= 1
-    np.testing.assert_allclose(logits_tensor.grad.numpy(), softmax / (7 if reduction == "mean" else 1),
+    np.testing.assert_allclose(logits_tensor.grad.numpy(),
+                               softmax / (7 if reduction == "mean" else 1),
                                rtol=1e-13, atol=1e-15)
 
 

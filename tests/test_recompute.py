@@ -523,7 +523,8 @@ def test_recompute_of_a_function_of_several_tensors_and_keywords():
         layer.clear_gradients()
         first, second = call(a, b, scale=3.0)
         (first.sum() + (second * second).sum()).backward()
-        results.append([a.grad, b.grad, layer.weight.grad.numpy().copy(), layer.bias.grad.numpy().copy(),
+        results.append([a.grad, b.grad, layer.weight.grad.numpy().copy(),
+                        layer.bias.grad.numpy().copy(),
                         first.numpy()])
     for got, expected in zip(results[1], results[0]):
         equal(got, expected)

@@ -15,10 +15,11 @@ from .py_layer import PyLayer, PyLayerContext
 from .tensor import Tensor, as_array, to_tensor
 
 __all__ = [
-    "Cast", "Function", "NonFiniteError", "PyLayer", "PyLayerContext", "Tensor", "abs", "add",
-    "as_array", "autocast", "cast", "concat", "divide", "enable_grad", "exp", "gather", "is_grad_enabled", "log", "matmul", "max", "mean", "multiply",
-    "no_grad", "operations", "reshape", "run_backward", "sigmoid", "split", "sqrt", "stack",
-    "subtract", "sum", "tanh", "to_tensor", "transpose",
+    "abs", "add", "as_array", "autocast", "Cast", "cast", "concat", "divide", "enable_grad",
+    "exp", "Function", "gather", "is_grad_enabled", "log", "matmul", "max", "mean", "multiply",
+    "no_grad", "NonFiniteError", "operations", "PyLayer", "PyLayerContext", "reshape",
+    "run_backward", "sigmoid", "split", "sqrt", "stack", "subtract", "sum", "tanh", "Tensor",
+    "to_tensor", "transpose",
 ]
 
 

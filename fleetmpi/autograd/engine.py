@@ -11,8 +11,9 @@ has been visited: that is when ``on_leaf_ready(leaf)`` is called, which is where
 reduction starts on a bucket while backward goes on. Gradients accumulate into ``leaf.grad``
 (a weight used twice gets both contributions). Hooks (``Tensor.register_hook``) see a
 tensor's whole gradient of the backward and may replace it: a non-leaf's before its node's
-``backward`` runs, a leaf's before it is added to ``grad``. A gradient whose shape is a broadcast of its
-input's is summed back to the input's shape, and one of another dtype is cast to the input's.
+``backward`` runs, a leaf's before it is added to ``grad``. A gradient whose shape is a
+broadcast of its input's is summed back to the input's shape, and one of another dtype is
+cast to the input's.
 
 The graph is freed as backward visits it; a second backward through it is an error.
 

@@ -7,8 +7,8 @@ result of an operation requires one when any of its inputs does and recording is
 inside ``no_grad``). ``grad`` is a Tensor, as Paddle's, over the gradient array itself (for a
 parameter, a view into the model's flat gradient buffer): ``grad.data`` is that array, which
 the trainer and the strategies read and write; writing into ``grad`` (``p.grad[...] = 0``)
-writes the gradient. ``shape`` is a list, as Paddle's. Python operators and methods (``+``, ``@``, ``sum``,
-``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
+writes the gradient. ``shape`` is a list, as Paddle's. Python operators and methods (``+``,
+``@``, ``sum``, ``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
 
 The interface strategies use here is the keeper protocol: a strategy that holds a parameter's
 values elsewhere (sharding stage 3) binds itself with ``Parameter.bind_keeper`` and provides

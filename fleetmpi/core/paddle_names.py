@@ -18,7 +18,8 @@ _LISTED = {
         randint_like randperm uniform normal standard_normal poisson bernoulli multinomial
         seed get_rng_state set_rng_state get_cuda_rng_state set_cuda_rng_state
         concat stack split chunk unbind squeeze unsqueeze reshape reshape_ flatten transpose
-        moveaxis expand expand_as broadcast_to broadcast_tensors broadcast_shape tile repeat_interleave
+        moveaxis expand expand_as broadcast_to broadcast_tensors broadcast_shape tile
+        repeat_interleave
         gather gather_nd scatter scatter_ scatter_nd scatter_nd_add index_select index_sample
         index_add index_put masked_select masked_fill take_along_axis put_along_axis slice
         strided_slice crop flip rot90 roll where nonzero argsort sort topk unique

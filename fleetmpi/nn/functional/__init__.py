@@ -15,11 +15,13 @@ from .tensor_parallel import (copy_to_model_parallel, gather_from_model_parallel
                               scatter_to_model_parallel)
 
 __all__ = [
-    "activation", "adaptive_avg_pool2d", "binary_cross_entropy_with_logits", "avg_pool2d", "batch_norm", "layer_norm", "conv2d", "global_avg_pool",
-    "max_pool2d", "copy_to_model_parallel", "cross_entropy", "dropout", "dropout_add", "embedding",
-    "gather_from_model_parallel", "gelu", "l1_loss", "linear", "linear_activation",
-    "log_softmax", "mse_loss", "nll_loss", "smooth_l1_loss", "parallel_cross_entropy", "reduce_from_model_parallel", "relu",
-    "scaled_dot_product_attention", "scatter_to_model_parallel", "sigmoid", "softmax", "tanh",
+    "activation", "adaptive_avg_pool2d", "avg_pool2d", "batch_norm",
+    "binary_cross_entropy_with_logits", "conv2d", "copy_to_model_parallel", "cross_entropy",
+    "dropout", "dropout_add", "embedding", "gather_from_model_parallel", "gelu",
+    "global_avg_pool", "l1_loss", "layer_norm", "linear", "linear_activation", "log_softmax",
+    "max_pool2d", "mse_loss", "nll_loss", "parallel_cross_entropy",
+    "reduce_from_model_parallel", "relu", "scaled_dot_product_attention",
+    "scatter_to_model_parallel", "sigmoid", "smooth_l1_loss", "softmax", "tanh",
 ]
 
 
