@@ -59,13 +59,16 @@ finally:
         del _os.environ[_name]
 
 from . import autograd, device, framework, io, metric, nn, optimizer, utils
-from .autograd import (Function, NonFiniteError, Tensor, concat, enable_grad, gather,
-                       is_grad_enabled, matmul, no_grad, reshape, split, stack, to_tensor,
-                       transpose)
+from .autograd import (Function, NonFiniteError, Tensor, abs, add, cast, concat, divide,
+                       enable_grad, exp, gather, is_grad_enabled, log, matmul, max, mean,
+                       multiply, no_grad, reshape, sigmoid, split, sqrt, stack, subtract, sum,
+                       tanh, to_tensor, transpose)
 from .core.backend import manual_seed as seed
+from .device import get_device, set_device
 from .core.capture_checks import CaptureError
 from .training.log_writer import LogWriter
-from .nn.creation import create_parameter, rand, randn
+from .nn.creation import (arange, create_parameter, full, full_like, ones, ones_like, rand,
+                          randn, zeros, zeros_like)
 from .nn.lazy import LazyGuard
 from .nn.param_attr import ParamAttr
 from .nn.summary import summary
@@ -118,18 +121,25 @@ _keep_first_names()
 __version__ = "0.1.0"
 
 __all__ = [
-    "amp", "applied_strategy", "autograd", "barrier_worker", "BuildStrategy", "CaptureError",
-    "concat", "ConfigError", "create_parameter", "DataParallel", "device", "device_guard",
-    "distributed", "distributed_model", "distributed_optimizer", "distributed_scaler",
-    "DistributedStrategy", "enable_grad", "ExecutionStrategy", "framework", "Function",
-    "gather", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
+    "abs", "add", "amp", "applied_strategy", "arange", "autograd", "barrier_worker",
+    "BuildStrategy", "CaptureError", "cast", "concat", "ConfigError", "create_parameter",
+    "DataParallel", "device", "device_guard", "distributed", "distributed_model",
+    "distributed_optimizer", "distributed_scaler", "DistributedStrategy", "divide",
+    "enable_grad", "ExecutionStrategy", "exp", "framework", "full", "full_like", "Function",
+    "gather", "get_device", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
     "group_sharded_parallel", "init", "init_server", "init_worker", "io", "is_first_worker",
     "is_grad_enabled", "is_server", "is_worker", "Join", "LazyGuard", "load", "local_rank",
-    "local_size", "LogWriter", "matmul", "meta_parallel", "metric", "ModeError", "nn",
-    "no_grad", "node_index", "node_num", "NonFiniteError", "optimizer", "PaddleCloudRoleMaker",
-    "ParamAttr", "rand", "randn", "reshape", "Role", "run_server", "save",
-    "save_group_sharded_model", "save_persistables", "seed", "server_endpoints",
-    "server_index", "server_num", "split", "split_stages", "stack", "stop_worker", "summary",
+    "local_size", "log", "LogWriter", "matmul", "max", "mean", "meta_parallel", "metric",
+    "ModeError", "multiply", "nn", "no_grad", "node_index", "node_num", "NonFiniteError",
+    "ones", "ones_like", "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "rand", "randn",
+    "reshape", "Role", "run_server", "save", "save_group_sharded_model", "save_persistables",
+    "seed", "server_endpoints", "server_index", "server_num", "set_device", "sigmoid", "split",
+    "split_stages", "sqrt", "stack", "stop_worker", "subtract", "sum", "summary", "tanh",
     "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
-    "worker_endpoints", "worker_index", "worker_num",
+    "worker_endpoints", "worker_index", "worker_num", "zeros", "zeros_like",
 ]
+
+
+from .core.paddle_names import module_getattr as _module_getattr
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle", globals())

@@ -106,7 +106,7 @@ class GraphedStep:
                             f"example inputs), not {len(inputs)}")
         for index, (static, value) in enumerate(zip(self.static_inputs, inputs)):
             array = _array_of(value, f"graphed step input {index}")
-            if tuple(array.shape) != static.shape or array.dtype != static.dtype:
+            if tuple(array.shape) != static.data.shape or array.dtype != static.dtype:
                 raise ValueError(f"graphed step input {index} has {_describe(array)}, but its "
                                  f"static input has {_describe(static.data)}: a CUDA graph "
                                  "replays fixed shapes and dtypes; pad the batch or drop it, "

@@ -155,7 +155,7 @@ class DGC(Strategy):
         else:
             for run in self._runs:
                 for p in run.parameters:
-                    reference.sgd_update(p.data, p.grad, lr, 0.0)
+                    reference.sgd_update(p.data, p.grad.data, lr, 0.0)
         opt.step_count += 1
         return None
 
@@ -178,7 +178,7 @@ class DGC(Strategy):
         xp = backend.array_module()
         opt = self.optimizer
         m = opt.momentum
-        grads = [p.grad.reshape(-1) for p in run.parameters]
+        grads = [p.grad.data.reshape(-1) for p in run.parameters]
         if clip is not None:
             grads = clip(grads)
         values, indices, ks = [], [], []

@@ -60,12 +60,13 @@ class GradientMerge(Strategy):
                 continue
             self._merged.add(id(p))
             if self.boundary:
-                p.grad += accumulator
+                grad = p.grad.data
+                grad += accumulator
                 if self.avg and self.k_steps > 1:
-                    p.grad *= 1.0 / self.k_steps
+                    grad *= 1.0 / self.k_steps
                 accumulator[...] = 0
             else:
-                accumulator += p.grad
+                accumulator += p.grad.data
 
     def on_gradient(self, ctx, parameters):
         if not self.in_shard:

@@ -151,7 +151,7 @@ def gpu_geometries(function):
 
 
 def close(got, want, tolerance):
-    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape)
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
 
 

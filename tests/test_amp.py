@@ -760,10 +760,13 @@ def run_every_operator():
     F.scaled_dot_product_attention(heads, heads, heads)
     nn.CrossEntropyLoss()(x, np.arange(4))
     F.mse_loss(x, np.zeros((4, 6), F32))
+    F.smooth_l1_loss(x, np.zeros((4, 6), F32))
+    F.binary_cross_entropy_with_logits(x, np.zeros((4, 6), F32))
+    F.nll_loss(x, np.arange(4))
     positive = x * x + 1
     _ = [(x - positive) / positive, -x, x ** 3, x @ x.T, x.sum(), x.mean(), x.max(),
          positive.exp(), positive.log(), positive.sqrt(), x.reshape(6, 4), x.transpose(1, 0),
-         x[1:3], autograd.concat([x, x]), autograd.stack([x, x]), x.split(2)]
+         x[1:3], x.clone(), x.abs(), autograd.concat([x, x]), autograd.stack([x, x]), x.split(2)]
 
 
 def test_known_operators_are_the_ones_the_trainer_computes():

@@ -28,7 +28,7 @@ from mpi4py import MPI
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
 from fleetmpi.core import backend, capture_checks
-from fleetmpi import nn, optimizer
+from fleetmpi import autograd, nn, optimizer
 from fleetmpi.autograd import Tensor
 from fleetmpi.core.capture_checks import CaptureError
 from fleetmpi.comm import Communicator, Topology
@@ -81,7 +81,7 @@ def build(make_optimizer=momentum, strategy=None, dropout=False, fused=False, lo
 
 
 def host(array):
-    return backend.to_numpy(array).copy()
+    return backend.to_numpy(autograd.as_array(array)).copy()
 
 
 def eager_run(train_step, data):

@@ -147,7 +147,7 @@ class LocalGradients(StepHook):
 
     def reduce(self, ctx, proceed):
         parameters = ctx.optimizer.parameters()
-        self.grads.append([p.grad.reshape(-1).copy() for p in parameters])
+        self.grads.append([p.grad.data.reshape(-1).copy() for p in parameters])
         self.params.append([p.data.reshape(-1).copy() for p in parameters])
         return proceed(ctx)
 
@@ -241,7 +241,7 @@ def test_matches_simulation(case, local):
         x, y = global_batch(step)
         opt.minimize(model, loss_fn, shard(x, rank, size), shard(y, rank, size))
         params_after.append([p.data.reshape(-1).copy() for p in model.parameters()])
-        grads_after.append([p.grad.reshape(-1).copy() for p in model.parameters()])
+        grads_after.append([p.grad.data.reshape(-1).copy() for p in model.parameters()])
 
     gather = (lambda a: a[None]) if local else world_gather
     grads = [[[gather(g)[r] for g in recorder.grads[t]] for r in range(size)]
@@ -461,7 +461,7 @@ def test_clipping_matches_formula(clip_class, formula, opt_name, fused):
     reference = OPTIMIZERS[opt_name](by_hand.parameters(), None)
     opt.fuse_all_optimizer_ops = reference.fuse_all_optimizer_ops = fused
     for _ in range(2):
-        grads = [p.grad.copy() for p in clipped.parameters()]
+        grads = [p.grad.numpy().copy() for p in clipped.parameters()]
         for p, g in zip(by_hand.parameters(), formula(grads, clip_norm)):
             p.grad[...] = g
         opt.step()

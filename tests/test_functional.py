@@ -36,8 +36,8 @@ def leaf(array):
 
 
 def host(array):
-    """A backend array (a gradient) as a host NumPy array, for comparisons."""
-    return backend.to_numpy(array)
+    """A backend array or a Tensor (a gradient) as a host NumPy array, for comparisons."""
+    return backend.to_numpy(autograd.as_array(array))
 
 
 def device(array):
@@ -403,12 +403,12 @@ class Gated(fleet.nn.Layer):
 def test_parameters_of_a_branch_not_taken_keep_a_zero_gradient():
     model = Gated()
     model(rand(2, 3), use_extra=False).sum().backward()
-    assert model.main.weight.grad.any()
+    assert model.main.weight.grad.numpy().any()
     np.testing.assert_array_equal(host(model.extra.weight.grad), 0)
     np.testing.assert_array_equal(host(model.extra.bias.grad), 0)
     model.clear_gradients()
     model(rand(2, 3), use_extra=True).sum().backward()
-    assert model.extra.weight.grad.any()
+    assert model.extra.weight.grad.numpy().any()
 
 
 def test_comparisons_carry_no_gradient():
@@ -697,8 +697,8 @@ def test_autocast_casts_a_user_function_by_its_op_type():
 
 def test_paddles_reshape_zero_and_dropout_mode():
     x = to_tensor(np.arange(24.0).reshape(2, 3, 4))
-    assert fleet.reshape(x, [0, 0, 2, 2]).shape == (2, 3, 2, 2)
-    assert x.reshape([0, -1]).shape == (2, 12)
+    assert fleet.reshape(x, [0, 0, 2, 2]).shape == [2, 3, 2, 2]
+    assert x.reshape([0, -1]).shape == [2, 12]
     with pytest.raises(ValueError, match=r"a 0 keeps the input's size on its axis, but the "
                                          r"input \(2, 3, 4\) has no axis 3"):
         fleet.reshape(x, [4, 3, 2, 0])

@@ -171,7 +171,7 @@ def _step(function, arrays, dy, seed=3):
     backend.manual_seed(seed)
     y = function(*tensors)
     y.backward(to_tensor(dy.astype(y.dtype)))
-    return [y.numpy()] + [backend.to_numpy(t.grad) for t in tensors]
+    return [y.numpy()] + [t.grad.numpy() for t in tensors]
 
 
 @pytest.mark.parametrize("x_dtype, residual_dtype", DROPOUT_DTYPES)
@@ -226,7 +226,8 @@ def test_cross_entropy_values_equal_the_picked_log_softmax(reduction):
     softmax = np.exp(logits - logits.max(axis=1, keepdims=True))
     softmax /= softmax.sum(axis=1, keepdims=True)
     softmax[np.arange(7), labels] -= 1
-    np.testing.assert_allclose(backend.to_numpy(logits_tensor.grad), softmax / (7 if reduction == "mean" else 1),
+    np.testing.assert_allclose(logits_tensor.grad.numpy(),
+                               softmax / (7 if reduction == "mean" else 1),
                                rtol=1e-13, atol=1e-15)
 
 
@@ -244,7 +245,7 @@ def test_cross_entropy_of_float16_logits_under_amp_takes_them_without_a_cast():
             if not cast:
                 assert loss._node._inputs[0][1] is tensor  # no Cast recorded in between
             loss.backward()
-        results.append((loss.numpy(), backend.to_numpy(tensor.grad)))
+        results.append((loss.numpy(), tensor.grad.numpy()))
     (loss, grad), (cast_loss, cast_grad) = results
     assert loss.dtype == np.float32 and grad.dtype == np.float16
     np.testing.assert_array_equal(loss, cast_loss)
@@ -290,7 +291,7 @@ def _gpt_step(fuse, dropout=0.1):
         patch.setattr(backend, "rank_rng", lambda: generator)
         loss = F.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
-    return [loss.numpy()] + [backend.to_numpy(p.grad) for p in model.parameters()]
+    return [loss.numpy()] + [p.grad.numpy() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("gpu_path", [None], indirect=True)

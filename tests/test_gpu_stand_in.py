@@ -22,7 +22,7 @@ import pytest
 
 import fleetmpi as fleet
 import fleetmpi.nn.functional as F
-from fleetmpi import amp, nn, optimizer
+from fleetmpi import amp, autograd, nn, optimizer
 from fleetmpi.comm import release_communicators
 from fleetmpi.core import backend
 from fleetmpi.core.knobs import NONFINITE
@@ -54,7 +54,7 @@ GRAPHED_CASES = [("gpt", "amp"), ("resnet20", "amp")]
 
 
 def host(array):
-    return backend.to_numpy(array).copy()
+    return backend.to_numpy(autograd.as_array(array)).copy()
 
 
 def model_data(name):

@@ -144,7 +144,7 @@ def test_tensor_parallel_gpt_at_mp2_equals_the_serial_gpt():
     serial, serial_losses = train_serial(tiny_gpt, token_batch)
     model, _, losses = train_hybrid({"mp_degree": 2}, tiny_gpt, token_batch)
     ok(model.mp_group is not None and model.mp_group.size == 2)
-    ok(model.blocks[0].attn.qkv.weight.shape == (8, 12), "each rank holds half the heads")
+    ok(model.blocks[0].attn.qkv.weight.shape == [8, 12], "each rank holds half the heads")
     check_equals_serial(model, serial)
     if fleet.worker_num() == 2:
         close(losses, serial_losses, rtol=1e-10)

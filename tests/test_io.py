@@ -247,3 +247,47 @@ def test_ranks_read_their_own_shards_of_uneven_data_in_equal_steps(drop_last, nu
     read = sorted(set(int(round(np.sqrt(v))) for part in world.allgather(mine) for v in part))
     if not drop_last:
         ok(read == list(range(23)), f"samples read: {read}")
+
+
+def test_subset_random_split_compose_and_chain():
+    from fleetmpi import io
+
+    data = io.TensorDataset([np.arange(10.0)])
+    subset = io.Subset(data, [3, 1])
+    assert len(subset) == 2 and subset[0][0] == 3.0
+    np.random.seed(0)
+    parts = io.random_split(data, [6, 4])
+    taken = sorted(int(p[i][0]) for p in parts for i in range(len(p)))
+    assert [len(p) for p in parts] == [6, 4] and taken == list(range(10))
+    assert [len(p) for p in io.random_split(data, [0.5, 0.3, 0.2])] == [5, 3, 2]
+    with pytest.raises(ValueError, match=r"lengths \[6, 5\] must be integers >= 0 summing to "
+                                         "the dataset's length 10"):
+        io.random_split(data, [6, 5])
+    composed = io.ComposeDataset([data, io.TensorDataset([np.arange(10) * 2, -np.arange(10)])])
+    assert composed[4] == (4.0, 8, -4) and len(composed) == 10
+    with pytest.raises(ValueError, match=r"one length, got \[10, 2\]"):
+        io.ComposeDataset([data, subset])
+
+    class Stream(io.IterableDataset):
+        def __init__(self, values):
+            self.values = values
+
+        def __iter__(self):
+            return iter(self.values)
+
+    assert list(io.ChainDataset([Stream([1, 2]), Stream([3])])) == [1, 2, 3]
+
+
+def test_subset_random_and_weighted_samplers():
+    from fleetmpi import io
+
+    np.random.seed(1)
+    drawn = list(io.SubsetRandomSampler([5, 7, 9]))
+    assert sorted(drawn) == [5, 7, 9]
+    weighted = io.WeightedRandomSampler([0.0, 1.0, 3.0], num_samples=2000)
+    counts = np.bincount(list(weighted), minlength=3)
+    assert len(weighted) == 2000 and counts[0] == 0 and 2.5 < counts[2] / counts[1] < 3.5
+    assert sorted(io.WeightedRandomSampler([1, 1, 1], 3, replacement=False)) == [0, 1, 2]
+    with pytest.raises(ValueError, match="without replacement needs as many indices of "
+                                         "weight > 0, and there are 1"):
+        io.WeightedRandomSampler([0.0, 2.0], 2, replacement=False)

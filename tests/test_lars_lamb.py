@@ -137,7 +137,7 @@ def set_random_grads(model, rng, zero=()):
     grads = {}
     for p in model.parameters():
         p.grad[...] = 0 if p.name in zero else rng.standard_normal(p.shape) * 0.3
-        grads[p.name] = p.grad.copy()
+        grads[p.name] = p.grad.numpy().copy()
     return grads
 
 
@@ -189,7 +189,7 @@ def test_minimize_applies_the_rule_with_the_scheduled_learning_rate(name):
         rate = LEARNING_RATE * 0.5 ** (step // 2)
         opt.minimize(model, nn.CrossEntropyLoss(), *global_batch(step))
         # the gradients the step used are still in the buffers
-        reference.step({p.name: p.grad.copy() for p in model.parameters()}, rate, before)
+        reference.step({p.name: p.grad.numpy().copy() for p in model.parameters()}, rate, before)
         assert_matches(model, reference, step=step)
         schedule.step()
 

@@ -114,3 +114,33 @@ def test_a_schedule_drives_an_optimizer():
 def test_bad_arguments_are_refused_by_name(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
+
+
+def test_piecewise_natural_exp_inverse_time_and_multiplicative_decay():
+    assert rates(lr.PiecewiseDecay([2, 4], [1.0, 0.5, 0.1]), 6) == pytest.approx(
+        [1.0, 1.0, 0.5, 0.5, 0.1, 0.1])
+    assert rates(lr.NaturalExpDecay(0.5, 0.1), 3) == pytest.approx(
+        [0.5 * math.exp(-0.1 * t) for t in range(3)])
+    assert rates(lr.InverseTimeDecay(0.5, 0.5), 3) == pytest.approx([0.5, 0.5 / 1.5, 0.25])
+    # each step multiplies by the factor of its epoch: 0.5, 0.5 * 0.9, 0.5 * 0.9 * 0.8
+    assert rates(lr.MultiplicativeDecay(0.5, lambda e: 1 - e / 10), 3) == pytest.approx(
+        [0.5, 0.45, 0.36])
+    with pytest.raises(ValueError, match="one more value than boundaries, got 2 boundaries "
+                                         "and 2 values"):
+        lr.PiecewiseDecay([2, 4], [1.0, 0.5])
+
+
+def test_cyclic_lr_modes_at_hand_worked_points():
+    # up over 2 steps, down over 4: 0.1, 0.3, 0.5, 0.4, 0.3, 0.2, then again from 0.1
+    assert rates(lr.CyclicLR(0.1, 0.5, 2, 4), 8) == pytest.approx(
+        [0.1, 0.3, 0.5, 0.4, 0.3, 0.2, 0.1, 0.3])
+    # triangular2 halves the height of the second cycle
+    assert rates(lr.CyclicLR(0.1, 0.5, 2, mode="triangular2"), 7)[4:] == pytest.approx(
+        [0.1, 0.2, 0.3])
+    exp_range = rates(lr.CyclicLR(0.1, 0.5, 2, mode="exp_range", exp_gamma=0.5), 3)
+    assert exp_range == pytest.approx([0.1, 0.1 + 0.4 * 0.5 * 0.5, 0.1 + 0.4 * 0.25])
+    custom = lr.CyclicLR(0.0, 1.0, 1, scale_fn=lambda step: 1 / (step + 1),
+                         scale_mode="iterations")
+    assert rates(custom, 2) == pytest.approx([0.0, 0.5])
+    with pytest.raises(ValueError, match="mode='zigzag' is not allowed"):
+        lr.CyclicLR(0.1, 0.5, 2, mode="zigzag")

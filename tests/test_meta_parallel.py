@@ -38,8 +38,8 @@ def test_meta_parallel_has_paddles_layers_with_paddles_arguments(name):
 
 def test_column_parallel_linear_has_no_bias_unless_asked_as_in_paddle():
     assert nn.ColumnParallelLinear(4, 6).bias is None
-    assert nn.ColumnParallelLinear(4, 6, has_bias=True).bias.shape == (6,)
-    assert nn.RowParallelLinear(4, 6).bias.shape == (6,)
+    assert nn.ColumnParallelLinear(4, 6, has_bias=True).bias.shape == [6]
+    assert nn.RowParallelLinear(4, 6).bias.shape == [6]
     assert nn.ColumnParallelLinear(4, 6, fuse_matmul_bias=True, name="qkv").full_name() == "qkv"
     with pytest.raises(ValueError, match="fuse_matmul_bias must be True or False, not 'yes'"):
         nn.RowParallelLinear(4, 6, fuse_matmul_bias="yes")

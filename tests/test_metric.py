@@ -112,3 +112,19 @@ def test_distributed_accumulate_is_the_metric_of_every_ranks_predictions():
     got_auc = auc.accumulate(distributed=True)
     want_auc = sk.roc_auc_score(binary[kept], edges[kept])
     ok(abs(got_auc - want_auc) < 1e-12, f"rank {rank}: auc {got_auc} != {want_auc}")
+
+
+def test_accuracy_function_and_compute_return_tensors():
+    scores = np.array([[0.1, 0.7, 0.2], [0.5, 0.3, 0.2], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    labels = np.array([[1], [1], [2], [2]])
+    top1 = fleet.metric.accuracy(fleet.to_tensor(scores), fleet.to_tensor(labels))
+    assert isinstance(top1, fleet.Tensor) and top1.shape == [1]
+    assert top1.numpy()[0] == pytest.approx(0.5)
+    correct, total = fleet.to_tensor(np.zeros(1, np.int64)), fleet.to_tensor(np.zeros(1, np.int64))
+    top2 = fleet.metric.accuracy(fleet.to_tensor(scores), labels, k=2, correct=correct,
+                                 total=total)
+    assert top2.numpy()[0] == pytest.approx(0.75) and (correct.item(), total.item()) == (3, 4)
+    metric = Accuracy(topk=(1, 2))
+    hits = metric.compute(fleet.to_tensor(scores), labels)
+    assert isinstance(hits, fleet.Tensor) and hits.shape == [4, 2]
+    assert metric.update(hits.numpy()) == pytest.approx([0.5, 0.75])

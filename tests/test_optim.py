@@ -118,7 +118,7 @@ def test_run_views_are_each_parameters_view_whole_or_cut():
             assert view.shape == expected.shape
             np.testing.assert_array_equal(view, expected)
             whole = run.start <= p.offset and p.offset + p.size <= run.stop
-            assert view.shape == (p.shape if whole else (view.size,))
+            assert view.shape == (tuple(p.shape) if whole else (view.size,))
 
 
 def test_minimize_trains_and_returns_a_0d_loss():

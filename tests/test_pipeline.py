@@ -170,7 +170,7 @@ def accumulated_reference(make_model, replicas, micro_batch, steps=STEPS):
             replica_losses.append(mean)
         for name, p in model.named_parameters():
             p.grad[...] = total[name] / (replicas * micro_batch)
-        grads = {name: backend.to_numpy(p.grad).copy() for name, p in model.named_parameters()}
+        grads = {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
         opt.step()
         losses.append(replica_losses)
     return model.state_dict(), grads, losses
@@ -198,7 +198,7 @@ def test_stages_x_replicas_equal_accumulated_gradients(mode, kind):
         backend.manual_seed(0)
         start = MODELS[kind](stages).state_dict()
         wrong = [f"gradient {p.name}" for p in opt.inner.parameters()
-                 if not np.allclose(backend.to_numpy(p.grad), grads[p.name], rtol=1e-10,
+                 if not np.allclose(p.grad.numpy(), grads[p.name], rtol=1e-10,
                                     atol=1e-13)]
         wrong += [name for name in own
                   if not np.allclose(state[name], expected[name], rtol=1e-10, atol=1e-13)]
@@ -360,7 +360,7 @@ def test_all_stages_in_one_process_equal_accumulated_gradients(mode, kind):
     for name, value in model.state_dict().items():
         np.testing.assert_allclose(value, expected[name], rtol=1e-10, atol=1e-13, err_msg=name)
     for p in opt.inner.parameters():
-        np.testing.assert_allclose(backend.to_numpy(p.grad), grads[p.name], rtol=1e-10,
+        np.testing.assert_allclose(p.grad.numpy(), grads[p.name], rtol=1e-10,
                                    atol=1e-13)
     np.testing.assert_allclose(losses, [step[0] for step in expected_losses], rtol=1e-10)
 

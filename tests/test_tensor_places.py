@@ -18,7 +18,7 @@ def test_to_casts_in_the_graph():
     y = x.to(dtype="float32")
     assert y.dtype == np.float32
     y.sum().backward()
-    np.testing.assert_array_equal(backend.to_numpy(x.grad), np.ones(4))
+    np.testing.assert_array_equal(x.grad.numpy(), np.ones(4))
     assert x.to("cpu", "float16").dtype == np.float16
 
 

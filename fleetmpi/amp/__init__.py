@@ -9,7 +9,12 @@ loss scaling (``fleetmpi.strategies.amp``, ``fleetmpi.strategies.loss_scaling``)
     scaler.minimize(opt, scaled)      # or scaler.step(opt); scaler.update()
     opt.clear_grad()
 """
+from ..core.paddle_names import module_getattr as _module_getattr
 from .auto_cast import auto_cast, decorate
 from .grad_scaler import GradScaler, distributed_scaler
 
 __all__ = ["GradScaler", "auto_cast", "decorate", "distributed_scaler"]
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.amp", globals())

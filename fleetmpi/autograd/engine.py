@@ -9,8 +9,11 @@ among the nodes whose gradients are complete), so every rank that ran the same p
 visits the same nodes in the same order. A leaf's gradient is final when the last of its uses
 has been visited: that is when ``on_leaf_ready(leaf)`` is called, which is where gradient
 reduction starts on a bucket while backward goes on. Gradients accumulate into ``leaf.grad``
-(a weight used twice gets both contributions). A gradient whose shape is a broadcast of its
-input's is summed back to the input's shape, and one of another dtype is cast to the input's.
+(a weight used twice gets both contributions). Hooks (``Tensor.register_hook``) see a
+tensor's whole gradient of the backward and may replace it: a non-leaf's before its node's
+``backward`` runs, a leaf's before it is added to ``grad``. A gradient whose shape is a
+broadcast of its input's is summed back to the input's shape, and one of another dtype is
+cast to the input's.
 
 The graph is freed as backward visits it; a second backward through it is an error.
 
@@ -60,7 +63,7 @@ def _array(value):
 
 def _conformed(grad, like):
     """``grad`` in the shape and dtype of ``like`` (a tensor, or a call's ``Edge`` to one)."""
-    grad = sum_to_shape(grad, like.shape)
+    grad = sum_to_shape(grad, tuple(like.shape))
     return grad if grad.dtype == like.dtype else grad.astype(like.dtype)
 
 
@@ -110,15 +113,48 @@ def _count_uses(roots):
     return node_uses, leaf_uses, leaves
 
 
-def _accumulate_leaf(leaf, grad):
-    grad = _conformed(_array(grad), leaf)
+def _store_leaf(leaf, grad):
     accumulate = getattr(leaf, "accumulate_grad", None)
     if accumulate is not None:
         accumulate(grad)
-    elif leaf.grad is None:
-        leaf.grad = grad.copy()
+    elif leaf._grad is None:
+        leaf._grad = grad.copy()
     else:
-        leaf.grad += grad
+        leaf._grad += grad
+
+
+def _hooked(hooks, grad):
+    """``grad`` (an array) through each of ``hooks`` in turn: a hook gets the array and
+    returns the array to use instead, or None to keep it (``Tensor.register_hook`` wraps a
+    user's hook, which works on Tensors)."""
+    for hook in hooks:
+        replaced = hook(grad)
+        if replaced is not None:
+            grad = replaced
+    return grad
+
+
+def _accumulate_leaf(leaf, grad, held):
+    """Add ``grad`` to the leaf's gradient; for a leaf with hooks, to ``held`` instead, where
+    its contributions are summed until the last use has been visited (``_leaf_done``), so
+    that its hooks see the whole gradient of this backward, as Paddle's do."""
+    grad = _conformed(_array(grad), leaf)
+    if not leaf._hooks:
+        _store_leaf(leaf, grad)
+    elif id(leaf) in held:
+        held[id(leaf)] = held[id(leaf)] + grad
+    else:
+        # a copy: grad may be the parameter's gradient storage, which the next use may reuse
+        held[id(leaf)] = grad.copy()
+
+
+def _leaf_done(leaf, held, on_leaf_ready):
+    """The last use of ``leaf`` has been visited: its hooks run, its gradient is final."""
+    grad = held.pop(id(leaf), None)
+    if grad is not None:
+        _store_leaf(leaf, _hooked(leaf._hooks, grad))
+    if on_leaf_ready is not None:
+        on_leaf_ready(leaf)
 
 
 def _add_pending(pending, node, index, grad):
@@ -139,14 +175,15 @@ def run_backward(roots, grads, on_leaf_ready=None):
                                "was computed under no_grad()")
     node_uses, leaf_uses, _ = _count_uses(roots)
     pending = {}
+    held = {}
     heap = []
     for root, grad in zip(roots, grads):
         grad = _root_grad(root, grad)
         node = root._node
         if node is None:
-            _accumulate_leaf(root, grad)
-            if on_leaf_ready is not None and leaf_uses.get(id(root), 0) == 0:
-                on_leaf_ready(root)
+            _accumulate_leaf(root, grad, held)
+            if leaf_uses.get(id(root), 0) == 0:
+                _leaf_done(root, held, on_leaf_ready)
             continue
         fresh = node not in pending
         _add_pending(pending, node, root._index, grad)
@@ -158,7 +195,12 @@ def run_backward(roots, grads, on_leaf_ready=None):
         if packed is not None:
             packed.unpack(node)
             node._packed = None
-        in_grads = type(node).backward(node, *pending.pop(node))
+        out_grads = pending.pop(node)
+        if node._hooks:
+            for index, hooks in node._hooks.items():
+                if out_grads[index] is not None:
+                    out_grads[index] = _hooked(hooks, out_grads[index])
+        in_grads = type(node).backward(node, *out_grads)
         if packed is not None:
             packed.release(node)
         if not isinstance(in_grads, tuple):
@@ -173,11 +215,11 @@ def run_backward(roots, grads, on_leaf_ready=None):
             child = tensor._node
             if child is None:
                 if grad is not None:
-                    _accumulate_leaf(tensor, grad)
+                    _accumulate_leaf(tensor, grad, held)
                 key = id(tensor)
                 leaf_uses[key] -= 1
-                if leaf_uses[key] == 0 and on_leaf_ready is not None:
-                    on_leaf_ready(tensor)
+                if leaf_uses[key] == 0:
+                    _leaf_done(tensor, held, on_leaf_ready)
                 continue
             if grad is not None:
                 _add_pending(pending, child, tensor._index, _conformed(_array(grad), tensor))

@@ -6,9 +6,9 @@ Tensor arguments (other arguments as they are) and returns an array or a tuple o
 used) and returns one gradient per argument of ``forward`` (None where there is none). ``ctx``
 is the recorded call itself: keep what backward needs on it (``ctx.save_for_backward(...)``
 and ``ctx.saved_tensor()``, or plain attributes), and ``ctx.needs_input_grad[i]`` tells
-whether argument ``i`` needs a gradient. This is Chainer's ``FunctionNode``, PyTorch's
-``autograd.Function`` and Paddle's ``PyLayer`` in one form; forward and backward work on
-arrays so that a backward can launch a RawKernel directly.
+whether argument ``i`` needs a gradient. This is Chainer's ``FunctionNode`` and PyTorch's
+``autograd.Function`` in one form; forward and backward work on arrays so that a backward can
+launch a RawKernel directly (``PyLayer``, Paddle's form over Tensors, records one of these).
 
 ``op_type`` names the Paddle operator the function computes (``"matmul"``, ``"conv2d"``,
 ``"elementwise_add"``...): amp's white and black lists refer to these names
@@ -58,6 +58,8 @@ class Function:
     # What a tensor's keeper packed of this call's saved arrays (``Tensor._keeper``): the
     # record its ``after_forward`` returned, unpacked by the engine before ``backward``.
     _packed = None
+    # Gradient hooks of its outputs, ``{output index: [hook]}`` (``Tensor.register_hook``).
+    _hooks = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

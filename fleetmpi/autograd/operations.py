@@ -224,6 +224,27 @@ class Sigmoid(Function):
         return dy * self.y * (1 - self.y)
 
 
+class Abs(Function):
+    op_type = "abs"
+
+    def forward(self, x):
+        self.sign = _xp().sign(x)
+        return _xp().abs(x)
+
+    def backward(self, dy):
+        return dy * self.sign
+
+
+class Clone(Function):
+    op_type = "assign"
+
+    def forward(self, a):
+        return a.copy()
+
+    def backward(self, dy):
+        return dy
+
+
 class Reshape(Function):
     op_type = "reshape2"
 
@@ -400,6 +421,10 @@ def tanh(x):
     return Tanh.apply(x)
 
 
+def abs(x):  # noqa: A001 - Paddle's name
+    return Abs.apply(_tensor(x))
+
+
 def sigmoid(x):
     return Sigmoid.apply(x)
 
@@ -451,6 +476,12 @@ def gather(x, index, axis=None, name=None):
         raise ValueError(f"gather index must be a 1-d tensor of integers, not of shape "
                          f"{tuple(index.shape)} and dtype {index.dtype}")
     return GetItem.apply(x, (slice(None),) * (axis % x.ndim) + (index,))
+
+
+def clone(x):
+    """A copy of ``x``'s values that stays in the graph: the gradient flows back through it
+    (Paddle's ``clone``; ``detach`` gives the values outside the graph)."""
+    return Clone.apply(_tensor(x))
 
 
 def cast(x, dtype):
@@ -533,6 +564,8 @@ def install_tensor_methods():
         "tanh": tanh,
         "sigmoid": sigmoid,
         "astype": cast,
+        "clone": clone,
+        "abs": abs,
         "split": split,
     }
     for name, method in methods.items():

@@ -292,7 +292,7 @@ class Recomputation(Function):
         if roots:
             run_backward(roots, root_grads, finished.append)
         self._report_in_order(finished)
-        return tuple(inputs[p].grad if p in inputs else None for p in range(self.n_args))
+        return tuple(inputs[p]._grad if p in inputs else None for p in range(self.n_args))
 
     def _report_in_order(self, finished):
         """Reorder this node's parameter inputs as the recomputation finished their gradients,

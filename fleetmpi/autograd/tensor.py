@@ -4,9 +4,11 @@ it, so ``backward()`` can compute gradients (define-by-run, as Chainer and Paddl
 ``stop_gradient`` is Paddle's flag (``requires_grad`` is its negation, PyTorch's name): a
 tensor made by ``to_tensor`` does not require a gradient unless asked; parameters do; the
 result of an operation requires one when any of its inputs does and recording is on (not
-inside ``no_grad``). ``grad`` is an array of the backend (for a parameter, a view into the
-model's flat gradient buffer). Python operators and methods (``+``, ``@``, ``sum``,
-``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
+inside ``no_grad``). ``grad`` is a Tensor, as Paddle's, over the gradient array itself (for a
+parameter, a view into the model's flat gradient buffer): ``grad.data`` is that array, which
+the trainer and the strategies read and write; writing into ``grad`` (``p.grad[...] = 0``)
+writes the gradient. ``shape`` is a list, as Paddle's. Python operators and methods (``+``,
+``@``, ``sum``, ``reshape``, indexing...) are installed by ``fleetmpi.autograd.operations``.
 
 The interface strategies use here is the keeper protocol: a strategy that holds a parameter's
 values elsewhere (sharding stage 3) binds itself with ``Parameter.bind_keeper`` and provides
@@ -17,6 +19,7 @@ import numpy as np
 from ..core import backend
 from ..core.capture_checks import check_host_read
 from . import engine
+from . import grad_mode as _grad_mode
 
 
 class Tensor:
@@ -33,10 +36,13 @@ class Tensor:
     # and whose ``release(node)`` says that the backward is over (the graph is freed).
     _keeper = None
 
+    # Gradient hooks of a leaf (``register_hook``); a non-leaf's are its node's.
+    _hooks = None
+
     def __init__(self, data, stop_gradient=True):
         self.data = data
         self.stop_gradient = stop_gradient
-        self.grad = None
+        self._grad = None
         self._node = None
         self._index = 0
         self.name = None
@@ -52,7 +58,8 @@ class Tensor:
 
     @property
     def shape(self):
-        return tuple(self.data.shape)
+        """The dimensions as a list, as Paddle's ``shape`` (``data.shape`` is the tuple)."""
+        return list(self.data.shape)
 
     @property
     def dtype(self):
@@ -105,9 +112,9 @@ class Tensor:
         """Overwrite the values in place (Paddle's ``set_value``); the shape must match."""
         value = value.data if isinstance(value, Tensor) else value
         value = np.asarray(value) if isinstance(value, (list, tuple, float, int)) else value
-        if tuple(value.shape) != self.shape:
+        if tuple(value.shape) != tuple(self.shape):
             raise ValueError(f"set_value got shape {tuple(value.shape)} for a tensor of shape "
-                             f"{self.shape}")
+                             f"{tuple(self.shape)}")
         self.data[...] = backend.asarray(value)
 
     def cpu(self):
@@ -143,7 +150,66 @@ class Tensor:
         """The same values, cut from the graph (no gradient flows through)."""
         return Tensor(self.data, stop_gradient=True)
 
+    def __setitem__(self, index, value):
+        """Write ``value`` into the selected elements in place (Paddle's ``x[i] = v``); not
+        on a tensor that requires a gradient while recording, whose old values the graph may
+        still need."""
+        if not self.stop_gradient and _grad_mode.is_grad_enabled():
+            raise RuntimeError("x[...] = value on a tensor that requires a gradient "
+                               "(stop_gradient=False) would change values its graph may need; "
+                               "write under fleetmpi.no_grad(), or into x.clone()")
+        if isinstance(index, tuple):
+            index = tuple(as_array(i) for i in index)
+        self.data[as_array(index)] = backend.asarray(as_array(value))
+
     # -- gradients --------------------------------------------------------------------------
+    @property
+    def grad(self):
+        """The gradient, a Tensor over the gradient array (module docstring); None before a
+        backward reached this tensor."""
+        array = self._gradient_array()
+        return None if array is None else Tensor(array)
+
+    @grad.setter
+    def grad(self, value):
+        self._set_gradient(None if value is None else backend.asarray(as_array(value)))
+
+    def _gradient_array(self):
+        return self._grad
+
+    def _set_gradient(self, array):
+        self._grad = array
+
+    def gradient(self):
+        """The gradient as a host NumPy array (Paddle's ``gradient()``), None if there is
+        none."""
+        grad = self.grad
+        return None if grad is None else grad.numpy()
+
+    def register_hook(self, hook):
+        """Call ``hook(grad)`` with this tensor's gradient (a Tensor) during each backward,
+        before it is used (passed on, or added to ``grad`` for a leaf); a Tensor it returns
+        replaces the gradient. Returns a handle whose ``remove()`` takes the hook away."""
+        if self.stop_gradient:
+            raise RuntimeError("register_hook on a tensor that does not require a gradient "
+                               "(stop_gradient=True): no gradient reaches it")
+        if not callable(hook):
+            raise TypeError(f"register_hook takes a callable, not {type(hook).__name__}")
+
+        def on_array(array):
+            replaced = hook(Tensor(array))
+            return None if replaced is None else backend.asarray(as_array(replaced))
+        if self._node is None:
+            if self._hooks is None:
+                self._hooks = []
+            hooks = self._hooks
+        else:
+            if self._node._hooks is None:
+                self._node._hooks = {}
+            hooks = self._node._hooks.setdefault(self._index, [])
+        hooks.append(on_array)
+        return HookRemoveHelper(hooks, on_array)
+
     def backward(self, grad=None, retain_graph=False):
         """Accumulate the gradients of this tensor into the leaves it was computed from.
         ``grad``: the gradient of what this tensor feeds (implied 1 for a one-element tensor).
@@ -155,8 +221,8 @@ class Tensor:
 
     def clear_gradient(self):
         """Zero ``grad`` (Paddle's name; ``clear_grad`` is the same)."""
-        if self.grad is not None:
-            self.grad[...] = 0
+        if self._grad is not None:
+            self._grad[...] = 0
 
     clear_grad = clear_gradient
 
@@ -167,6 +233,19 @@ class Tensor:
 
     # Tensors are compared by identity, so they can be dict keys and set members.
     __hash__ = object.__hash__
+
+
+class HookRemoveHelper:
+    """What ``register_hook`` returns: ``remove()`` takes the hook away."""
+
+    def __init__(self, hooks, hook):
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self):
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+            return True
+        return False
 
 
 def to_tensor(data, dtype=None, stop_gradient=True):
@@ -183,3 +262,4 @@ def as_array(value):
     if isinstance(value, Tensor):
         return value.data
     return value
+

@@ -112,6 +112,29 @@ def array_module():
     return _xp
 
 
+def choose(device):
+    """Make ``device`` (``"cpu"`` or ``"gpu"``) the backend, before the first array is made;
+    afterwards only the backend already in use is accepted (arrays made on one cannot move
+    to the other). Paddle's ``set_device`` comes here."""
+    global _xp
+    if _xp is None:
+        cupy = None if device == "cpu" else _import_cupy(required=True)
+        _xp = cupy if cupy is not None else np
+        if _xp is np:
+            limit_cpu_threads()
+            keep_freed_memory()
+    elif (device == "gpu") != on_gpu():
+        raise ValueError(f"set_device({device!r}): this process already computes on the "
+                         f"{'GPU' if on_gpu() else 'CPU'} backend, chosen when its first array "
+                         f"was made; call set_device first, or set {DEVICE.name}={device} "
+                         "before the script starts")
+
+
+def device_index():
+    """The CUDA device this rank drives (``local_rank % device_count``), None on the CPU."""
+    return int(array_module().cuda.Device().id) if on_gpu() else None
+
+
 def on_gpu():
     """True when the array module is CuPy."""
     return array_module() is not np

@@ -59,6 +59,49 @@ class RandomSampler(Sampler):
         return len(self.data_source)
 
 
+class SubsetRandomSampler(Sampler):
+    """The given ``indices`` in a random order each time it is iterated (the generator as
+    ``RandomSampler``'s)."""
+
+    def __init__(self, indices, generator=None):
+        super().__init__(None)
+        self.indices, self.generator = list(indices), generator
+
+    def __iter__(self):
+        order = (self.generator.permutation(len(self.indices)) if self.generator is not None
+                 else np.random.permutation(len(self.indices)))
+        return iter([self.indices[i] for i in order])
+
+    def __len__(self):
+        return len(self.indices)
+
+
+class WeightedRandomSampler(Sampler):
+    """``num_samples`` indices drawn with probability proportional to ``weights`` (one per
+    index), with or without ``replacement``, from NumPy's global generator."""
+
+    def __init__(self, weights, num_samples, replacement=True):
+        weights = np.asarray(getattr(weights, "numpy", lambda: weights)(), dtype=np.float64)
+        if weights.ndim != 1 or not weights.size or (weights < 0).any() \
+                or not weights.sum() > 0:
+            raise ValueError(f"weights must be a 1-d sequence of numbers >= 0, not all 0, "
+                             f"not {weights!r}")
+        self.num_samples = _count("num_samples", num_samples, 1)
+        if not replacement and self.num_samples > int((weights > 0).sum()):
+            raise ValueError(f"num_samples={num_samples} without replacement needs as many "
+                             f"indices of weight > 0, and there are {int((weights > 0).sum())}")
+        super().__init__(None)
+        self.weights, self.replacement = weights, bool(replacement)
+
+    def __iter__(self):
+        drawn = np.random.choice(len(self.weights), self.num_samples, self.replacement,
+                                 self.weights / self.weights.sum())
+        return iter(drawn.tolist())
+
+    def __len__(self):
+        return self.num_samples
+
+
 class BatchSampler(Sampler):
     """Lists of ``batch_size`` indices: from ``sampler``, or from ``dataset`` in order (or
     shuffled); the last shorter batch is kept unless ``drop_last``."""

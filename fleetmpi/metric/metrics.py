@@ -7,7 +7,7 @@ counts: ``accumulate(distributed=True)``, called on every worker, sums them over
 """
 import numpy as np
 
-from ..autograd.tensor import Tensor
+from ..autograd.tensor import Tensor, to_tensor
 from ..fleet_util import util
 
 
@@ -32,6 +32,28 @@ def _labels(label, rows):
     if label.shape[0] != rows:
         raise ValueError(f"{label.shape[0]} labels for {rows} predictions")
     return label.astype(np.int64)
+
+
+def _hits(scores, label, k):
+    """``(N, k)`` float32: whether each sample's label is its 1st, 2nd... highest score."""
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return (top == _labels(label, scores.shape[0])[:, None]).astype(np.float32)
+
+
+def accuracy(input, label, k=1, correct=None, total=None, name=None):  # noqa: A002
+    """Paddle's ``paddle.metric.accuracy``: the share of the rows of ``input`` (scores ``(N,
+    C)``) whose ``label`` (``(N,)`` or ``(N, 1)``) is among their top ``k``, a float32 Tensor of
+    shape ``[1]``; ``correct`` and ``total``, where given, are Tensors set to the counts."""
+    scores = _host(input, "input")
+    if scores.ndim != 2 or scores.shape[1] < k:
+        raise ValueError(f"accuracy needs input (N, C) with C >= k={k}, got shape "
+                         f"{scores.shape}")
+    hits = int(_hits(scores, label, k).sum())
+    rows = scores.shape[0]
+    for tensor, value in ((correct, hits), (total, rows)):
+        if tensor is not None:
+            tensor.set_value(np.full(tuple(tensor.shape), value, tensor.dtype))
+    return to_tensor(np.array([hits / rows if rows else 0.0], np.float32))
 
 
 class Metric:
@@ -76,7 +98,8 @@ class Metric:
 class Accuracy(Metric):
     """The share of samples whose label is among the top ``k`` predictions, for each ``k`` of
     ``topk``. ``compute(pred, label)`` gives the ``(N, max k)`` matrix of hits that ``update``
-    takes; ``accumulate`` returns one float for one ``k``, a list otherwise."""
+    takes, a float32 Tensor as Paddle's; ``accumulate`` returns one float for one ``k``, a list
+    otherwise."""
 
     def __init__(self, topk=(1,), name=None, *args, **kwargs):
         topk = (topk,) if isinstance(topk, int) else tuple(topk)
@@ -99,8 +122,7 @@ class Accuracy(Metric):
         if scores.shape[1] < self.maxk:
             raise ValueError(f"top-{self.maxk} accuracy needs at least {self.maxk} classes, "
                              f"pred has {scores.shape[1]}")
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :self.maxk]
-        return (top == _labels(label, scores.shape[0])[:, None]).astype(np.float32)
+        return to_tensor(_hits(scores, label, self.maxk))
 
     def update(self, correct, *args):
         correct = _host(correct, "correct")

@@ -1,5 +1,7 @@
-"""Paddle's top-level tensor creation functions that hybrid scripts use: ``randn``, ``rand``
-and ``create_parameter``.
+"""Paddle's top-level tensor creation functions: ``zeros``, ``ones``, ``full`` (and their
+``_like`` forms), ``arange``, ``randn``, ``rand`` and ``create_parameter``. A dtype left None
+is the default float dtype (``nn.set_default_dtype``), as in Paddle; ``arange`` of integers
+gives int64.
 
 ``randn`` and ``rand`` draw from the shared generator (``backend.shared_rng``, seeded by
 ``fleet.seed`` alone), so every rank draws the same values, as Paddle's global generator does
@@ -26,6 +28,51 @@ def _shape(shape, where):
 def _drawn(values, dtype):
     dtype = get_default_dtype() if dtype is None else _check_float_dtype(dtype)
     return Tensor(backend.asarray(values.astype(dtype)))
+
+
+def _dtype(dtype):
+    return np.dtype(get_default_dtype() if dtype is None else dtype)
+
+
+def full(shape, fill_value, dtype=None, name=None):
+    """A tensor of ``shape`` holding ``fill_value`` everywhere."""
+    xp = backend.array_module()
+    return Tensor(xp.full(_shape(shape, "full"), fill_value, dtype=_dtype(dtype)))
+
+
+def zeros(shape, dtype=None, name=None):
+    return full(shape, 0, dtype)
+
+
+def ones(shape, dtype=None, name=None):
+    return full(shape, 1, dtype)
+
+
+def full_like(x, fill_value, dtype=None, name=None):
+    """A tensor of ``x``'s shape (and dtype, unless ``dtype`` is given) holding
+    ``fill_value``."""
+    return full(tuple(x.shape), fill_value, x.dtype if dtype is None else dtype)
+
+
+def zeros_like(x, dtype=None, name=None):
+    return full_like(x, 0, dtype)
+
+
+def ones_like(x, dtype=None, name=None):
+    return full_like(x, 1, dtype)
+
+
+def arange(start=0, end=None, step=1, dtype=None, name=None):
+    """``start, start + step, ...`` below ``end`` (``arange(n)``: 0 to n - 1); int64 when
+    every bound is an integer and ``dtype`` is None, else the default float dtype."""
+    if end is None:
+        start, end = 0, start
+    if step == 0:
+        raise ValueError("arange step must not be 0")
+    if dtype is None:
+        whole = all(isinstance(v, (int, np.integer)) for v in (start, end, step))
+        dtype = np.int64 if whole else get_default_dtype()
+    return Tensor(backend.array_module().arange(start, end, step, dtype=np.dtype(dtype)))
 
 
 def randn(shape, dtype=None, name=None):

@@ -53,7 +53,7 @@ class FlatBuffer:
         for p, start, old_grad in zip(self.parameters, self.offsets, old_grads):
             p._bind(self, start)
             if old_grad is not None:
-                p.grad[...] = old_grad
+                p.grad.data[...] = old_grad
 
     @property
     def size(self):

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..core.paddle_names import module_getattr as _module_getattr
 from ..core import backend
 
 # The most elements ``skip`` draws at once where it cannot jump (normal draws reject some
@@ -142,3 +143,7 @@ def part_values(init, full_shape, index):
                              f"rank's part of the parameter has shape {shape} (of the whole "
                              f"{full_shape}); give the rank's part, as Paddle takes it")
     return init(full_shape)[index]
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.nn.initializer", globals())

@@ -80,6 +80,12 @@ class BatchNorm2D(BatchNorm):
     input_ndims = (4,)
 
 
+class BatchNorm3D(BatchNorm):
+    """Batch norm of ``(N, C, D, H, W)`` inputs."""
+
+    input_ndims = (5,)
+
+
 class LayerNorm(Layer):
     """Normalization of each sample over its trailing ``normalized_shape`` axes, with a learned
     ``weight`` (ones) and ``bias`` (zeros) of that shape."""

@@ -1,7 +1,7 @@
 """``Parameter``: a trainable Tensor whose values and gradient are views into flat buffers.
 
-The interface strategies use, besides a tensor's ``data``, ``grad``, ``name``, ``shape``,
-``size`` and ``dtype``:
+The interface strategies use, besides a tensor's ``data``, ``grad`` (``grad.data`` is the
+gradient array), ``name``, ``shape``, ``size`` and ``dtype``:
 
 * ``buffer``, ``offset``: the flat buffer (``nn.flat.FlatBuffer``) the parameter lives in and
   where; read only.
@@ -23,7 +23,7 @@ from .lazy import ABSENT, DeferredInit
 
 class Parameter(Tensor):
     """A trainable leaf tensor (``stop_gradient=False`` unless ``trainable=False``). ``data``
-    and ``grad`` are views into the model's flat buffers once the model is flattened; read
+    and ``grad.data`` are views into the model's flat buffers once the model is flattened; read
     them afresh rather than keeping references across a repack. ``grad`` always exists (zero
     until a backward adds to it).
 
@@ -72,16 +72,24 @@ class Parameter(Tensor):
         """False while the parameter, built under ``LazyGuard``, has no values anywhere."""
         return self.deferred_init is None
 
-    @property
-    def grad(self):
+    def _gradient_array(self):
         if self._grad is None and self._grad_home is _own_zeros:
             _own_zeros(self)
         self.settle_gradient()
         return self._grad
 
-    @grad.setter
-    def grad(self, value):
-        self._grad = value
+    def _set_gradient(self, array):
+        """``p.grad = value`` writes the values into the gradient storage, so that a view of
+        the flat buffer stays one (``p.grad += g`` adds into the buffer); None zeroes it."""
+        if array is None:
+            self.clear_gradient()
+            return
+        current = self._gradient_array()
+        if current is None or tuple(current.shape) != tuple(array.shape):
+            shape = None if current is None else tuple(current.shape)
+            raise ValueError(f"{self.name}.grad = a value of shape {tuple(array.shape)}: the "
+                             f"gradient storage has shape {shape}")
+        current[...] = array
 
     def settle_gradient(self):
         """Write the zeros ``clear_gradient`` promised, if no gradient came since."""
@@ -174,7 +182,7 @@ class Parameter(Tensor):
         initializer, which draws from the shared generator's state now) give the initial
         values when the flat buffer is materialised. ``layer``: what built it, for the error
         that using it raises."""
-        self.deferred_init = DeferredInit(values, self.shape, self.dtype, layer)
+        self.deferred_init = DeferredInit(values, tuple(self.shape), self.dtype, layer)
         self.data = _placeholder(self.shape, self.dtype)
         self._grad = None
         self._grad_home = None
@@ -206,7 +214,7 @@ class Parameter(Tensor):
         stop = offset + self.size
         self.settle_gradient()
         self.data = buffer.data[offset:stop].reshape(self.shape)
-        self.grad = buffer.grad[offset:stop].reshape(self.shape)
+        self._grad = buffer.grad[offset:stop].reshape(self.shape)
         self._grad_is_zero = True
         self._grad_home = None
         self.buffer = buffer

@@ -249,7 +249,7 @@ class PipelineLayer(Layer):
         it (module docstring)."""
         for key, comm in self.shared_comm.items():
             for p in layer_parameters([self.shared_layers[key]]):
-                grad = p.grad
+                grad = p.grad.data
                 comm.allreduce(grad, op="sum", out=grad)
 
     # -- running ----------------------------------------------------------------------------

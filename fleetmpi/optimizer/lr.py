@@ -4,6 +4,8 @@ A scheduler is passed as ``learning_rate`` to an optimizer; ``scheduler.step()``
 (per epoch or per iteration, the caller's choice) and ``scheduler()`` is the current rate."""
 import math
 
+from ..core.paddle_names import module_getattr as _module_getattr
+
 
 def _check_number(name, value, low=None, positive=False):
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -122,6 +124,111 @@ class MultiStepDecay(LRScheduler):
     def get_lr(self):
         reached = sum(self.last_epoch >= m for m in self.milestones)
         return self.base_lr * self.gamma ** reached
+
+
+class PiecewiseDecay(LRScheduler):
+    """``values[k]``, ``k`` the number of ``boundaries`` (increasing epochs) reached;
+    ``values`` has one more entry than ``boundaries``."""
+
+    def __init__(self, boundaries, values):
+        boundaries, values = list(boundaries), list(values)
+        if len(values) != len(boundaries) + 1:
+            raise ValueError(f"PiecewiseDecay needs one more value than boundaries, got "
+                             f"{len(boundaries)} boundaries and {len(values)} values")
+        if boundaries != sorted(boundaries):
+            raise ValueError(f"boundaries must be increasing, not {boundaries!r}")
+        for value in values:
+            _check_number("values", value, low=0)
+        super().__init__(values[0])
+        self.boundaries, self.values = boundaries, [float(v) for v in values]
+
+    def get_lr(self):
+        return self.values[sum(self.last_epoch >= b for b in self.boundaries)]
+
+
+class NaturalExpDecay(LRScheduler):
+    """``learning_rate * exp(-gamma * last_epoch)``."""
+
+    def __init__(self, learning_rate, gamma):
+        super().__init__(learning_rate)
+        self.gamma = float(_check_number("gamma", gamma, low=0))
+
+    def get_lr(self):
+        return self.base_lr * math.exp(-self.gamma * self.last_epoch)
+
+
+class InverseTimeDecay(LRScheduler):
+    """``learning_rate / (1 + gamma * last_epoch)``."""
+
+    def __init__(self, learning_rate, gamma):
+        super().__init__(learning_rate)
+        self.gamma = float(_check_number("gamma", gamma, low=0))
+
+    def get_lr(self):
+        return self.base_lr / (1 + self.gamma * self.last_epoch)
+
+
+class MultiplicativeDecay(LRScheduler):
+    """``learning_rate`` times ``lr_lambda(e)`` for every epoch ``e`` from 1 to
+    ``last_epoch``: each step multiplies the rate by the factor of its epoch."""
+
+    def __init__(self, learning_rate, lr_lambda):
+        super().__init__(learning_rate)
+        if not callable(lr_lambda):
+            raise TypeError(f"lr_lambda must be callable, not {type(lr_lambda).__name__}")
+        self.lr_lambda = lr_lambda
+
+    def get_lr(self):
+        rate = self.base_lr
+        for epoch in range(1, self.last_epoch + 1):
+            rate *= self.lr_lambda(epoch)
+        return rate
+
+
+class CyclicLR(LRScheduler):
+    """Paddle's cyclical rate: up from ``base_learning_rate`` to ``max_learning_rate`` over
+    ``step_size_up`` steps, down again over ``step_size_down`` (``step_size_up`` when None),
+    the height of each cycle scaled by ``scale_fn``: 1 (``mode="triangular"``), halved each
+    cycle (``"triangular2"``), or ``exp_gamma ** step`` (``"exp_range"``); a ``scale_fn`` of
+    one's own takes the cycle number (``scale_mode="cycle"``) or the step
+    (``"iterations"``)."""
+
+    MODES = ("triangular", "triangular2", "exp_range")
+
+    def __init__(self, base_learning_rate, max_learning_rate, step_size_up,
+                 step_size_down=None, mode="triangular", exp_gamma=1.0, scale_fn=None,
+                 scale_mode="cycle"):
+        super().__init__(base_learning_rate)
+        self.max_lr = float(_check_number("max_learning_rate", max_learning_rate, low=0))
+        up = _check_steps("step_size_up", step_size_up)
+        down = up if step_size_down is None else _check_steps("step_size_down", step_size_down)
+        if scale_fn is None and mode not in self.MODES:
+            raise ValueError(f"mode={mode!r} is not allowed; allowed: {self.MODES}, or a "
+                             "scale_fn of one's own")
+        if scale_mode not in ("cycle", "iterations"):
+            raise ValueError(f"scale_mode={scale_mode!r} is not allowed; allowed: 'cycle', "
+                             "'iterations'")
+        self.cycle_size = up + down
+        self.step_up_pct = up / self.cycle_size
+        self.mode, self.gamma = mode, float(_check_number("exp_gamma", exp_gamma, low=0))
+        if scale_fn is not None:
+            self.scale_fn, self.scale_mode = scale_fn, scale_mode
+        else:
+            self.scale_fn = {"triangular": lambda cycle: 1.0,
+                             "triangular2": lambda cycle: 1 / 2.0 ** (cycle - 1),
+                             "exp_range": lambda step: self.gamma ** step}[mode]
+            self.scale_mode = "iterations" if mode == "exp_range" else "cycle"
+
+    def get_lr(self):
+        step = self.last_epoch
+        cycle = 1 + step // self.cycle_size
+        fraction = 1.0 + step / self.cycle_size - cycle
+        if fraction <= self.step_up_pct:
+            height = fraction / self.step_up_pct
+        else:
+            height = (1 - fraction) / (1 - self.step_up_pct)
+        scale = self.scale_fn(cycle if self.scale_mode == "cycle" else step)
+        return self.base_lr + (self.max_lr - self.base_lr) * height * scale
 
 
 class ExponentialDecay(LRScheduler):
@@ -296,3 +403,7 @@ class ReduceOnPlateau(LRScheduler):
         self.last_lr, self.best = float(state["last_lr"]), state["best"]
         self.num_bad_epochs = int(state["num_bad_epochs"])
         self.cooldown_counter = int(state["cooldown_counter"])
+
+
+# A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).
+__getattr__ = _module_getattr(__name__, "paddle.optimizer.lr", globals())

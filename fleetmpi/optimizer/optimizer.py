@@ -158,6 +158,20 @@ def _check_rate(name, value, low, high, high_inclusive=True):
     return float(value)
 
 
+def _check_multi_precision(multi_precision, parameters):
+    """Paddle's ``multi_precision`` keeps float32 master copies of float16 parameters.
+    fleetmpi's parameters are the float32 masters themselves (amp computes on cast copies,
+    ``fleetmpi.amp``), so ``True`` asks for what is already so; it is refused only for
+    parameters in another dtype, which would have no float32 master."""
+    if not isinstance(multi_precision, bool):
+        raise ValueError(f"multi_precision must be True or False, not {multi_precision!r}")
+    other = sorted({p.dtype.name for p in parameters} - {"float32", "float64"})
+    if multi_precision and other:
+        raise ValueError(f"multi_precision=True keeps float32 master weights, but the "
+                         f"parameters are {', '.join(other)}: build the model in float32 "
+                         "(amp's auto_cast computes in low precision from float32 parameters)")
+
+
 class Optimizer:
     """Base of the optimizers: learning rate (a number or an ``lr.LRScheduler``), weight decay
     (a number: L2 regularisation added to the gradient, or None), gradient clipping
@@ -168,8 +182,10 @@ class Optimizer:
     state_names = ()
     capture_refusal = None
 
-    def __init__(self, learning_rate, parameters, weight_decay, grad_clip=None):
+    def __init__(self, learning_rate, parameters, weight_decay, grad_clip=None,
+                 multi_precision=False):
         self._hold(parameters)
+        _check_multi_precision(multi_precision, self._parameters)
         if isinstance(learning_rate, LRScheduler):
             self._learning_rate = learning_rate
         else:
@@ -217,9 +233,14 @@ class Optimizer:
         used, so that an optimizer sharded before then never holds the whole space's."""
         if self._run_states is None:
             xp = backend.array_module()
-            self._run_states = [{name: xp.zeros(run.stop - run.start, dtype=run.buffer.dtype)
+            self._run_states = [{name: xp.full(run.stop - run.start, self.initial_state(name),
+                                               dtype=run.buffer.dtype)
                                  for name in self.state_names} for run in self.runs]
         return self._run_states
+
+    def initial_state(self, name):
+        """The value state ``name`` (one of ``state_names``) starts at."""
+        return 0
 
     def narrow(self, parameters):
         """Update only ``parameters``, some of this optimizer's, from now on: runs and state
@@ -299,7 +320,7 @@ class Optimizer:
         if self._shard is None:
             parameters = [p for run in runs for p in run.parameters]
             factors = dict(zip(map(id, parameters),
-                               self.grad_clip.scales([p.grad for p in parameters])))
+                               self.grad_clip.scales([p.grad.data for p in parameters])))
         else:
             factors = self._shard_clip_factors()
         flats = []
@@ -446,8 +467,8 @@ class Optimizer:
                 grad = self.shard_gradient[lo - start:hi - start]
             pieces.append(BufferRun(run.buffer, first, last, held, data, grad))
             spans.append((lo, hi))
-            state.append({name: xp.zeros(hi - lo, dtype=dtype) if run_state is None
-                          else run_state[name][lo - low:hi - low].copy()
+            state.append({name: xp.full(hi - lo, self.initial_state(name), dtype=dtype)
+                          if run_state is None else run_state[name][lo - low:hi - low].copy()
                           for name in self.state_names})
         self._update_runs, self._spans, self._run_states = pieces, spans, state
         self._shard = (int(start), int(stop))
@@ -513,8 +534,9 @@ class Optimizer:
 class SGD(Optimizer):
     """``p -= lr * (g + weight_decay * p)``."""
 
-    def __init__(self, learning_rate=0.001, parameters=None, weight_decay=None, grad_clip=None):
-        super().__init__(learning_rate, parameters, weight_decay, grad_clip)
+    def __init__(self, learning_rate=0.001, parameters=None, weight_decay=None, grad_clip=None,
+                 *, multi_precision=False, name=None):
+        super().__init__(learning_rate, parameters, weight_decay, grad_clip, multi_precision)
 
     def _fused_update(self, params, grads, states, lr, found_inf):
         kernels.multi_tensor_sgd_update(params, grads, lr, self.weight_decay, found_inf)
@@ -530,8 +552,8 @@ class Momentum(Optimizer):
     state_names = ("velocity",)
 
     def __init__(self, learning_rate=0.001, momentum=0.9, parameters=None, use_nesterov=False,
-                 weight_decay=None, grad_clip=None):
-        super().__init__(learning_rate, parameters, weight_decay, grad_clip)
+                 weight_decay=None, grad_clip=None, multi_precision=False, *, name=None):
+        super().__init__(learning_rate, parameters, weight_decay, grad_clip, multi_precision)
         self.momentum = _check_rate("momentum", momentum, 0, 1)
         self.use_nesterov = bool(use_nesterov)
 
@@ -556,8 +578,9 @@ class Adam(Optimizer):
     decoupled = False
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
-                 parameters=None, weight_decay=None, grad_clip=None):
-        super().__init__(learning_rate, parameters, weight_decay, grad_clip)
+                 parameters=None, weight_decay=None, grad_clip=None, *, multi_precision=False,
+                 name=None):
+        super().__init__(learning_rate, parameters, weight_decay, grad_clip, multi_precision)
         self.beta1 = _check_rate("beta1", beta1, 0, 1, high_inclusive=False)
         self.beta2 = _check_rate("beta2", beta2, 0, 1, high_inclusive=False)
         if not isinstance(epsilon, (int, float)) or not epsilon > 0:
@@ -604,6 +627,7 @@ class AdamW(Adam):
     decoupled = True
 
     def __init__(self, learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8,
-                 parameters=None, weight_decay=0.01, grad_clip=None):
+                 parameters=None, weight_decay=0.01, grad_clip=None, *, multi_precision=False,
+                 name=None):
         super().__init__(learning_rate, beta1, beta2, epsilon, parameters, weight_decay,
-                         grad_clip)
+                         grad_clip, multi_precision=multi_precision)

@@ -86,7 +86,7 @@ class ServerState:
         sparse rows ``sparse`` (per table, ``(ids, grads)``)."""
         if self.optimizer is not None:
             for p, g in zip(self.block_params, grads):
-                p.grad[...] = backend.asarray(g)
+                p.grad.data[...] = backend.asarray(g)
             self.optimizer.set_lr(lr)
             self.optimizer.step()
         # the script's optimizer does nothing else on a server: it lends its update rule to

@@ -39,8 +39,8 @@ def _check_shapes(query, key, value, mask):
         raise ValueError(f"scaled_dot_product_attention expects query, key and value of one "
                          f"rank >= 2 ((batch, heads, seq, head_dim)), got shapes "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    lead = query.shape[:-2]
-    if key.shape[:-2] != lead or value.shape[:-2] != lead:
+    lead = tuple(query.shape[:-2])
+    if tuple(key.shape[:-2]) != lead or tuple(value.shape[:-2]) != lead:
         raise ValueError(f"scaled_dot_product_attention: query, key and value must share their "
                          f"leading (batch, heads) axes, got shapes {tuple(query.shape)}, "
                          f"{tuple(key.shape)}, {tuple(value.shape)}")

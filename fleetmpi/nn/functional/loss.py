@@ -1,4 +1,4 @@
-"""Losses: softmax cross entropy and mean squared error."""
+"""Losses: softmax cross entropy, negative log likelihood and mean squared error."""
 import numpy as np
 
 from ...core import backend
@@ -123,3 +123,69 @@ def mse_loss(input, label, reduction="mean"):  # noqa: A002 - Paddle's argument 
     if reduction == "none":
         return squared
     return squared.sum() if reduction == "sum" else squared.mean()
+
+
+class NegativeLogLikelihood(Function):
+    """``-input[i, label_i]`` (log-probabilities ``(N, C)``) times ``weight[label_i]``; a
+    label equal to ``ignore_index`` gives 0. ``reduction="mean"`` divides the sum by the
+    weights of the labels taken (Paddle's weighted mean)."""
+
+    op_type = "nll_loss"
+
+    def forward(self, logp, labels, weight, ignore_index, reduction):
+        xp = backend.array_module()
+        kept = labels != ignore_index
+        safe = xp.where(kept, labels, 0)
+        rows = xp.arange(logp.shape[0])
+        taken = (weight[safe] if weight is not None else xp.ones(labels.shape, logp.dtype))
+        taken = xp.where(kept, taken, 0).astype(logp.dtype)
+        self.shape, self.rows, self.safe, self.reduction = logp.shape, rows, safe, reduction
+        loss = -logp[rows, safe] * taken
+        if reduction == "sum":
+            loss = loss.sum()
+        elif reduction == "mean":
+            self.total = taken.sum()
+            loss = loss.sum() / self.total
+        self.taken = taken
+        return loss.astype(logp.dtype, copy=False)
+
+    def backward(self, dloss):
+        xp = backend.array_module()
+        scale = dloss / self.total if self.reduction == "mean" else dloss
+        grad = xp.zeros(self.shape, dtype=self.taken.dtype)
+        grad[self.rows, self.safe] = -self.taken * scale
+        return grad, None, None, None, None
+
+
+def nll_loss(input, label, weight=None, ignore_index=-100, reduction="mean",  # noqa: A002
+             name=None):
+    """Paddle's ``nll_loss``: ``input`` holds log-probabilities ``(N, C)`` or ``(N, C, d1,
+    ...)``, ``label`` class indices ``(N,)`` or ``(N, d1, ...)``; ``weight`` one per class;
+    labels equal to ``ignore_index`` count for nothing."""
+    _check_reduction(reduction)
+    if not isinstance(input, Tensor):
+        input = Tensor(backend.asarray(input))
+    labels = backend.asarray(label.data if isinstance(label, Tensor) else label)
+    if input.ndim < 2 or tuple(labels.shape) != (input.shape[0], *input.shape[2:]):
+        raise ValueError(f"nll_loss needs input (N, C, ...) and label (N, ...), got shapes "
+                         f"{tuple(input.shape)} and {tuple(labels.shape)}")
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"nll_loss expects integer class labels, got dtype {labels.dtype}")
+    classes = input.shape[1]
+    if isinstance(labels, np.ndarray):
+        wrong = labels[(labels != ignore_index) & ((labels < 0) | (labels >= classes))]
+        if wrong.size:
+            raise ValueError(f"nll_loss labels must lie in [0, {classes}) or equal "
+                             f"ignore_index={ignore_index}, got {int(wrong[0])}")
+    if weight is not None:
+        weight = backend.asarray(weight.data if isinstance(weight, Tensor) else weight)
+        if tuple(weight.shape) != (classes,):
+            raise ValueError(f"nll_loss weight must have one value per class, shape "
+                             f"({classes},), not {tuple(weight.shape)}")
+    _check_not_empty("nll_loss", labels, reduction)
+    if input.ndim > 2:  # classes last, then one row per position
+        order = [0, *range(2, input.ndim), 1]
+        input = input.transpose(order).reshape(-1, classes)
+    loss = NegativeLogLikelihood.apply(input, labels.reshape(-1), weight, ignore_index,
+                                       reduction)
+    return loss.reshape(list(labels.shape)) if reduction == "none" else loss
