@@ -53,12 +53,12 @@ def test_a_recv_whose_sender_never_sends_is_reported(how):
 def test_a_pipeline_stage_whose_peer_raised_in_train_batch_is_reported(how):
     """The last stage's loss raises at step 2 and the script catches it: that rank ends its
     script (reported at once) or sleeps (at the stall time); the first stage waits in the
-    ``recv`` of the header of a gradient (an int64 (34,)) that never comes."""
+    ``recv`` of the header of a gradient (an int64 (36,)) that never comes."""
     job = run_job(launcher_command("fleetmpirun", 2, ["wait_jobs.py", "pipeline", how]))
     found = job.reports()
     assert set(found) == {0}, job.text
     assert "rank 1 caught: the last stage's loss fails on purpose" in job.text, job.text
-    assert re.search(r"in recv #\d+ from rank 1 of int64 \(34,\); rank 1 has not made the "
+    assert re.search(r"in recv #\d+ from rank 1 of int64 \(36,\); rank 1 has not made the "
                      r"matching send: ", found[0]), job.text
     said = ("rank 1 finished its script after" if how == "finish" else
             "rank 1 is in no call; it has made")

@@ -268,7 +268,7 @@ def test_stage_3_parameters_hold_nan_placeholders_outside_use():
     for p in parameters:
         assert p.data.strides == (0,) * p.data.ndim and np.isnan(p.data).all()
     for p in parameters:
-        assert p.values().shape == p.shape and np.isfinite(p.values()).all()
+        assert list(p.values().shape) == p.shape and np.isfinite(p.values()).all()
 
 
 def test_a_stage_3_state_dict_loads_back_into_the_shard():
@@ -329,7 +329,7 @@ def test_at_stage_2_a_parameter_left_out_of_the_optimizer_keeps_its_own_gradient
     x, y = global_batch(0)
     F.cross_entropy(model(x), y).backward()
     opt.step()
-    ok(left_out.grad is not None and np.abs(left_out.grad).sum() > 0, "no gradient")
+    ok(left_out.grad is not None and np.abs(left_out.grad.numpy()).sum() > 0, "no gradient")
     equal(left_out.numpy(), before)
     backend.manual_seed(0)
     plain = make_mlp()

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from fleetmpi.autograd import as_array
 from fleetmpi.core import backend, failure
 from fleetmpi.optimizer import Optimizer, StepContext, StepHook, run_step
 from fleetmpi.optimizer.step import finish_step, minimize_loss
@@ -92,7 +93,7 @@ class Client:
         return answers
 
     def _block_view(self, block, field):
-        flat = getattr(self.parameters[block.param], field).reshape(-1)
+        flat = as_array(getattr(self.parameters[block.param], field)).reshape(-1)
         return flat[block.start:block.stop]
 
     def _take_values(self, answers):
