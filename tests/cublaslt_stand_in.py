@@ -15,9 +15,10 @@ It interprets the descriptors as cuBLASLt does: each layout is a column-major ma
 of ``BATCH_COUNT`` of them ``STRIDED_BATCH_OFFSET`` elements apart; ``TRANSA``/``TRANSB``
 transpose ``A``/``B`` before ``D = alpha op(A) op(B) + beta C``; the operands are read from
 their raw addresses (host memory here) as those layouts declare and the result is written at
-``D``'s. Float16 and bfloat16 operands are summed in float32 (``CUBLAS_COMPUTE_32F``) and
-rounded once, float32 in float32, float64 in float64. So a wrong layout, leading dimension or
-op gives a wrong product.
+``D``'s. Float16 and bfloat16 operands are summed exactly (in float64) and rounded once: what
+``CUBLAS_COMPUTE_32F``'s float32 sums give to a float16 unit, in the bits of the host's product
+(``fleetmpi/kernels/products.py``), whatever order either sums in; float32 is summed in float32,
+float64 in float64. So a wrong layout, leading dimension or op gives a wrong product.
 
 It refuses, raising ``cuBLASLtError`` with cuBLAS's status, what the library refuses: an
 attribute value of the wrong size, an unknown enum, a layout whose leading dimension is less
@@ -338,7 +339,8 @@ class StandIn:
         alpha, beta = _read(alpha, scale)[0], _read(beta, scale)[0]
         first = _op(layouts[0].matrices(a), description[MatmulDescAttribute.TRANSA])
         second = _op(layouts[1].matrices(b), description[MatmulDescAttribute.TRANSB])
-        result = alpha * np.matmul(first.astype(compute), second.astype(compute))
+        exact = np.float64 if first.dtype.itemsize == 2 else compute
+        result = alpha * np.matmul(first.astype(exact), second.astype(exact))
         if beta != 0:
             result += beta * layouts[2].matrices(c).astype(compute)
         if description[MatmulDescAttribute.EPILOGUE] == Epilogue.BIAS:

@@ -4,14 +4,22 @@ last two axes with the leading axes broadcast, as NumPy's ``@``. Every product o
 GPT, the tensor-parallel layers through ``Linear``) calls it.
 
 On NumPy it is ``a @ b``, except that float16 and bfloat16 operands of one dtype multiply as a
-GPU's matrix product in that dtype does: products summed in float32 and rounded to the
-operands' dtype once. On the host that runs as a float32 product, since NumPy has no BLAS for
-float16 and its own loop is hundreds of times slower (and ml_dtypes' bfloat16 product returns
-float32).
+GPU's matrix product in that dtype does: products summed in at least float32 and rounded to the
+operands' dtype once. On the host the sums run in float64 (NumPy has no BLAS for float16, its
+own loop is hundreds of times slower, and ml_dtypes' bfloat16 product returns float32). A
+product of two float16 values is exact in float64, and so is the sum of a row of a thousand of
+them spanning up to 2**20 in magnitude (beyond that its error is some 2**-30 of a float16
+unit), so the one rounding gives the same bits whatever order the BLAS kernel sums in. Float32
+sums did not: OpenBLAS picks its kernel by CPU (``OPENBLAS_CORETYPE``: Haswell, SkylakeX, Zen),
+each sums in its own order, and a float32 sum that lands on the other side of a float16
+rounding boundary changes an output by a float16 unit. An amp step carries such a unit on:
+ResNet-20's amp gradients differed by up to 40% of a layer's largest between the Haswell and
+SkylakeX kernels (``tests/test_amp_numerics.py`` says why a unit can move a gradient that far);
+in float64 they are the same bits. It costs the host 1.1 to 1.4 times a float32 product's time.
 
 On CuPy it runs through cuBLASLt (``cublaslt.py``): CuPy 14's own cuBLAS wrapper refuses any
 call while its stream captures a CUDA graph, so a step with a product could not be captured.
-There float16 and bfloat16 compute in float32 too (``CUBLAS_COMPUTE_32F``), as do float32
+There float16 and bfloat16 compute in float32 (``CUBLAS_COMPUTE_32F``), as do float32
 operands, which are never rounded to TF32; float64 computes in float64.
 """
 import numpy as np
@@ -41,7 +49,7 @@ def _product_shape(a, b):
 
 
 def _rounds_once(a, b):
-    """Whether ``a @ b`` is a 16-bit floating product summed in float32 and rounded once."""
+    """Whether ``a @ b`` is a 16-bit floating product summed wider and rounded once."""
     return a.dtype == b.dtype and a.dtype.itemsize == 2 and backend.is_floating(a.dtype)
 
 
@@ -58,7 +66,7 @@ def _check_out(out, shape, dtype):
 
 def _host_product(a, b, out):
     if _rounds_once(a, b):
-        product = np.matmul(a.astype(np.float32), b.astype(np.float32))
+        product = np.matmul(a.astype(np.float64), b.astype(np.float64))
         if out is None:
             return product.astype(a.dtype)
         out[...] = product

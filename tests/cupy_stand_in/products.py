@@ -3,17 +3,18 @@
 
 Each is one cuBLAS call (``library_calls["cublas"]``), refused while the current stream
 captures with CuPy 14's ``NotImplementedError`` (``Runtime.check_cublas``): the failure of
-every captured step on the H200. Half-precision operands multiply as cuBLAS does for CuPy
-(products summed in float32, rounded to the operands' dtype once).
+every captured step on the H200. Half-precision operands multiply as cuBLAS does for CuPy, to
+a float16 unit: their products summed exactly (in float64) and rounded to the operands' dtype
+once, the bits of the NumPy branch's product (``fleetmpi/kernels/products.py``).
 """
 import numpy as np
 
 from . import arrays
 
 
-def _in_float32(func, dtype):
+def _summed_exactly(func, dtype):
     def product(*operands, out=None, **kwargs):
-        wide = [a.astype(np.float32) if isinstance(a, np.ndarray) else a for a in operands]
+        wide = [a.astype(np.float64) if isinstance(a, np.ndarray) else a for a in operands]
         result = func(*wide, **kwargs).astype(dtype)
         if out is None:
             return result
@@ -29,7 +30,7 @@ def product(name, func, operands, kwargs):
     if len(dtypes) == 1:
         dtype = dtypes.pop()
         if dtype.itemsize == 2 and dtype.kind in "fV":
-            func = _in_float32(func, dtype)
+            func = _summed_exactly(func, dtype)
     return arrays.call(name, func, operands, kwargs, library="cublas")
 
 
