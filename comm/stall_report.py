@@ -192,8 +192,22 @@ def write_report(message):
     sys.stderr.flush()
 
 
+_ender = None
+
+
+def end_jobs_with(ender):
+    """Have ``ender()`` end the job after a stall report (None: abort at once). It is called
+    from the thread that reported (the watchdog's, or the main thread at exit) and returns
+    only where it leaves the job to the abort; the pytest plugin (``fleetmpi.testing``) writes
+    the session's summary on every rank first."""
+    global _ender
+    _ender = ender
+
+
 def end_job():
     """End the whole MPI job after a stall report, whichever launcher started it."""
     from fleetmpi.core.failure import abort
 
+    if _ender is not None:
+        _ender()
     abort(None)

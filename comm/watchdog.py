@@ -143,6 +143,14 @@ def unwatch(comm):
         _watchdog.remove(watch)
 
 
+def calls_in_flight(skip=None):
+    """``(text, call number)`` of each watched collective in flight in this process (but on
+    ``skip``'s communicator), for a report of where this rank is."""
+    watches = [] if _watchdog is None else list(_watchdog.watches)
+    return [(call_text(w.what), w.started) for w in watches
+            if w.started != w.ended and w.comm is not skip]
+
+
 def _start():
     global _watchdog
     with _lock:

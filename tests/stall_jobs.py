@@ -19,7 +19,8 @@ which never waits on its handles.
 while rank 1 trains a third step.
 ``diverge``: every rank broadcasts rank 0's array 3 times (repeated calls skip the argument
 agreement), except that rank 1 skips the second broadcast (``HOW``: ``skip``) or passes
-another shape to the third (``shape``); then the script ends.
+another shape to the third (``shape``); then the script ends. ``HOW`` ``allgather``: every
+rank allgathers 3 times, rank 1's third array float32 where the others' are float64.
 Each job prints ``FAULT <epoch seconds>`` when the fault happens, for benchmarks/faults.py.
 """
 import os
@@ -157,6 +158,14 @@ def leave(where):
 def diverge(how):
     fleet.init()
     comm = Communicator(topology())
+    if how == "allgather":
+        for call in range(1, 4):
+            late = comm.rank == LATE and call == 3
+            if late:
+                fault()
+            comm.allgather(np.ones(4, np.float32 if late else np.float64))
+        print(f"rank {comm.rank} finished", flush=True)
+        return
     for call in range(1, 4):
         late = comm.rank == LATE
         if late and call == 2 and how == "skip":
