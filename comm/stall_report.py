@@ -4,7 +4,8 @@ The watchdog (``fleetmpi.comm.watchdog``) asks the other ranks where they are on
 overstays; ``verdict`` turns their answers into the report's lines and says whether the wait is
 certainly hopeless (a rank finished its script, waits in a call this rank has not reached, or
 makes a different call at the same call number) or only long. The functions here are pure,
-apart from ``write_report`` and ``end_job``.
+apart from ``main_thread_site`` (which reads where the main thread is), ``write_report`` and
+``end_job`` (which ``end_jobs_with`` can hand to the pytest plugin).
 """
 import os
 import re
