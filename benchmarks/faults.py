@@ -31,6 +31,7 @@ ELASTIC_JOB = os.path.join(os.path.dirname(JOB), "elastic_job.py")
 STALL_JOB = os.path.join(os.path.dirname(JOB), "stall_jobs.py")
 WAIT_JOB = os.path.join(os.path.dirname(JOB), "wait_jobs.py")
 NOT_SENT = "rank 1 has not made the matching send"
+REPEAT_NAMED = "rank 1: allgather of float32 (4,), call #3"
 HANG_SECONDS = 60
 SCENARIOS = [
     # (name, job arguments (after the job file, failure_jobs.py unless named first), extra
@@ -80,6 +81,17 @@ SCENARIOS = [
     ("rank 1 hangs outside any call, rank 0 ends its script (exit path, stall)",
      [WAIT_JOB, "exit", "broadcast"], {"FLEETMPI_STALL_TIMEOUT": "2"},
      {"mpiexec": "for rank(s) 1 to finish", "fleetmpirun": "for rank(s) 1 to finish"}),
+    ("rank 1's third repeated allgather has another dtype", [STALL_JOB, "diverge", "allgather"],
+     {"FLEETMPI_STALL_TIMEOUT": "2"}, {"mpiexec": REPEAT_NAMED, "fleetmpirun": REPEAT_NAMED}),
+    ("rank 1's third repeated broadcast has another shape, root 0 ends its script",
+     [STALL_JOB, "diverge", "shape"], {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "rank 0 made a different call", "fleetmpirun": "rank 0 made a different call"}),
+    ("rank 1 skips the second of 3 repeated broadcasts (call counts at exit)",
+     [STALL_JOB, "diverge", "skip"], {"FLEETMPI_STALL_TIMEOUT": "2"},
+     {"mpiexec": "(rank 1: 2)", "fleetmpirun": "(rank 1: 2)"}),
+    ("amp skips every step: rank 1's batches all hold a NaN", ["amp-nan"], {},
+     {"mpiexec": "amp: step 7: the gradients held an inf or NaN",
+      "fleetmpirun": "amp: step 7: the gradients held an inf or NaN"}),
 ]
 
 

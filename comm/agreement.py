@@ -14,11 +14,12 @@ Which calls are checked is the communicator's choice (``FLEETMPI_CHECK_COLLECTIV
 call, or only a call whose arguments this rank has not seen agreed before; the others add their
 row to the running hash that the next exchange compares.
 """
+import sys
 import zlib
 
 import numpy as np
 
-from .stall import CollectiveMismatchError, gather_rows
+from .stall import CollectiveMismatchError, each_call, gather_rows
 
 FIELDS = ("collective", "op", "algorithm", "compression", "root", "dtype", "count", "arrays",
           "shapes", "unchecked", "history", "rejected")
@@ -122,6 +123,9 @@ def agree(comm, collective, tables, problem=None, described=(), layout=None, **f
             f"arguments (their error says why)")
     differing = np.flatnonzero((rows != rows[0]).any(axis=0))
     if len(differing):
+        calls = "; ".join(f"rank {r}: call #{number} at {site}"
+                          for r, (number, _, site) in enumerate(each_call(comm,
+                                                                          sys._getframe(1))))
         shapes = None
         if FIELDS.index("shapes") in differing:
             text = describe_shapes(described)
@@ -138,4 +142,4 @@ def agree(comm, collective, tables, problem=None, described=(), layout=None, **f
             + ("; the ranks called different collectives since the last call whose arguments "
                "were exchanged (a call whose arguments every rank has agreed on before skips "
                "the exchange; FLEETMPI_CHECK_COLLECTIVES=always checks every call)"
-               if diverged else ""))
+               if diverged else "") + f" (each rank's call of this communicator: {calls})")

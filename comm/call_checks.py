@@ -185,14 +185,19 @@ class CallAgreement:
                 shapes = zlib.crc32(repr(tuple(layout)).encode(), shapes)
             fields.update(dtype=dtype, count=count, arrays=n, shapes=shapes)
         unchecked, history = self.unchecked, self.history
-        self.unchecked = self.history = 0
-        self.previous = -1  # what every rank holds after a call that raised
+        self.forget()
         agreement.agree(self.control, collective, TABLES, problem,
                         arrays if described is None else described, layout,
                         unchecked=unchecked, history=history, **fields)
         if key is not None:
             self.previous = self.agreed[key] = row_code(call_row(collective, TABLES,
                                                                  **fields))
+
+    def forget(self):
+        """Start afresh, as every rank does after a call that raised (or before an exchange):
+        no previous call, nothing unchecked."""
+        self.unchecked = self.history = 0
+        self.previous = -1
 
     def skip(self, code):
         """Account for a call that repeats an agreed one (its row's ``code``) without an

@@ -48,7 +48,7 @@ from .fusion import buckets_for
 from .handles import CommThread
 from .ops import array_module, is_device_array
 from .ring import DEFAULT_CHUNK_BYTES, count_offsets, split_offsets
-from .stall import gather_rows
+from .stall import CollectiveMismatchError, gather_rows
 from .stall_report import call_text
 from .topology import Topology
 from .transport_choice import device_identity, pick_transport
@@ -603,7 +603,11 @@ class Communicator:
     def _exchange_rows(self, values, collective):
         """Every rank's ``values`` (integers, as many on every rank) as a table, one row per
         rank: one small exchange that reports ranks that do not arrive."""
-        return gather_rows(self._control, np.asarray(values, dtype=np.int64), collective)
+        try:
+            return gather_rows(self._control, np.asarray(values, dtype=np.int64), collective)
+        except CollectiveMismatchError:
+            self._calls.forget()  # as every other rank, which raised in its agreement
+            raise
 
     def _splits(self, splits, rows, what):
         """``splits`` checked against ``rows``, or equal splits (``rows`` divisible)."""

@@ -4,10 +4,11 @@ At the end of its script a rank announces it on every watched communicator and w
 others' announcements (``Watchdog.finish``), which ``MPI_Finalize`` would wait for anyway,
 forever where a rank hangs outside any call. After ``FLEETMPI_STALL_TIMEOUT`` it asks the
 ranks still missing where they are and, where one is in no call (or silent), reports them
-and ends the job; a rank waiting in a watched call is left to its own watchdog. The
-functions here are pure.
+and ends the job; a rank waiting in a watched call is left to its own watchdog. Once every
+rank has finished, ranks that made different numbers of calls on one communicator are
+reported and the job ends non-zero (``count_message``). The functions here are pure.
 """
-from fleetmpi.core.knobs import STALL_TIMEOUT
+from fleetmpi.core.knobs import CHECK_COLLECTIVES, STALL_TIMEOUT
 
 from .stall_report import ranks_text
 
@@ -44,3 +45,21 @@ def exit_message(rank, size, waited, missing, lines):
             f"{waited:.1f} s for rank(s) {ranks_text(missing)} to finish theirs: "
             + "; ".join(lines) + f"; {STALL_TIMEOUT.name} is exceeded, aborting the job "
             "instead of waiting in MPI_Finalize")
+
+
+def count_message(rank, size, made, last, finished):
+    """The report of rank ``rank`` that made ``made`` calls on a communicator (the last one
+    ``last``, as text) while other ranks finished theirs after ``finished`` (rank -> calls).
+
+    Every rank of a communicator makes the same collectives, so different counts at the end
+    mean that a call completed on some ranks without the others: the root of a broadcast
+    sends and returns whether or not anyone receives, so a rank that skipped one received
+    the root's next broadcast in its place, and a repeated call skips the agreement on
+    arguments that would have told."""
+    counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(finished.items()))
+    return (f"[fleetmpi] rank {rank}/{size} finished its script after {made} call(s) of a "
+            f"communicator, the last {last}, but the other ranks made other numbers of calls "
+            f"there ({counts}): a rank skipped or added a collective whose data then went to "
+            f"another call (a root's broadcast returns whether or not it is received; "
+            f"{CHECK_COLLECTIVES.name}=always makes every call agree on its arguments and "
+            "catches it at that call); aborting the job")

@@ -26,11 +26,13 @@ import time
 
 import numpy as np
 
+from fleetmpi.core.knobs import CHECK_COLLECTIVES
+from .stall_report import call_site, call_text
 from .watchdog import watch_of
 
 ROW_TAG = 101
 # gather_rows' head (a row's width, then its collective's name) and the row's words that travel
-# with it; the words of a call site named when the ranks' heads differ.
+# with it; the words of a call's arguments and of its call site named when the heads differ.
 HEAD = 4
 INLINE = 12
 SITE_WORDS = 12
@@ -147,31 +149,50 @@ def _text(words):
     return bytes(words.view(np.uint8)).rstrip(b"\0").decode(errors="replace")
 
 
-def _call_site():
-    """Where the script called into fleetmpi: the first frame outside its modules."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == \
-            "fleetmpi":
-        frame = frame.f_back
-    if frame is None:
-        return "fleetmpi"
-    code = frame.f_code
-    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+def each_call(comm, frame):
+    """Every rank's current call on ``comm`` as its watch holds it: ``(number, arguments, call
+    site)`` per rank, in rank order, after one more exchange (what a mismatch report names;
+    ``frame``: where this rank's call site is looked for, outwards). Marks the watch
+    ``diverged``: it is asked only once the ranks are known to differ."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    watch = watch_of(comm)
+    watch.diverged = True
+    calls = np.zeros((size, 1 + 2 * SITE_WORDS), dtype=np.int64)
+    calls[rank, 0] = watch.started
+    calls[rank, 1:1 + SITE_WORDS] = _words(call_text(watch.what), SITE_WORDS)
+    calls[rank, 1 + SITE_WORDS:] = _words(call_site(frame), SITE_WORDS)
+    _exchange(comm, calls)
+    return [(int(c[0]), _text(c[1:1 + SITE_WORDS]), _text(c[1 + SITE_WORDS:])) for c in calls]
 
 
 def _different_calls(comm, heads):
-    """The error every rank raises when the ranks reached different exchanges: one more
-    exchange gives each rank's call site, then each rank's call is named."""
-    size = len(heads)
-    sites = np.zeros((size, SITE_WORDS), dtype=np.int64)
-    sites[comm.Get_rank()] = _words(_call_site(), SITE_WORDS)
-    _exchange(comm, sites)
-    said = "; ".join(f"rank {r}: {_text(heads[r, 1:HEAD])} (at {_text(sites[r])})"
-                     for r in range(size))
+    """The error every rank raises when the ranks reached different exchanges, naming each
+    rank's call (``each_call``).
+
+    Besides a skipped or added collective, this is how a repeated call whose arguments changed
+    on some ranks shows: a call whose arguments every rank has agreed on before in the same
+    place skips the agreement (``fleetmpi.comm.call_checks``), so the ranks whose call repeats
+    meet the others' agreement in the exchange of the call's own layout (the first dimensions
+    an ``allgather`` or ``gather`` exchanges) or in their next one."""
+    calls = each_call(comm, sys._getframe(1))
+    said = "; ".join(f"rank {r}: {text}, call #{number} (at {site})"
+                     for r, (number, text, site) in enumerate(calls))
+    names = {_text(head[1:HEAD]) for head in heads}
+    numbers = {number for number, _, _ in calls}
+    agree = f"{CHECK_COLLECTIVES.name}=always makes every call agree"
+    if len(names) == 1 and len(numbers) == 1:
+        return CollectiveMismatchError(
+            f"{names.pop()} call #{numbers.pop()} called with different arguments across "
+            f"ranks: {said}. A repeated call skips the agreement on its arguments, so this "
+            f"call, whose arguments changed on some ranks, met a call of the same arguments as "
+            f"before on the others ({agree})")
+    repeated = (f", or made a repeated call with other arguments than the others (a repeated "
+                f"call skips the agreement on its arguments; {agree})" if len(numbers) > 1
+                else "")
     return CollectiveMismatchError(
         f"the ranks reached different collectives: {said}. A rank skipped or added a "
-        "collective (one inside a caught exception, or in a branch only some ranks take); every "
-        "rank must call the same collectives in the same order")
+        f"collective (one inside a caught exception, or in a branch only some ranks take)"
+        f"{repeated}; every rank must call the same collectives in the same order")
 
 
 def gather_rows(comm, row, collective):

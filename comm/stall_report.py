@@ -4,11 +4,15 @@ The watchdog (``fleetmpi.comm.watchdog``) asks the other ranks where they are on
 overstays; ``verdict`` turns their answers into the report's lines and says whether the wait is
 certainly hopeless (a rank finished its script, waits in a call this rank has not reached, or
 makes a different call at the same call number) or only long. The functions here are pure,
-apart from ``write_report`` and ``end_job``.
+apart from ``main_thread_site`` (which reads where the main thread is), ``write_report`` and
+``end_job`` (which ``end_jobs_with`` can hand to the pytest plugin).
 """
+import os
+import re
 import sys
+import threading
 
-from fleetmpi.core.knobs import STALL_TIMEOUT
+from fleetmpi.core.knobs import CHECK_COLLECTIVES, STALL_TIMEOUT
 
 # How long a rank that reports a stall waits before aborting, so that the other waiting ranks
 # get to write their reports before the launcher ends them.
@@ -17,6 +21,9 @@ REPORT_LINGER_SECONDS = 1.0
 # same call number with different shapes are making different calls.
 EQUAL_SHAPES = ("allreduce", "allreduce_many", "broadcast", "broadcast_many", "barrier",
                 "reduce_scatter")
+# Collectives whose arrays may differ in their first dimension only: two ranks in one of these
+# at the same call number with another dtype or other trailing dimensions make different calls.
+FIRST_DIMENSION_FREE = ("allgather", "gather", "alltoall", "allgatherv")
 
 
 def ranks_text(ranks):
@@ -68,10 +75,36 @@ def call_name(what):
     return None if what is None else what[0]
 
 
+def call_site(frame):
+    """Where the script called into fleetmpi: from ``frame`` outwards, the first frame outside
+    fleetmpi's modules, as ``file.py:line in function``."""
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == \
+            "fleetmpi":
+        frame = frame.f_back
+    if frame is None:
+        return "fleetmpi"
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+
+
+def main_thread_site():
+    """``call_site`` of where the main thread is now (asked from another thread, the
+    watchdog's: the call the script is blocked in), or None when it has no frame."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return None if frame is None else call_site(frame)
+
+
+def _first_dimension_dropped(text):
+    """``allgather of float64 (4, 3)`` -> ``allgather of float64 (, 3)``."""
+    return re.sub(r"\(\d+,? ?", "(", text, count=1)
+
+
 def _different_call(mine, answer):
     """Whether an answer at this rank's call number is in a call that cannot match it."""
     if answer["name"] != mine["name"]:
         return True
+    if mine["name"] in FIRST_DIMENSION_FREE:
+        return _first_dimension_dropped(answer["text"]) != _first_dimension_dropped(mine["text"])
     return mine["name"] in EQUAL_SHAPES and answer["text"] != mine["text"]
 
 
@@ -86,6 +119,19 @@ def _missing_line(rank, answer, call, my_counts):
         _, number, text, _ = answer["elsewhere"][0]
         return f"rank {rank} waits in {text}, call #{number} of another communicator; {last}", False
     return f"rank {rank} is in no collective; {last}", False
+
+
+def _different_line(rank, answer, finished):
+    """The line of a rank whose call at this number is another (in flight or made already:
+    a repeated call skips the agreement, so a rank whose call differs from the ones agreed
+    before meets the others' calls here)."""
+    site = f" (at {answer['site']})" if answer.get("site") else ""
+    if answer["in_flight"]:
+        return f"rank {rank} waits in a different call at this number: {answer['text']}{site}"
+    then = ", then finished its script" if finished else ""
+    return (f"rank {rank} made a different call at this number: {answer['text']}{then}; a "
+            f"repeated call skips the agreement on arguments "
+            f"({CHECK_COLLECTIVES.name}=always makes every call agree)")
 
 
 def verdict(mine, call, answers, finished, my_counts, blocking):
@@ -113,11 +159,9 @@ def verdict(mine, call, answers, finished, my_counts, blocking):
             missing.append(rank)
             lines.append(f"rank {rank} did not answer (a long computation that holds the "
                          f"interpreter, or a signal, keeps its watchdog from running)")
-        elif answer["started"] == call and answer["in_flight"] and _different_call(mine,
-                                                                                    answer):
+        elif answer["started"] == call and _different_call(mine, answer):
             missing.append(rank)
-            lines.append(f"rank {rank} waits in a different call at this number: "
-                         f"{answer['text']}")
+            lines.append(_different_line(rank, answer, rank in finished))
             certain = certain or blocking
         elif answer["started"] < call:
             missing.append(rank)
@@ -137,7 +181,8 @@ def stall_message(rank, size, mine, call, waited, missing, lines, certain):
         body = "every rank answered that it has arrived there"
     tail = ("; they cannot arrive, aborting the job" if certain else
             f"; {STALL_TIMEOUT.name} is exceeded, aborting the job")
-    return head + body + tail
+    site = f" (this rank's call is at {mine['site']})" if mine.get("site") else ""
+    return head + body + tail + site
 
 
 def write_report(message):
@@ -148,8 +193,22 @@ def write_report(message):
     sys.stderr.flush()
 
 
+_ender = None
+
+
+def end_jobs_with(ender):
+    """Have ``ender()`` end the job after a stall report (None: abort at once). It is called
+    from the thread that reported (the watchdog's, or the main thread at exit) and returns
+    only where it leaves the job to the abort; the pytest plugin (``fleetmpi.testing``) writes
+    the session's summary on every rank first."""
+    global _ender
+    _ender = ender
+
+
 def end_job():
     """End the whole MPI job after a stall report, whichever launcher started it."""
     from fleetmpi.core.failure import abort
 
+    if _ender is not None:
+        _ender()
     abort(None)

@@ -38,10 +38,10 @@ import zlib
 import numpy as np
 
 from fleetmpi.core.knobs import STALL_TIMEOUT
-from .exit_report import exit_message, in_a_call, unfinished_line
+from .exit_report import count_message, exit_message, in_a_call, unfinished_line
 from .peer_watch import PeerCalls, peer_stall_message, peer_verdict
-from .stall_report import (REPORT_LINGER_SECONDS, call_name, call_text, end_job, stall_message,
-                           verdict, write_report)
+from .stall_report import (REPORT_LINGER_SECONDS, call_name, call_text, end_job,
+                           main_thread_site, stall_message, verdict, write_report)
 
 QUERY_TAG = 32101
 ANSWER_TAG = 32102
@@ -72,10 +72,13 @@ class Watch:
     waits on a handle (or drains the thread).
     ``identity``: the same number on every rank for the same communicator (a checksum of its
     members' world ranks and how many watches over them this process made before), so that a
-    rank blocked elsewhere can say where in terms the others can look up."""
+    rank blocked elsewhere can say where in terms the others can look up.
+    ``diverged``: set once the ranks were told they called different collectives here (a
+    ``CollectiveMismatchError``): their call counts may differ from then on."""
 
     __slots__ = ("comm", "rank", "size", "members", "identity", "started", "ended", "what",
-                 "comm_thread", "finished", "seen", "since", "next_inquiry", "inquiry", "peers")
+                 "comm_thread", "finished", "seen", "since", "next_inquiry", "inquiry", "peers",
+                 "diverged")
 
     def __init__(self, comm, members):
         self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
@@ -87,6 +90,7 @@ class Watch:
         self.started = self.ended = 0
         self.what = None
         self.comm_thread = None
+        self.diverged = False
         self.finished = {}
         self.seen, self.since, self.next_inquiry, self.inquiry = 0, 0.0, 0.0, None
         self.peers = PeerCalls(self.size)  # its point-to-point calls (``peer_watch``)
@@ -139,6 +143,14 @@ def unwatch(comm):
         _watchdog.remove(watch)
 
 
+def calls_in_flight(skip=None):
+    """``(text, call number)`` of each watched collective in flight in this process (but on
+    ``skip``'s communicator), for a report of where this rank is."""
+    watches = [] if _watchdog is None else list(_watchdog.watches)
+    return [(call_text(w.what), w.started) for w in watches
+            if w.started != w.ended and w.comm is not skip]
+
+
 def _start():
     global _watchdog
     with _lock:
@@ -155,9 +167,10 @@ def answer_of(watch, asker, watches):
     elsewhere = [[w.identity, w.started, call_text(w.what), asker_world in w.members]
                  for w in watches if w is not watch and w.started != w.ended and w.blocking()]
     in_flight = watch.started != watch.ended
-    answer = {"started": watch.started, "in_flight": in_flight,
-              "blocked_here": in_flight and watch.blocking(),
+    blocked = in_flight and watch.blocking()
+    answer = {"started": watch.started, "in_flight": in_flight, "blocked_here": blocked,
               "name": call_name(watch.what), "text": call_text(watch.what),
+              "site": main_thread_site() if blocked else None,
               "elsewhere": elsewhere, "p2p": watch.peers.answer(asker)}
     return json.dumps(answer).encode()[:ANSWER_BYTES]
 
@@ -287,7 +300,8 @@ class Watchdog:
         """Write the report and end the job ``REPORT_LINGER_SECONDS`` later, answering the
         other ranks meanwhile so that their reports say where this rank is; with
         ``only_certain``, only when the ranks missing cannot arrive (else False)."""
-        mine = {"name": call_name(watch.what), "text": call_text(watch.what)}
+        mine = {"name": call_name(watch.what), "text": call_text(watch.what),
+                "site": main_thread_site() if watch.blocking() else None}
         counts = {w.identity: w.started for w in self.watches}
         missing, lines, certain = verdict(mine, call, answers, watch.finished, counts,
                                           watch.blocking())
@@ -353,6 +367,18 @@ class Watchdog:
         deadline = time.monotonic() + FINISH_SECONDS
         while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
             time.sleep(1e-3)
+        self._check_counts()
+
+    def _check_counts(self):
+        """Once every rank has finished: end the job, reporting it, where the ranks of a
+        communicator made different numbers of calls there (``exit_report.count_message``)."""
+        for watch in self.watches:
+            if not watch.diverged and any(count != watch.started
+                                          for count in watch.finished.values()):
+                write_report(count_message(watch.rank, watch.size, watch.started,
+                                           call_text(watch.what), watch.finished))
+                time.sleep(REPORT_LINGER_SECONDS)
+                end_job()
 
     def _announce(self):
         """This rank's end, sent to every other rank of every watched communicator: its

@@ -35,7 +35,8 @@ overflowing forward leaves no inf or NaN in them. The scale then follows Paddle'
 ``update_loss_scaling`` rule (``strategies.loss_scaling``, shared with the dygraph
 ``fleetmpi.amp.GradScaler``).
 ``use_dynamic_loss_scaling=False`` keeps ``init_loss_scaling`` fixed; overflowing steps are
-still skipped. Outside a CUDA graph capture rank 0 logs each skipped step as a warning with
+still skipped. Steps that overflow at the lowest scale end the run (``loss_scaling``'s
+docstring says after how many). Outside a CUDA graph capture rank 0 logs each skipped step as a warning with
 the new loss scale, at most one line per ``SKIP_LOG_SECONDS`` (the next line counts those held
 back). Steps that do not update (gradient_merge's steps between its updates) are not
 checked and leave the scale alone. Without loss scaling (bfloat16) amp checks nothing and
@@ -216,7 +217,7 @@ class AMP(Strategy):
             # not. Inside a capture the flag stays on the device.
             grads = [grad for _, grad in self.optimizer.flat_runs()]
             found, skipped = check_step(self.scaling, grads, self.communicator,
-                                        self._saved_buffers or ())
+                                        self._saved_buffers or (), ctx.step)
             self._saved_buffers = None
             self.scaling.update_loss_scaling(found)
             if skipped is None:

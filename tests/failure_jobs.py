@@ -9,6 +9,7 @@
     mpiexec -n N python tests/failure_jobs.py kill9-async # ... during an asynchronous allreduce
     mpiexec -n N python tests/failure_jobs.py nan         # rank 1's batch of step 3 holds a NaN
     mpiexec -n N python tests/failure_jobs.py damaged-checkpoint  # rank 1's file damaged
+    mpiexec -n N python tests/failure_jobs.py amp-nan     # the last rank's batches all NaN
 
 ``raise``: rank 1 raises ``RuntimeError`` after ``fleet.init`` (in a thread for
 ``raise-thread``) while every other rank enters an allreduce that rank 1 never joins.
@@ -24,6 +25,8 @@ just after every rank has started an asynchronous allreduce of 64 MiB, which the
 ``nan``: data-parallel training whose rank 1 gets a NaN in its batch at step 3 (the non-finite
 check at its default, ``stop``). ``damaged-checkpoint``: every rank saves a checkpoint into
 ``$FAILURE_JOB_DIR``, rank 1 flips a byte of its own file, and every rank loads.
+``amp-nan``: data-parallel training under amp (``init_loss_scaling=8``) whose last rank's
+batches all hold a NaN, so that every step is skipped.
 """
 import os
 import signal
@@ -82,6 +85,26 @@ def train_with_a_nan(rank):
         if step == 3 and rank == 1:
             x[0, 0] = np.nan
             fault()
+        opt.minimize(model, nn.CrossEntropyLoss(), x, rng.integers(0, 2, 8))
+    print(f"rank {rank} finished", flush=True)
+
+
+def train_amp_on_nan(rank, size):
+    """Twenty amp steps of a small MLP; every batch of the last rank holds a NaN."""
+    fleet.seed(0)
+    model = fleet.distributed_model(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"init_loss_scaling": 8}
+    opt = fleet.distributed_optimizer(optimizer.SGD(0.1, parameters=model.parameters()),
+                                      strategy)
+    rng = np.random.default_rng(rank)
+    if rank == size - 1:
+        fault()
+    for _ in range(20):
+        x = rng.standard_normal((8, 4)).astype(np.float32)
+        if rank == size - 1:
+            x[0, 0] = np.nan
         opt.minimize(model, nn.CrossEntropyLoss(), x, rng.integers(0, 2, 8))
     print(f"rank {rank} finished", flush=True)
 
@@ -157,6 +180,8 @@ def main(args):
         print(f"rank {comm.rank} finished", flush=True)
     elif mode == "nan":
         train_with_a_nan(comm.rank)
+    elif mode == "amp-nan":
+        train_amp_on_nan(comm.rank, comm.size)
     elif mode == "damaged-checkpoint":
         load_a_damaged_checkpoint(comm.rank)
     elif mode == "place":

@@ -4,6 +4,7 @@
     mpiexec -n N python tests/stall_jobs.py train IDIOM STEPS
     mpiexec -n N python tests/stall_jobs.py uneven IDIOM STEPS_0,STEPS_1,...
     mpiexec -n N python tests/stall_jobs.py leave WHERE
+    mpiexec -n N python tests/stall_jobs.py diverge HOW
 
 ``repeat``: every rank makes ``CALLS - 1`` calls of ``COLLECTIVE`` on the same reused arrays
 (``ELEMENTS`` float64 elements, ``ALGORITHM`` where the collective takes one); rank 1 then
@@ -16,6 +17,10 @@ which never waits on its handles.
 ``leave``: rank 0 leaves its training loop after 2 steps for ``fleet.barrier_worker()``,
 ``checkpoint.save`` or an evaluation (``WHERE``: ``barrier``, ``checkpoint``, ``evaluate``)
 while rank 1 trains a third step.
+``diverge``: every rank broadcasts rank 0's array 3 times (repeated calls skip the argument
+agreement), except that rank 1 skips the second broadcast (``HOW``: ``skip``) or passes
+another shape to the third (``shape``); then the script ends. ``HOW`` ``allgather``: every
+rank allgathers 3 times, rank 1's third array float32 where the others' are float64.
 Each job prints ``FAULT <epoch seconds>`` when the fault happens, for benchmarks/faults.py.
 """
 import os
@@ -150,6 +155,30 @@ def leave(where):
     print(f"rank {rank} finished", flush=True)
 
 
+def diverge(how):
+    fleet.init()
+    comm = Communicator(topology())
+    if how == "allgather":
+        for call in range(1, 4):
+            late = comm.rank == LATE and call == 3
+            if late:
+                fault()
+            comm.allgather(np.ones(4, np.float32 if late else np.float64))
+        print(f"rank {comm.rank} finished", flush=True)
+        return
+    for call in range(1, 4):
+        late = comm.rank == LATE
+        if late and call == 2 and how == "skip":
+            fault()
+            continue
+        if late and call == 3 and how == "shape":
+            fault()
+            comm.broadcast(np.ones(5), root=0)
+            continue
+        comm.broadcast(np.ones(4), root=0)
+    print(f"rank {comm.rank} finished", flush=True)
+
+
 def main(args):
     mode = args[0]
     if mode == "repeat":
@@ -161,6 +190,8 @@ def main(args):
         uneven(args[1], [int(v) for v in args[2].split(",")])
     elif mode == "leave":
         leave(args[1])
+    elif mode == "diverge":
+        diverge(args[1])
     else:
         raise ValueError(f"unknown mode {mode!r}")
 

@@ -60,14 +60,48 @@ def test_op_root_algorithm_and_collective_mismatch_raise_on_every_rank():
     with raises(CollectiveMismatchError, match="algorithm differs"):
         comm.allreduce(np.ones(3), algorithm="ring" if first else "native")
     with raises(CollectiveMismatchError, match=r"the ranks reached different collectives: "
-                                               r"rank 0: broadcast \(at test_comm_safety.py:"
-                                               r"\d+ in test_op_.*; rank 1: allreduce \(at "):
+                                               r"rank 0: broadcast of float64 \(3,\), call #4 "
+                                               r"\(at test_comm_safety.py:\d+ in test_op_.*; "
+                                               r"rank 1: allreduce of float64 \(3,\), call #4 "
+                                               r"\(at "):
         if first:
             comm.broadcast(np.ones(3))
         else:
             comm.allreduce(np.ones(3))
     with raises(CollectiveMismatchError, match="arrays differs"):
         comm.allreduce_many([np.ones(3)] * (1 if first else 2))
+    still_works(comm)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("collective", ["allgather", "gather"])
+def test_a_mismatch_after_repeated_calls_is_named_like_a_first_call_mismatch(collective):
+    """Three calls, the last rank's third with another dtype (allgather) or another second
+    dimension (gather): the repeats skip the agreement, so the other ranks meet the last
+    rank's agreement in the call's exchange of first dimensions. Every rank raises, naming
+    the collective, the call number, and each rank's arguments and line."""
+    comm = unused()
+    last = comm.rank == comm.size - 1
+    for call in range(1, 4):
+        x = np.ones((2, 3))
+        if call == 3 and last:
+            x = x.astype(np.float32) if collective == "allgather" else np.ones((2, 4))
+        if call < 3:
+            getattr(comm, collective)(x)
+            continue
+        error, line = None, sys._getframe().f_lineno + 2
+        try:
+            getattr(comm, collective)(x)
+        except CollectiveMismatchError as exc:
+            error = exc
+    message = str(error)
+    ok(message.startswith(f"{collective} call #3 called with different arguments across "
+                          f"ranks: "), message)
+    for r in range(comm.size):
+        shape = ("float32 (2, 3)" if collective == "allgather" else "float64 (2, 4)") \
+            if r == comm.size - 1 else "float64 (2, 3)"
+        ok(f"rank {r}: {collective} of {shape}, call #3 (at test_comm_safety.py:{line} in "
+           f"test_a_mismatch_after" in message, message)
     still_works(comm)
 
 
@@ -279,9 +313,9 @@ def test_ranks_that_reach_different_collectives_are_told_which_and_where(tmp_pat
         said = "nothing was raised"
     except CollectiveMismatchError as error:
         said = str(error)
-    ok(re.search(r"rank 0: barrier_worker \(at test_comm_safety.py:\d+ in test_", said),
-       said)
+    ok(re.search(r"rank 0: barrier_worker, call #\d+ \(at test_comm_safety.py:\d+ in test_",
+                 said), said)
     for other in range(1, size):
-        ok(re.search(rf"rank {other}: checkpoint.save \(at test_comm_safety.py:\d+ in test_",
-                     said), said)
+        ok(re.search(rf"rank {other}: checkpoint.save, call #\d+ \(at test_comm_safety.py:\d+ "
+                     rf"in test_", said), said)
     fleet.barrier_worker()

@@ -75,6 +75,23 @@ def test_a_nan_or_a_damaged_file_on_rank_1_ends_every_rank_naming_it(tmp_path, l
     assert "finished" not in text, text
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_amp_skipping_every_step_ends_every_rank_naming_the_step_and_the_scale(ranks):
+    """amp with init_loss_scaling=8 and decr_every_n_nan_or_inf=2 whose last rank's batches all
+    hold a NaN: steps 0-5 take the scale down to 1, steps 6 and 7 overflow there, and at
+    step 7 every rank raises, naming it; the job fails instead of ending with status 0."""
+    result = run_job(local_command(ranks, [sys.executable, JOB, "amp-nan"]))
+    text = result.stdout + result.stderr
+    assert result.returncode != 0, text
+    said = ("NonFiniteError: amp: step 7: the gradients held an inf or NaN on some rank at 8 "
+            "consecutive steps, the last 2 at a loss scale of 1, the lowest it goes (the floor "
+            "of dynamic loss scaling)")
+    for rank in range(ranks):
+        assert f"[fleetmpi] rank {rank}/{ranks} on node 0 failed" in text, text
+    assert text.count(said) >= ranks, text
+    assert "finished" not in text, text
+
+
 @pytest.mark.parametrize("log_dir", [False, True], ids=["terminal", "log_dir"])
 def test_a_rank_leaving_with_status_0_does_not_pass_for_success(tmp_path, log_dir):
     """MPICH's launcher can report success when a rank leaves with status 0 without

@@ -20,6 +20,7 @@ from fleetmpi.core import backend
 from fleetmpi import nn, optimizer
 from fleetmpi.autograd import nan_inf
 from fleetmpi.core.log import RateLimited
+from fleetmpi.strategies.loss_scaling import decreases_to_floor
 from comm_support import ok
 from strategy_support import global_batch, make_mlp, make_strategy, momentum, shard, train_step
 from job_limits import HANG_SECONDS
@@ -286,6 +287,73 @@ def test_an_amp_skipped_step_is_logged_on_rank_0_with_the_new_scale(fleetmpi_war
     assert warnings == [f"amp: step 0 skipped: the gradients held an inf or NaN on some rank; "
                         f"the loss scale is now {amp.loss_scaling:g}"], warnings
     assert amp.loss_scaling == 2.0 ** 19
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic", "fixed"])
+def test_amp_overflowing_at_its_lowest_scale_stops_naming_the_step_and_the_scale(dynamic):
+    """Every batch holds a NaN: with dynamic scaling from 8, steps 0-5 take the scale to 1
+    (two overflowing steps per halving), steps 6 and 7 overflow there, and step 7 raises; a
+    fixed scale of 8 stops at the same step. Nothing was trained; a finite step starts the
+    count again."""
+    backend.manual_seed(0)
+    model = fleet.distributed_model(make_mlp(dtype="float32"))
+    strategy = make_strategy(amp=True, amp_configs={"init_loss_scaling": 8.0,
+                                                    "use_dynamic_loss_scaling": dynamic})
+    opt = fleet.distributed_optimizer(momentum(model.parameters()), strategy)
+    before = {k: v.copy() for k, v in model.state_dict().items()}
+    amp, last = opt.strategies["amp"], 7
+
+    def step(number, finite=False):
+        x, y = global_batch(number)
+        x = x.astype(np.float32)
+        if not finite:
+            x[0, 0] = np.nan
+        opt.minimize(model, nn.CrossEntropyLoss(), x, y)
+
+    for number in range(last):
+        step(number)
+    with pytest.raises(fleet.NonFiniteError) as raised:
+        step(last)
+    where = ("the last 2 at a loss scale of 1, the lowest it goes (the floor of dynamic loss "
+             "scaling)" if dynamic else "at the fixed loss scale of 8 (use_dynamic_loss_scaling "
+             "is False), as many as dynamic scaling from init_loss_scaling skips before it "
+             "stops at its floor of 1")
+    assert str(raised.value).startswith(
+        f"amp: step {last}: the gradients held an inf or NaN on some rank at {last + 1} "
+        f"consecutive steps, {where}; "), raised.value
+    assert amp.skipped_steps == last + 1
+    for name, value in model.state_dict().items():
+        assert np.array_equal(value, before[name]), f"{name} changed by a skipped step"
+    step(last + 1, finite=True)
+    step(last + 2)  # one overflow after a finite step: skipped again
+    assert amp.skipped_steps == last + 2
+
+
+def test_the_steps_to_the_floor_follow_the_rule():
+    assert [decreases_to_floor(s, 0.5) for s in (1, 1.5, 2, 8, 9, 32768)] == [0, 1, 1, 3, 4, 15]
+    assert decreases_to_floor(1000, 0.1) == 3
+
+
+def test_a_grad_scaler_skipping_every_step_stops_too():
+    """Paddle's dygraph idiom with a plain optimizer: the step named is the scaler's count of
+    the steps it checked."""
+    backend.manual_seed(0)
+    model = make_mlp(dtype="float32")
+    opt = optimizer.SGD(learning_rate=0.1, parameters=model.parameters())
+    scaler = fleet.amp.GradScaler(init_loss_scaling=2.0)
+    x, y = global_batch(0)
+    x = x.astype(np.float32)
+    x[0, 0] = np.nan
+    with pytest.raises(fleet.NonFiniteError, match=r"^amp: step 3: the gradients held an inf "
+                                                   r"or NaN on some rank at 4 consecutive "
+                                                   r"steps, the last 2 at a loss scale of 1, "):
+        for _ in range(10):
+            loss = F.cross_entropy(model(fleet.to_tensor(x)), fleet.to_tensor(y))
+            scaled = scaler.scale(loss)
+            scaled.backward()
+            scaler.minimize(opt, scaled)
+            opt.clear_grad()
+    assert scaler.skipped_steps == 4
 
 
 def test_skip_lines_are_rate_limited_and_count_what_they_held_back(fleetmpi_warnings):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fleetmpi.core import knobs
-from fleetmpi.comm import stall, stall_report, watchdog
+from fleetmpi.comm import exit_report, stall, stall_report, watchdog
 from fleetmpi.launch.mpi_command import local_command
 
 from comm_support import equal, ok, world
@@ -199,6 +199,37 @@ def test_verdict_needs_proof_that_a_rank_blocked_elsewhere_waits_for_this_one():
     missing, _, _ = stall_report.verdict(MINE, 6, {1: answer(7), 2: answer(6)}, {2: 6}, {},
                                          True)
     assert missing == []
+
+
+def test_verdict_names_a_rank_whose_call_at_this_number_was_another():
+    """A repeated call skips the agreement: a root whose broadcast at this number had another
+    shape has returned (and may have ended its script), an allgather whose trailing shape or
+    dtype differs waits: either way this rank cannot be joined, and is told at once."""
+    mine = {"name": "broadcast", "text": "broadcast of float64 (5,)"}
+    root = answer(3, "broadcast", "broadcast of float64 (4,)")
+    missing, lines, certain = stall_report.verdict(mine, 3, {0: root}, {0: 3}, {}, True)
+    assert missing == [0] and certain
+    assert lines == ["rank 0 made a different call at this number: broadcast of float64 (4,), "
+                     "then finished its script; a repeated call skips the agreement on "
+                     "arguments (FLEETMPI_CHECK_COLLECTIVES=always makes every call agree)"]
+    gather = {"name": "allgather", "text": "allgather of float64 (4, 3)"}
+    for other, different in [("allgather of float64 (2, 3)", False),
+                             ("allgather of float32 (4, 3)", True),
+                             ("allgather of float64 (4, 2)", True)]:
+        waiting = dict(answer(6, "allgather", other, True), site="train.py:9 in main")
+        missing, lines, _ = stall_report.verdict(gather, 6, {1: waiting}, {}, {}, True)
+        assert missing == ([1] if different else []), other
+        if different:
+            assert lines == [f"rank 1 waits in a different call at this number: {other} (at "
+                             f"train.py:9 in main)"]
+
+
+def test_different_call_counts_at_the_end_are_named():
+    text = exit_report.count_message(1, 2, 2, "broadcast of float64 (4,)", {0: 3})
+    assert text.startswith("[fleetmpi] rank 1/2 finished its script after 2 call(s) of a "
+                           "communicator, the last broadcast of float64 (4,), but the other "
+                           "ranks made other numbers of calls there (rank 0: 3): a rank "
+                           "skipped or added a collective")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -132,3 +132,29 @@ def test_a_rank_that_hangs_before_a_training_step_is_named(job):
     code, text = job.result()
     check_hang_reported(code, text, [r for r in range(job.ranks) if r != 1],
                         "allreduce_many", 7)
+
+
+@pytest.mark.parametrize("job", [StallJob(2, "diverge", how=how, timeout="3")
+                                 for how in ("skip", "shape")], ids=str)
+def test_a_repeated_broadcast_that_differs_on_one_rank_is_named(job):
+    """Rank 1 skips the second of three repeated broadcasts of rank 0, or passes another shape
+    to the third: the root's broadcasts return (they only send), so rank 0 finishes its
+    script. Skipped, rank 1 has received the third broadcast in place of the second: both
+    ranks name the call counts at the end; another shape, rank 1 names rank 0's third call
+    at once, not after the stall time. Either way the job fails; no rank is called silent."""
+    code, text = job.result()
+    assert code != 0, text
+    assert "did not answer" not in text and "every rank answered" not in text, text
+    if job.how == "skip":
+        for rank, made, other in ((0, 3, "rank 1: 2"), (1, 2, "rank 0: 3")):
+            assert f"[fleetmpi] rank {rank}/2 finished its script after {made} call(s) of a " \
+                   f"communicator, the last broadcast of float64 (4,), but the other ranks " \
+                   f"made other numbers of calls there ({other}): a rank skipped" in text, text
+        return
+    found = reports(text)
+    assert set(found) == {1}, text
+    assert waited(found[1]) < 3.0, text
+    assert "in broadcast, call #3 of its communicator (broadcast of float64 (5,))" in found[1]
+    assert "(this rank's call is at stall_jobs.py:" in found[1], text
+    assert "rank 0 made a different call at this number: broadcast of float64 (4,), then " \
+           "finished its script" in found[1], text

@@ -82,7 +82,7 @@ class _ScaledStep(StepHook):
         result = proceed(ctx)
         if ctx.apply_update:
             found, skipped = self.scaler._check(self.optimizer.inner,
-                                                self.scaler._agreement(self.optimizer))
+                                                self.scaler._agreement(self.optimizer), ctx.step)
             if skipped is None:
                 ctx.found_inf = found
             elif skipped:
@@ -169,11 +169,12 @@ class GradScaler:
             return self._communicator
         return optimizer.agreement if isinstance(optimizer, DistributedOptimizer) else None
 
-    def _check(self, inner, communicator):
-        """Unscale and check ``inner``'s gradients (the ones its update uses)."""
+    def _check(self, inner, communicator, step=None):
+        """Unscale and check ``inner``'s gradients (the ones its update uses); ``step``: the
+        step's number, where a distributed optimizer's step gives one."""
         inner.settle_grads()
         grads = [grad for _, grad in inner.flat_runs()]
-        found, skipped = check_step(self._scaling, grads, communicator)
+        found, skipped = check_step(self._scaling, grads, communicator, step=step)
         self._found, self._skipped = found, skipped
         return found, skipped
 
