@@ -247,3 +247,11 @@ def test_every_activation_name_means_one_function_in_each_table(act):
     np.testing.assert_allclose(layer(to_tensor(x)).numpy(), want, rtol=1e-12)
     np.testing.assert_allclose(activation.activation(to_tensor(x), act).numpy(), want,
                                rtol=1e-12)
+
+
+def test_sublayers_are_every_descendant_as_paddle_gives_them():
+    inner = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    model = nn.Sequential(("block", inner), ("head", nn.Linear(2, 1)))
+    assert model.children() == [inner, model["head"]]
+    assert model.sublayers() == [inner, inner[0], inner[1], model["head"]]
+    assert model.sublayers(include_self=True)[0] is model

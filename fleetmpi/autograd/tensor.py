@@ -236,7 +236,8 @@ class Tensor:
 
 
 class HookRemoveHelper:
-    """What ``register_hook`` returns: ``remove()`` takes the hook away."""
+    """What ``register_hook`` (and a Layer's hook registrations) return: ``remove()`` takes
+    the hook away."""
 
     def __init__(self, hooks, hook):
         self._hooks, self._hook = hooks, hook

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..core import backend
 from ..autograd import Tensor, as_array, cast, nan_inf
+from ..autograd.tensor import HookRemoveHelper
 from . import initializer, lazy
 from .flat import flatten
 from .param_attr import to_attr
@@ -67,17 +68,6 @@ def register_construction_hook(hook):
     handle whose ``remove()`` stops it."""
     _construction_hooks.append(hook)
     return HookRemoveHelper(_construction_hooks, hook)
-
-
-class HookRemoveHelper:
-    """What ``register_forward_*_hook`` returns: ``remove()`` takes the hook off."""
-
-    def __init__(self, hooks, hook):
-        self._hooks, self._hook = hooks, hook
-
-    def remove(self):
-        if self._hook in self._hooks:
-            self._hooks.remove(self._hook)
 
 
 class Layer:
@@ -199,7 +189,9 @@ class Layer:
     def children(self):
         return list(self._children.values())
 
-    sublayers = children
+    def sublayers(self, include_self=False):
+        """Every descendant (Paddle's ``sublayers``; ``children`` gives the direct ones)."""
+        return [layer for _, layer in self.named_sublayers(include_self=include_self)]
 
     def named_children(self):
         return list(self._children.items())

@@ -168,15 +168,19 @@ class InverseTimeDecay(LRScheduler):
         return self.base_lr / (1 + self.gamma * self.last_epoch)
 
 
-class MultiplicativeDecay(LRScheduler):
-    """``learning_rate`` times ``lr_lambda(e)`` for every epoch ``e`` from 1 to
-    ``last_epoch``: each step multiplies the rate by the factor of its epoch."""
+class _FunctionOfEpoch(LRScheduler):
+    """A scheduler driven by the user's ``lr_lambda(epoch)``."""
 
     def __init__(self, learning_rate, lr_lambda):
         super().__init__(learning_rate)
         if not callable(lr_lambda):
             raise TypeError(f"lr_lambda must be callable, not {type(lr_lambda).__name__}")
         self.lr_lambda = lr_lambda
+
+
+class MultiplicativeDecay(_FunctionOfEpoch):
+    """``learning_rate`` times ``lr_lambda(e)`` for every epoch ``e`` from 1 to
+    ``last_epoch``: each step multiplies the rate by the factor of its epoch."""
 
     def get_lr(self):
         rate = self.base_lr
@@ -242,14 +246,8 @@ class ExponentialDecay(LRScheduler):
         return self.base_lr * self.gamma ** self.last_epoch
 
 
-class LambdaDecay(LRScheduler):
+class LambdaDecay(_FunctionOfEpoch):
     """``learning_rate * lr_lambda(last_epoch)``."""
-
-    def __init__(self, learning_rate, lr_lambda):
-        super().__init__(learning_rate)
-        if not callable(lr_lambda):
-            raise TypeError(f"lr_lambda must be callable, not {type(lr_lambda).__name__}")
-        self.lr_lambda = lr_lambda
 
     def get_lr(self):
         return self.base_lr * self.lr_lambda(self.last_epoch)
