@@ -54,7 +54,9 @@ NOT_PORTED = {
         "programs (paddle.enable_static, Executor)",
     _UNITTESTS + "test_imperative_auto_mixed_precision.py": "not ported yet: needs CUDA "
         "for most tests (skipped by Paddle itself on a CPU build)",
-    _UNITTESTS + "hybrid_parallel_pp_*.py, hybrid_parallel_mp_*.py, "
+    _UNITTESTS + "hybrid_parallel_mp_layers.py": "the version the index holds (10529870) is "
+        "Paddle 2.2's: fleet.mpu, hybrid_configs num_model_parallel, fluid.dygraph.Layer",
+    _UNITTESTS + "hybrid_parallel_pp_*.py, hybrid_parallel_mp_model.py, "
         "dygraph_group_sharded_stage2.py, dygraph_group_sharded_stage3.py": "not ported yet "
         "(tests/test_paddle_mp_model.py runs hybrid_parallel_mp_model's model and loop)",
 }
