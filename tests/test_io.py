@@ -288,6 +288,23 @@ def test_subset_random_and_weighted_samplers():
     counts = np.bincount(list(weighted), minlength=3)
     assert len(weighted) == 2000 and counts[0] == 0 and 2.5 < counts[2] / counts[1] < 3.5
     assert sorted(io.WeightedRandomSampler([1, 1, 1], 3, replacement=False)) == [0, 1, 2]
-    with pytest.raises(ValueError, match="without replacement needs as many indices of "
-                                         "weight > 0, and there are 1"):
-        io.WeightedRandomSampler([0.0, 2.0], 2, replacement=False)
+    short = io.WeightedRandomSampler([0.0, 2.0], 2, replacement=False)  # checked when drawing
+    with pytest.raises(io.SamplerArgumentError, match="without replacement needs as many "
+                                                      "indices of weight > 0, and there are 1"):
+        list(short)
+
+
+def test_samplers_take_paddles_arguments():
+    """RandomSampler's replacement, num_samples and Paddle's generator (an iterator of the
+    indices); a BatchSampler given a sampler and shuffle raises what Paddle's assert raises."""
+    from fleetmpi import io
+
+    drawn = list(io.RandomSampler(range(10), replacement=True, num_samples=30))
+    assert len(drawn) == 30 and set(drawn) <= set(range(10))
+    assert list(io.RandomSampler(range(10), generator=iter([3, 1, 2]))) == [3, 1, 2]
+    with pytest.raises(ValueError, match="num_samples=5 is for drawing with replacement"):
+        io.RandomSampler(range(10), num_samples=5)
+    with pytest.raises(AssertionError, match="shuffle applies to a dataset"):
+        io.BatchSampler(sampler=io.SequenceSampler(range(4)), shuffle=True)
+    with pytest.raises(ValueError, match="replacement must be True or False, not 5"):
+        io.WeightedRandomSampler([1.0, 2.0], 5, 5)

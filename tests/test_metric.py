@@ -128,3 +128,13 @@ def test_accuracy_function_and_compute_return_tensors():
     hits = metric.compute(fleet.to_tensor(scores), labels)
     assert isinstance(hits, fleet.Tensor) and hits.shape == [4, 2]
     assert metric.update(hits.numpy()) == pytest.approx([0.5, 0.75])
+
+
+def test_accuracy_takes_predictions_of_any_leading_shape():
+    """Scores over the last axis of (N, ..., C), labels of the leading shape or one-hot."""
+    scores = np.array([[[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]])  # (1, 3, 2)
+    m = Accuracy()
+    correct = m.compute(scores, np.array([[[1], [1], [1]]]))
+    assert correct.shape == [1, 3, 1] and m.update(correct) == pytest.approx(2 / 3)
+    one_hot = np.eye(2)[[[1, 0, 1]]]
+    assert m.compute(scores, one_hot).numpy().ravel().tolist() == [1.0, 1.0, 1.0]

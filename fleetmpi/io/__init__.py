@@ -9,14 +9,15 @@ from .dataloader import DataLoader
 from .dataset import (ChainDataset, ComposeDataset, Dataset, IterableDataset, Subset,
                       TensorDataset, random_split)
 from .sampler import (BatchSampler, DistributedBatchSampler, RandomSampler, Sampler,
-                      SequenceSampler, SubsetRandomSampler, WeightedRandomSampler)
+                      SamplerArgumentError, SequenceSampler, SubsetRandomSampler,
+                      WeightedRandomSampler)
 from .workers import WorkerError, WorkerInfo, get_worker_info
 
 __all__ = ["BatchSampler", "ChainDataset", "ComposeDataset", "DataLoader", "Dataset",
            "DistributedBatchSampler", "IterableDataset", "RandomSampler", "Sampler",
-           "SequenceSampler", "Subset", "SubsetRandomSampler", "TensorDataset",
-           "WeightedRandomSampler", "WorkerError", "WorkerInfo", "default_collate_fn",
-           "get_worker_info", "random_split"]
+           "SamplerArgumentError", "SequenceSampler", "Subset", "SubsetRandomSampler",
+           "TensorDataset", "WeightedRandomSampler", "WorkerError", "WorkerInfo",
+           "default_collate_fn", "get_worker_info", "random_split"]
 
 
 # A name Paddle has and fleetmpi lacks raises an error that says so (core.paddle_names).

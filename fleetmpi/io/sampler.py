@@ -8,6 +8,7 @@ batch by batch: rank r takes the r-th run of ``batch_size`` indices of every gro
 therefore has the same number of samples; with ``drop_last`` each drops its last partial
 batch, so every rank also runs the same number of steps.
 """
+import itertools
 import math
 
 import numpy as np
@@ -17,6 +18,18 @@ def _count(name, value, low):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, not {value!r}")
     return int(value)
+
+
+def _flag(name, value):
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
+
+
+class SamplerArgumentError(ValueError, AssertionError):
+    """A sampler's argument that does not fit: a ``ValueError``, and an ``AssertionError`` as
+    Paddle's samplers raise from their asserts (a ``BatchSampler`` given a sampler and
+    ``shuffle``, a ``WeightedRandomSampler`` drawing from weights that cannot be drawn from)."""
 
 
 class Sampler:
@@ -41,22 +54,36 @@ class SequenceSampler(Sampler):
 
 
 class RandomSampler(Sampler):
-    """A random permutation of the dataset's indices each time it is iterated, from NumPy's
-    global generator (``numpy.random.seed`` or ``fleet.seed`` make it repeatable), or from
-    ``generator`` (a ``numpy.random.Generator``)."""
+    """A random permutation of the dataset's indices each time it is iterated, or with
+    ``replacement`` ``num_samples`` indices drawn independently (by default as many as the
+    dataset has), from NumPy's global generator (``numpy.random.seed`` or ``fleet.seed`` make
+    it repeatable) or from ``generator``: a ``numpy.random.Generator`` draws them; any other
+    iterator is Paddle's form, whose items are the indices (at most ``num_samples`` of them)."""
 
-    def __init__(self, data_source, generator=None):
+    def __init__(self, data_source, replacement=False, num_samples=None, generator=None):
         super().__init__(data_source)
+        self.replacement = _flag("replacement", replacement)
+        if num_samples is not None and not self.replacement:
+            raise ValueError(f"num_samples={num_samples!r} is for drawing with replacement; "
+                             f"without it the sampler gives each index once")
+        self._num_samples = None if num_samples is None else _count("num_samples", num_samples, 1)
         self.generator = generator
 
+    @property
+    def num_samples(self):
+        return len(self.data_source) if self._num_samples is None else self._num_samples
+
     def __iter__(self):
+        if self.generator is not None and not isinstance(self.generator, np.random.Generator):
+            return itertools.islice(self.generator, self.num_samples)
+        draw = self.generator if self.generator is not None else np.random
         count = len(self.data_source)
-        order = (self.generator.permutation(count) if self.generator is not None
-                 else np.random.permutation(count))
+        order = (draw.choice(count, self.num_samples, replace=True) if self.replacement
+                 else draw.permutation(count))
         return iter(order.tolist())
 
     def __len__(self):
-        return len(self.data_source)
+        return self.num_samples
 
 
 class SubsetRandomSampler(Sampler):
@@ -78,22 +105,28 @@ class SubsetRandomSampler(Sampler):
 
 class WeightedRandomSampler(Sampler):
     """``num_samples`` indices drawn with probability proportional to ``weights`` (one per
-    index), with or without ``replacement``, from NumPy's global generator."""
+    index), with or without ``replacement``, from NumPy's global generator. As Paddle's, the
+    weights are checked when drawing (``SamplerArgumentError``), the counts when built."""
 
     def __init__(self, weights, num_samples, replacement=True):
-        weights = np.asarray(getattr(weights, "numpy", lambda: weights)(), dtype=np.float64)
+        self.num_samples = _count("num_samples", num_samples, 1)
+        super().__init__(None)
+        self.weights = np.asarray(getattr(weights, "numpy", lambda: weights)(), dtype=np.float64)
+        self.replacement = _flag("replacement", replacement)
+
+    def _check_weights(self):
+        weights = self.weights
         if weights.ndim != 1 or not weights.size or (weights < 0).any() \
                 or not weights.sum() > 0:
-            raise ValueError(f"weights must be a 1-d sequence of numbers >= 0, not all 0, "
-                             f"not {weights!r}")
-        self.num_samples = _count("num_samples", num_samples, 1)
-        if not replacement and self.num_samples > int((weights > 0).sum()):
-            raise ValueError(f"num_samples={num_samples} without replacement needs as many "
-                             f"indices of weight > 0, and there are {int((weights > 0).sum())}")
-        super().__init__(None)
-        self.weights, self.replacement = weights, bool(replacement)
+            raise SamplerArgumentError(f"weights must be a 1-d sequence of numbers >= 0, "
+                                       f"not all 0, not {weights!r}")
+        if not self.replacement and self.num_samples > int((weights > 0).sum()):
+            raise SamplerArgumentError(
+                f"num_samples={self.num_samples} without replacement needs as many indices "
+                f"of weight > 0, and there are {int((weights > 0).sum())}")
 
     def __iter__(self):
+        self._check_weights()
         drawn = np.random.choice(len(self.weights), self.num_samples, self.replacement,
                                  self.weights / self.weights.sum())
         return iter(drawn.tolist())
@@ -108,9 +141,11 @@ class BatchSampler(Sampler):
 
     def __init__(self, dataset=None, sampler=None, shuffle=False, batch_size=1, drop_last=False):
         if (dataset is None) == (sampler is None):
-            raise ValueError("BatchSampler takes a dataset or a sampler, exactly one of them")
+            raise SamplerArgumentError("BatchSampler takes a dataset or a sampler, exactly one "
+                                       "of them")
         if sampler is not None and shuffle:
-            raise ValueError("shuffle applies to a dataset; a sampler sets its own order")
+            raise SamplerArgumentError("shuffle applies to a dataset; a sampler sets its own "
+                                       "order")
         super().__init__(dataset)
         self.sampler = sampler if sampler is not None else (
             RandomSampler(dataset) if shuffle else SequenceSampler(dataset))

@@ -23,21 +23,22 @@ def _host(value, what):
             from None
 
 
-def _labels(label, rows):
-    """Integer class labels from ``(N,)``, ``(N, 1)`` or one-hot ``(N, C)`` labels."""
+def _labels(label, lead):
+    """Integer class labels, one per prediction of the leading shape ``lead``, from labels of
+    that shape (with or without a trailing axis of 1) or one-hot labels (``lead + (C,)``)."""
     label = _host(label, "label")
-    if label.ndim == 2 and label.shape[1] > 1:
-        label = label.argmax(axis=1)
-    label = label.reshape(-1)
-    if label.shape[0] != rows:
-        raise ValueError(f"{label.shape[0]} labels for {rows} predictions")
-    return label.astype(np.int64)
+    if label.ndim == len(lead) + 1 and label.shape[-1] > 1:
+        label = label.argmax(axis=-1)
+    if label.size != int(np.prod(lead)):
+        raise ValueError(f"{label.size} labels for {int(np.prod(lead))} predictions")
+    return label.reshape(lead).astype(np.int64)
 
 
 def _hits(scores, label, k):
-    """``(N, k)`` float32: whether each sample's label is its 1st, 2nd... highest score."""
-    top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return (top == _labels(label, scores.shape[0])[:, None]).astype(np.float32)
+    """``scores.shape[:-1] + (k,)`` float32: whether each prediction's label is its 1st,
+    2nd... highest score."""
+    top = np.argsort(-scores, axis=-1, kind="stable")[..., :k]
+    return (top == _labels(label, scores.shape[:-1])[..., None]).astype(np.float32)
 
 
 def accuracy(input, label, k=1, correct=None, total=None, name=None):  # noqa: A002
@@ -97,9 +98,9 @@ class Metric:
 
 class Accuracy(Metric):
     """The share of samples whose label is among the top ``k`` predictions, for each ``k`` of
-    ``topk``. ``compute(pred, label)`` gives the ``(N, max k)`` matrix of hits that ``update``
-    takes, a float32 Tensor as Paddle's; ``accumulate`` returns one float for one ``k``, a list
-    otherwise."""
+    ``topk``. ``compute(pred, label)`` gives the hits that ``update`` takes, a float32 Tensor of
+    the predictions' leading shape and ``max k`` (``pred`` holds scores over its last axis, as
+    Paddle's); ``accumulate`` returns one float for one ``k``, a list otherwise."""
 
     def __init__(self, topk=(1,), name=None, *args, **kwargs):
         topk = (topk,) if isinstance(topk, int) else tuple(topk)
@@ -117,17 +118,17 @@ class Accuracy(Metric):
 
     def compute(self, pred, label, *args):
         scores = _host(pred, "pred")
-        if scores.ndim != 2:
-            raise ValueError(f"pred must be (N, classes), got shape {scores.shape}")
-        if scores.shape[1] < self.maxk:
+        if scores.ndim < 2:
+            raise ValueError(f"pred must be (N, ..., classes), got shape {scores.shape}")
+        if scores.shape[-1] < self.maxk:
             raise ValueError(f"top-{self.maxk} accuracy needs at least {self.maxk} classes, "
-                             f"pred has {scores.shape[1]}")
+                             f"pred has {scores.shape[-1]}")
         return to_tensor(_hits(scores, label, self.maxk))
 
     def update(self, correct, *args):
         correct = _host(correct, "correct")
-        rows = correct.shape[0]
-        hits = [float(correct[:, :k].sum()) for k in self.topk]
+        rows = int(np.prod(correct.shape[:-1]))
+        hits = [float(correct[..., :k].sum()) for k in self.topk]
         self.total += hits
         self.count += rows
         accs = [h / rows if rows else 0.0 for h in hits]
@@ -157,7 +158,7 @@ class _Binary(Metric):
     def update(self, preds, labels):
         preds = _host(preds, "preds").reshape(-1)
         decided = np.floor(preds + 0.5).astype(np.int64)
-        labels = _labels(labels, decided.shape[0])
+        labels = _labels(labels, decided.shape[:1])
         self.tp += int(((decided == 1) & (labels == 1)).sum())
         self.fp += int(((decided == 1) & (labels != 1)).sum())
         self.fn += int(((decided != 1) & (labels == 1)).sum())
@@ -212,7 +213,7 @@ class Auc(Metric):
         scores = preds[:, 1] if preds.ndim == 2 and preds.shape[1] == 2 else preds.reshape(-1)
         if np.any((scores < 0) | (scores > 1)):
             raise ValueError("Auc takes probabilities in [0, 1]")
-        labels = _labels(labels, scores.shape[0])
+        labels = _labels(labels, scores.shape[:1])
         bins = (scores * self.num_thresholds).astype(np.int64)
         self.positives += np.bincount(bins[labels == 1], minlength=self.num_thresholds + 1)
         self.negatives += np.bincount(bins[labels != 1], minlength=self.num_thresholds + 1)
