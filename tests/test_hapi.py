@@ -11,7 +11,7 @@ import fleetmpi as paddle
 from fleetmpi import nn
 from fleetmpi.core import backend
 from fleetmpi.callbacks import (Callback, EarlyStopping, LRScheduler, ModelCheckpoint,
-                                ProgBarLogger, ReduceLROnPlateau, VisualDL)
+                                ReduceLROnPlateau, VisualDL)
 from fleetmpi.static import InputSpec
 
 from comm_support import close, equal, ok
@@ -88,8 +88,8 @@ def test_fit_is_the_hand_written_loop_bit_for_bit():
     x, y = digits(200)
     schedule = paddle.optimizer.lr.StepDecay(0.05, step_size=3, gamma=0.5)
     reference = network()
-    want = hand_loop(reference, paddle.optimizer.Momentum(schedule, parameters=reference.parameters()),
-                     x, y, 32, 2, schedule)
+    opt = paddle.optimizer.Momentum(schedule, parameters=reference.parameters())
+    want = hand_loop(reference, opt, x, y, 32, 2, schedule)
     net = network()
     model = paddle.Model(net)
     schedule = paddle.optimizer.lr.StepDecay(0.05, step_size=3, gamma=0.5)
