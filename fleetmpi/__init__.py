@@ -86,6 +86,8 @@ from .parallel import applied_strategy, distributed_model, distributed_optimizer
 from . import amp, distributed
 from .amp import distributed_scaler
 from .distributed import DataParallel
+from . import callbacks, hapi, static
+from .hapi import Model
 from .config.role_maker import ModeError, PaddleCloudRoleMaker, Role, UserDefinedRoleMaker
 from .strategies.ps.runtime import (init_server, init_worker, is_server, is_worker, run_server,
                                     save_persistables, server_index, server_num, stop_worker)
@@ -122,21 +124,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "abs", "add", "amp", "applied_strategy", "arange", "autograd", "barrier_worker",
-    "BuildStrategy", "CaptureError", "cast", "concat", "ConfigError", "create_parameter",
-    "DataParallel", "device", "device_guard", "distributed", "distributed_model",
-    "distributed_optimizer", "distributed_scaler", "DistributedStrategy", "divide",
-    "enable_grad", "ExecutionStrategy", "exp", "framework", "full", "full_like", "Function",
-    "gather", "get_device", "get_hybrid_communicate_group", "graphed_step", "GraphedStep",
-    "group_sharded_parallel", "init", "init_server", "init_worker", "io", "is_first_worker",
-    "is_grad_enabled", "is_server", "is_worker", "Join", "LazyGuard", "load", "local_rank",
-    "local_size", "log", "LogWriter", "matmul", "max", "mean", "meta_parallel", "metric",
-    "ModeError", "multiply", "nn", "no_grad", "node_index", "node_num", "NonFiniteError",
-    "ones", "ones_like", "optimizer", "PaddleCloudRoleMaker", "ParamAttr", "rand", "randn",
-    "reshape", "Role", "run_server", "save", "save_group_sharded_model", "save_persistables",
-    "seed", "server_endpoints", "server_index", "server_num", "set_device", "sigmoid", "split",
-    "split_stages", "sqrt", "stack", "stop_worker", "subtract", "sum", "summary", "tanh",
-    "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util", "utils",
-    "worker_endpoints", "worker_index", "worker_num", "zeros", "zeros_like",
+    "BuildStrategy", "callbacks", "CaptureError", "cast", "concat", "ConfigError",
+    "create_parameter", "DataParallel", "device", "device_guard", "distributed",
+    "distributed_model", "distributed_optimizer", "distributed_scaler", "DistributedStrategy",
+    "divide", "enable_grad", "ExecutionStrategy", "exp", "framework", "full", "full_like",
+    "Function", "gather", "get_device", "get_hybrid_communicate_group", "graphed_step",
+    "GraphedStep", "group_sharded_parallel", "hapi", "init", "init_server", "init_worker", "io",
+    "is_first_worker", "is_grad_enabled", "is_server", "is_worker", "Join", "LazyGuard", "load",
+    "local_rank", "local_size", "log", "LogWriter", "matmul", "max", "mean", "meta_parallel",
+    "metric", "Model", "ModeError", "multiply", "nn", "no_grad", "node_index", "node_num",
+    "NonFiniteError", "ones", "ones_like", "optimizer", "PaddleCloudRoleMaker", "ParamAttr",
+    "rand", "randn", "reshape", "Role", "run_server", "save", "save_group_sharded_model",
+    "save_persistables", "seed", "server_endpoints", "server_index", "server_num", "set_device",
+    "sigmoid", "split", "split_stages", "sqrt", "stack", "static", "stop_worker", "subtract",
+    "sum", "summary", "tanh", "Tensor", "to_tensor", "transpose", "UserDefinedRoleMaker", "util",
+    "utils", "worker_endpoints", "worker_index", "worker_num", "zeros", "zeros_like",
 ]
 
 

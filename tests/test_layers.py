@@ -12,7 +12,8 @@ their layer, and the root folders setup.cfg maps in are layers of their own. Bot
 4. strategies: ``strategies/``, with ``fleetmpi/config/`` (``DistributedStrategy``, the schema,
    prototxt, Paddle's fields and role makers) and ``proto/``;
 5. the fleet API: the modules directly in ``fleetmpi/``, the sub-packages of Paddle's
-   public paths (``amp``, ``distributed``, ``metric``) and ``testing`` (the pytest plugin);
+   public paths (``amp``, ``distributed``, ``metric``, ``hapi``) and ``testing`` (the pytest
+   plugin);
 6. launch: ``launch/``.
 
 ``fleetmpi/plan/`` (the scaling planner) and ``fleetmpi/docs/`` (the generated files) stand on
@@ -36,7 +37,7 @@ FOLDERS = {
     "fleetmpi.strategies": "strategies", "fleetmpi.config": "strategies",
     "fleetmpi.proto": "strategies",
     "fleetmpi.amp": "fleet API", "fleetmpi.distributed": "fleet API",
-    "fleetmpi.metric": "fleet API", "fleetmpi.testing": "fleet API",
+    "fleetmpi.metric": "fleet API", "fleetmpi.testing": "fleet API", "fleetmpi.hapi": "fleet API",
     "fleetmpi.launch": "launch",
     "fleetmpi.plan": None, "fleetmpi.docs": None,
 }

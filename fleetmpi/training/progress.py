@@ -92,6 +92,7 @@ class ProgressBar:
         self.samples = 0
         self.epoch = 0
         self.loss = None
+        self.metrics = {}
         self.last_draw = None
         self.drawn_width = 0
         if use_tqdm is None:
@@ -118,20 +119,24 @@ class ProgressBar:
         parts = []
         if loss is not None:
             parts.append(f"loss {float(loss):.4f}")
+        parts.extend(f"{name} {float(value):.4f}" for name, value in self.metrics.items())
         parts.append(f"{self.rate():,.0f} samples/s")
         eta = self.eta()
         parts.append("ETA " + ("?" if eta is None else format_duration(eta)))
         return " ".join(parts)
 
-    def step(self, samples, loss=None, steps=1):
+    def step(self, samples, loss=None, steps=1, metrics=None):
         """``steps`` more steps done over ``samples`` samples (all ranks together); ``loss``
-        is the latest step's (anything ``float`` accepts)."""
+        is the latest step's (anything ``float`` accepts); ``metrics``, ``{name: number}``,
+        are shown after it."""
         if not self.enabled:
             return
         self.steps += steps
         self.samples += samples
         if loss is not None:
             self.loss = loss
+        if metrics is not None:
+            self.metrics = dict(metrics)
         if self.terminal:
             now = self.clock()
             if (self.last_draw is None or now - self.last_draw >= self.min_interval

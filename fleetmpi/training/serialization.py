@@ -1,6 +1,7 @@
 """``fleetmpi.save`` / ``fleetmpi.load``: Paddle's ``paddle.save`` / ``paddle.load`` for
 state dicts. To a name Paddle gives its checkpoints (``PADDLE_SUFFIXES``: ``.pdparams``,
-``.pdopt``, and ``.pdmodel``, the model file of its ``save_group_sharded_model``) ``save``
+``.pdopt``, ``.pdscaler`` (a ``GradScaler``'s, which ``paddle.Model.save`` writes under amp),
+and ``.pdmodel``, the model file of its ``save_group_sharded_model``) ``save``
 writes Paddle's own format (``paddle_pickle``), which ``paddle.load`` reads; to any other name
 the safetensors format (through the ``safetensors`` package's NumPy API), which PaddlePaddle,
 PyTorch and other tools read, and which holds no pickle. ``load`` tells the two apart by the
@@ -31,7 +32,7 @@ from . import paddle_pickle
 
 SEPARATOR = "/"
 VALUES_KEY = "fleetmpi.values"
-PADDLE_SUFFIXES = (".pdparams", ".pdopt", ".pdmodel")
+PADDLE_SUFFIXES = (".pdparams", ".pdopt", ".pdscaler", ".pdmodel")
 
 
 def _safetensors():
