@@ -15,6 +15,8 @@ from .ranks import Ranks, host
 
 
 def to_list(value):
+    """``value`` as a list: a list or tuple's items, ``[]`` for None, else ``[value]`` (Paddle's
+    ``paddle.hapi.model.to_list``)."""
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]

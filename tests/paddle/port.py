@@ -38,8 +38,7 @@ EDITS = [
     ("import paddle\n", "import fleetmpi as paddle\n"),
     # Paddle 2.x keeps fluid's dygraph names at its top level, where fleetmpi has them.
     ("import paddle.fluid as fluid\n", "import fleetmpi as fluid\n"),
-    # Paddle's hapi arrives with fleetmpi.Model; until then, its to_list from the tests' side.
-    ("from paddle.hapi.model import ", "from hapi_names import "),
+    ("from paddle.hapi.model import ", "from fleetmpi.hapi.model import "),
     ("from paddle.io import ", "from fleetmpi.io import "),
 ]
 
