@@ -172,6 +172,21 @@ def test_reason_row_for_a_missing_feature(part, capsys):
     assert "n/a on the CPU" in printed and "[1] torch not installed" in printed
 
 
+def test_a_failed_run_says_where_it_was_raised(part):
+    """The H200's bfloat16 row said only ``TypeError: data type 'E' not understood``; a
+    failure's reason now names the raising line and fleetmpi's last line before it."""
+    training = part("throughput_run.training")
+    from fleetmpi.core import backend
+
+    try:
+        backend.asarray([1.0], dtype="not a dtype")
+    except TypeError as exc:
+        reason = training.failure(exc)
+    assert reason.startswith("failed: TypeError: data type 'not a dtype' not understood")
+    assert "backend.py:" in reason and "(raised at " in reason
+    assert len(reason) <= 400
+
+
 def test_scaling_efficiency_per_model_and_precision(part):
     rows = part("throughput_run.rows")
     one = rows.assemble_row("mlp", 1, "fp32", "cpu", 2, report(100.0), report(50.0))

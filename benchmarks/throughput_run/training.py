@@ -10,6 +10,7 @@ autotuner), autocast and a GradScaler for float16.
 """
 import gc
 import json
+import os
 import time
 import traceback
 
@@ -46,6 +47,17 @@ def _report(precision, found):
         print(RESULT + json.dumps(dict(found, precision=precision)), flush=True)
 
 
+def failure(exc):
+    """The reason a failed run gives: the exception, the line that raised it and the last line
+    of fleetmpi's own code it came through (a GPU run's log may not come back; its JSON does)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "/fleetmpi/" in f.filename or "/strategies/" in f.filename]
+    places = dict.fromkeys(f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+                           for f in frames[-1:] + ours[-1:])
+    where = f" (raised at {', from '.join(places)})" if places else ""
+    return f"failed: {type(exc).__name__}: {str(exc)[:200]}{where}"[:400]
+
+
 def _each_precision(args, train_one, release):
     """Train each precision of ``args`` in turn, ``train_one(precision, deadline)`` with an
     equal share of the time left, reporting each as it ends; a precision that the trainer
@@ -59,7 +71,7 @@ def _each_precision(args, train_one, release):
             found = not_measured(str(exc))
         except Exception as exc:  # noqa: BLE001 - the benchmark reports a failure, never dies
             traceback.print_exc()
-            found = not_measured(f"failed: {type(exc).__name__}: {exc}"[:300])
+            found = not_measured(failure(exc))
         gc.collect()
         release()
         _report(precision, found)
