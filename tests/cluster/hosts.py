@@ -11,7 +11,7 @@ resolves every host's name to its address (``ip netns exec`` mounts
 hosts' ranks off each other's memory: in one IPC namespace UCX finds its shared-memory
 transports usable between ranks of different hosts (the same machine), and the link carries
 next to nothing; in separate ones, the traffic between hosts crosses the link and the ranks
-of one host still share memory. Nothing listens
+of one host still share memory (``test_cluster_allreduce`` checks both). Nothing listens
 anywhere but on the hosts' own addresses, which only the hosts can reach.
 
 ``cluster.launcher`` is an executable that takes ssh's place for MPICH's hydra
