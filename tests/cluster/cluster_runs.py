@@ -45,20 +45,21 @@ def rank_reports(folder, size):
     return reports
 
 
-def check_two_nodes_of_two(cluster, reports):
-    """Every rank on a host of the cluster, two per host, and fleet's topology the same."""
+def check_placement(cluster, reports, per_host):
+    """Every rank on a host of the cluster (its hostname and network namespace), ``per_host``
+    ranks on each of h1 and h2, fleet's topology the same, and nothing left on the hosts."""
     namespaces = {f"net:[{os.stat(os.path.join('/run/netns', host.namespace)).st_ino}]":
                   host.name for host in cluster.hosts}
     by_host = {}
     for rank, report in reports.items():
-        assert report["size"] == 4
+        assert report["size"] == 2 * per_host
         assert namespaces.get(report["net"]) == report["hostname"], (rank, report)
         by_host.setdefault(report["hostname"], []).append(rank)
-    assert sorted(by_host) == ["h1", "h2"] and all(len(r) == 2 for r in by_host.values())
+    assert sorted(by_host) == ["h1", "h2"] and all(len(r) == per_host for r in by_host.values())
     first = sorted(by_host, key=lambda name: min(by_host[name]))
     for name, ranks in by_host.items():
         for local_rank, rank in enumerate(sorted(ranks)):
-            assert reports[rank]["node_num"] == 2 and reports[rank]["local_size"] == 2
+            assert reports[rank]["node_num"] == 2 and reports[rank]["local_size"] == per_host
             assert reports[rank]["node_index"] == first.index(name)
             assert reports[rank]["local_rank"] == local_rank
     assert cluster.processes() == []

@@ -7,13 +7,13 @@ import sys
 
 from fleetmpi.launch.mpi_command import find_mpiexec
 
-from cluster_runs import JOB, check_two_nodes_of_two, rank_reports, run_on
+from cluster_runs import JOB, check_placement, rank_reports, run_on
 
 
 def test_mpiexec_starts_ranks_on_both_hosts(cluster, tmp_path):
     run_on(cluster, "h1", [find_mpiexec(), *cluster.hydra_arguments(), "-hosts", "h1,h2",
                            "-n", "4", sys.executable, JOB, "place", str(tmp_path)])
-    check_two_nodes_of_two(cluster, rank_reports(tmp_path, 4))
+    check_placement(cluster, rank_reports(tmp_path, 4), per_host=2)
 
 
 def test_fleetmpirun_starts_ranks_on_both_hosts(cluster, tmp_path):
@@ -23,4 +23,4 @@ def test_fleetmpirun_starts_ranks_on_both_hosts(cluster, tmp_path):
     run_on(cluster, "h1", [fleetmpirun, "--ips", "h1,h2", "--np", "4",
                            "--mpi_args", " ".join(cluster.hydra_arguments()),
                            "--log_dir", str(logs), JOB, "place", str(reports)])
-    check_two_nodes_of_two(cluster, rank_reports(reports, 4))
+    check_placement(cluster, rank_reports(reports, 4), per_host=2)
