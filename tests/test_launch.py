@@ -6,7 +6,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import pytest
 
 from fleetmpi.launch import fleetmpirun, mpi_command, rank_main
 
-from job_limits import HANG_SECONDS
+from job_limits import HANG_SECONDS, run_to_end
 
 PY = sys.executable
 WRAPPER = [PY, os.path.abspath(rank_main.__file__)]
@@ -470,16 +469,7 @@ def launch(launcher, argv, cwd):
     ``HANG_SECONDS``, so no rank outlives a failed test); ``(code, stdout, stderr)``."""
     environ = {name: value for name, value in os.environ.items()
                if not name.startswith(("PMI_", "OMPI_", "PMIX_", "SLURM_", "FLEETMPI_"))}
-    process = subprocess.Popen(launcher + argv, cwd=cwd, env=environ, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=HANG_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"{launcher + argv} did not end within {HANG_SECONDS} s:\n{out}\n{err}")
-    return process.returncode, out, err
+    return run_to_end(launcher + argv, cwd=cwd, env=environ)
 
 
 def console_script():

@@ -2,12 +2,8 @@
 and check the reports the ranks of ``cluster_job.py`` write."""
 import json
 import os
-import signal
-import subprocess
 
-import pytest
-
-from job_limits import HANG_SECONDS
+from job_limits import run_to_end
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster_job.py")
 # Variables of an enclosing launcher, or fleetmpi settings of the test run, that the job's
@@ -24,17 +20,9 @@ def job_environment():
 
 def run_on(cluster, host, argv):
     """Run ``argv`` on ``host`` to its end (killed with its process group past
-    ``HANG_SECONDS``); the completed process, its exit status checked."""
-    process = subprocess.Popen(cluster.command(host, argv), env=job_environment(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=HANG_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-        pytest.fail(f"{argv} did not end within {HANG_SECONDS} s:\n{out}\n{err}")
-    assert process.returncode == 0, f"{argv} exited {process.returncode}:\n{out}\n{err}"
+    ``HANG_SECONDS``, ``job_limits.run_to_end``), checking that it exited 0."""
+    code, out, err = run_to_end(cluster.command(host, argv), env=job_environment())
+    assert code == 0, f"{argv} exited {code}:\n{out}\n{err}"
 
 
 def rank_reports(folder, size):
