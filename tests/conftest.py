@@ -1,7 +1,5 @@
 """Fixtures shared by the test modules."""
 import logging
-import os
-import time
 
 import pytest
 
@@ -10,7 +8,6 @@ from fleetmpi.core import backend, cuda_source
 from fleetmpi import nn
 from fleetmpi.autograd import engine
 from fleetmpi.comm import hybrid_topology, release_communicators
-from fleetmpi.launch import shm
 
 
 @pytest.fixture
@@ -65,38 +62,3 @@ def gpu_stand_in(monkeypatch):
     install_on_cupy_stand_in(monkeypatch)
     yield stand_in
     cuda_source._module.cache_clear()
-
-
-# -- what aborted jobs leave in /dev/shm ------------------------------------------------------
-# A job under plain mpiexec that a test aborts on purpose leaves its MPICH segment behind (1 to
-# 4 MB each, about 110 a run of the single-process tests), as MPICH does for any aborted job
-# (fleetmpirun removes its own, launch/shm.py). The run removes those it made once every test
-# has ended: in the process that started the run (pytest-xdist's controller, after its workers),
-# only segments that appeared during the run and that no live process has mapped
-# (tests/test_suite_cleanup.py).
-_SEGMENTS_BEFORE = pytest.StashKey[set]()
-_SEGMENT_GRACE_SECONDS = 2
-
-
-def pytest_sessionstart(session):
-    session.config.stash[_SEGMENTS_BEFORE] = shm.existing()
-
-
-def pytest_sessionfinish(session):
-    if hasattr(session.config, "workerinput"):
-        return
-    before = session.config.stash.get(_SEGMENTS_BEFORE, None)
-    if before is None:
-        return
-    # the ranks of a job aborted just now may take a moment to go after mpiexec has returned
-    deadline = time.monotonic() + _SEGMENT_GRACE_SECONDS
-    while True:
-        in_use = set()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                in_use |= shm.mapped_segments(int(entry))
-        left = shm.existing() - before
-        shm.remove_left_segments(left - in_use, before)
-        if not left & in_use or time.monotonic() > deadline:
-            return
-        time.sleep(0.1)
