@@ -3,14 +3,13 @@ differ only in their imports, and the fleetmpi one trains at 2 ranks with EarlyS
 ModelCheckpoint, both ranks report the same evaluation, and the .pdparams it saved loads."""
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
 
 import fleetmpi
 
-from job_limits import HANG_SECONDS
+from job_limits import run_to_end
 from test_paddle_hybrid_script import ROOT, without_imports
 
 
@@ -32,11 +31,10 @@ def test_the_fleetmpi_script_fits_on_two_ranks_and_its_checkpoint_loads(tmp_path
     script.write_text(section_scripts()[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
     env["FLEETMPI_PROGRESS"] = "lines"
-    done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path,
-                          timeout=HANG_SECONDS)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    code, out, err = run_to_end([sys.executable, "-m", "fleetmpi.launch", "--np", "2",
+                                 str(script)], env=env, cwd=tmp_path)
+    output = out + err
+    assert code == 0, output
     # numbers, not \S+: mpiexec may join two ranks' lines (one's text, the other's, both newlines)
     evals = dict(re.findall(r"rank (\d) eval (loss [\d.]+ acc [\d.]+)", output))
     assert sorted(evals) == ["0", "1"] and evals["0"] == evals["1"], output

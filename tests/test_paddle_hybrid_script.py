@@ -5,12 +5,11 @@ the same losses, which fall)."""
 import ast
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from job_limits import HANG_SECONDS
+from job_limits import run_to_end
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,10 +41,10 @@ def test_the_fleetmpi_script_trains_on_two_ranks(tmp_path, pair):
     script = tmp_path / "train.py"
     script.write_text(section_scripts()[2 * pair + 1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PADDLE_", "TRAINING_"))}
-    done = subprocess.run([sys.executable, "-m", "fleetmpi.launch", "--np", "2", str(script)],
-                          capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    code, out, err = run_to_end([sys.executable, "-m", "fleetmpi.launch", "--np", "2",
+                                 str(script)], env=env)
+    output = out + err
+    assert code == 0, output
     losses = {}
     for rank, step, loss in re.findall(r"rank (\d) step (\d) loss ([0-9.]+)", output):
         losses.setdefault(int(rank), []).append(float(loss))
